@@ -1,0 +1,92 @@
+"""The few device operations the engine needs, written against torch's generic
+accelerator API so CUDA, XPU and others share one code path.
+
+On the CPU there are no streams or events: copies run inline and clocks are
+read from the host. Every caller handles ``None`` streams that way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type not in ("cpu", "meta")
+
+
+def new_stream(device: torch.device) -> torch.Stream | None:
+    if not is_accelerator(device):
+        return None
+    return torch.Stream(device=device)
+
+
+def current_stream(device: torch.device) -> torch.Stream | None:
+    if not is_accelerator(device):
+        return None
+    return torch.accelerator.current_stream(device)
+
+
+def can_pin_memory() -> bool:
+    """Page-locked host memory needs a driver; without an accelerator there is nothing to pin for."""
+    return torch.accelerator.is_available()
+
+
+def synchronize(device: torch.device) -> None:
+    if is_accelerator(device):
+        torch.accelerator.synchronize(device)
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Device memory in bytes; ``None`` where the device does not report it (the CPU)."""
+
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    free: int | None
+    total: int | None
+
+
+def memory_snapshot(device: torch.device) -> MemorySnapshot:
+    if not is_accelerator(device):
+        return MemorySnapshot(None, None, None, None, None)
+    free, total = torch.accelerator.get_memory_info(device)
+    return MemorySnapshot(
+        allocated=torch.accelerator.memory_allocated(device),
+        reserved=torch.accelerator.memory_reserved(device),
+        peak_allocated=torch.accelerator.max_memory_allocated(device),
+        free=free,
+        total=total,
+    )
+
+
+class Clock:
+    """Timestamps on a stream: device events on an accelerator, host time on the CPU.
+
+    Device events are resolved only when read, so marking costs one event record
+    and never synchronises the host.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on_device = is_accelerator(device)
+
+    def new_marker(self) -> torch.Event | list[float]:
+        if self.on_device:
+            return torch.Event(device=self.device, enable_timing=True)
+        return [0.0]
+
+    def mark(self, marker: torch.Event | list[float], stream: torch.Stream | None) -> None:
+        if self.on_device:
+            marker.record(stream)
+        else:
+            marker[0] = time.perf_counter()
+
+    def elapsed_ms(self, start: torch.Event | list[float], end: torch.Event | list[float]) -> float:
+        if self.on_device:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end[0] - start[0]) * 1000.0

@@ -1,0 +1,74 @@
+"""Block offloading of a whole model, for callers that own the model's placement.
+
+ComfyUI's adapter places the model itself (its ModelPatcher loads the resident
+part) and drives a ``BlockStreamer`` directly; this class is for everyone else:
+it puts everything outside the streamed blocks on the device and streams the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .plan import OffloadPlan, module_bytes
+from .streamer import BlockStreamer
+from .timeline import TimelineRecorder
+
+
+class BlockOffloader:
+    """Applies an ``OffloadPlan`` to ``root`` whose block stack is ``blocks``."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        blocks: Sequence[nn.Module],
+        device: torch.device | str,
+        recorder: TimelineRecorder | None = None,
+    ) -> None:
+        self.root = root
+        self.blocks = list(blocks)
+        self.device = torch.device(device)
+        self.recorder = recorder
+        self.streamer: BlockStreamer | None = None
+        self.plan: OffloadPlan | None = None
+        self._origin: torch.device | None = None
+
+    def block_bytes(self) -> list[int]:
+        return [module_bytes(block) for block in self.blocks]
+
+    def apply(self, plan: OffloadPlan) -> None:
+        """Places the model by ``plan``; applying another plan first undoes this one."""
+        if len(plan.block_bytes) != len(self.blocks):
+            raise ValueError(f"the plan is for {len(plan.block_bytes)} blocks, the model has {len(self.blocks)}")
+        self.remove()
+        first = next(iter(self.root.state_dict(keep_vars=True).values()), None)
+        self._origin = first.device if first is not None else self.device
+        self.streamer = BlockStreamer(
+            self.blocks,
+            self.device,
+            plan.streamed,
+            prefetch=plan.prefetch,
+            pin_memory=plan.pin_memory,
+            recorder=self.recorder,
+            root=self.root,
+        )
+        self.streamer.enable()
+        self._move_unstreamed(self.device)
+        self.plan = plan
+
+    def remove(self) -> None:
+        """Puts the whole model back on the device it came from, bit for bit."""
+        if self.streamer is None:
+            return
+        self._move_unstreamed(self._origin)
+        self.streamer.disable()
+        self.streamer = None
+        self.plan = None
+
+    def _move_unstreamed(self, device: torch.device) -> None:
+        streamed = {id(m) for i in self.streamer.streamed for m in self.blocks[i].modules()}
+        for module in self.root.modules():
+            if id(module) not in streamed:
+                module._apply(lambda t: t.to(device), recurse=False)

@@ -1,0 +1,100 @@
+"""A placement plan: which blocks stay on the device, which stream, how far ahead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from .residency import ResidencyPolicy, resident_for_budget, resident_indices
+
+GIB = 1024**3
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of all parameters and buffers of ``module``, counted once each."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Where each block of a stack lives, and what that costs on the device."""
+
+    block_bytes: tuple[int, ...]
+    resident: frozenset[int]
+    prefetch: int = 1
+    pin_memory: bool = True
+    policy: ResidencyPolicy = ResidencyPolicy.LEADING
+
+    @classmethod
+    def build(
+        cls,
+        block_bytes: Sequence[int],
+        *,
+        resident_count: int | None = None,
+        budget_bytes: int | None = None,
+        policy: ResidencyPolicy = ResidencyPolicy.LEADING,
+        prefetch: int = 1,
+        pin_memory: bool = True,
+    ) -> OffloadPlan:
+        """Resident blocks by ``resident_count``, or as many as fit ``budget_bytes`` with the slots."""
+        if (resident_count is None) == (budget_bytes is None):
+            raise ValueError("give exactly one of resident_count and budget_bytes")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
+        sizes = tuple(block_bytes)
+        if resident_count is not None:
+            resident = resident_indices(len(sizes), resident_count, policy)
+        else:
+            # The slot pool comes out of the same budget as the resident blocks.
+            slots = (prefetch + 1) * max(sizes, default=0)
+            resident = resident_for_budget(sizes, max(0, budget_bytes - slots), policy)
+        return cls(sizes, resident, prefetch, pin_memory, policy)
+
+    @property
+    def streamed(self) -> frozenset[int]:
+        return frozenset(range(len(self.block_bytes))) - self.resident
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(self.block_bytes[i] for i in self.resident)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(self.block_bytes[i] for i in self.streamed)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of the reusable buffers the streamed blocks pass through."""
+        if not self.streamed:
+            return 0
+        return (self.prefetch + 1) * max(self.block_bytes[i] for i in self.streamed)
+
+    def device_bytes(self, outside_blocks: int = 0) -> int:
+        """Weights on the device at the peak: resident blocks, slots, and what lies outside the blocks."""
+        return self.resident_bytes + self.slot_bytes + outside_blocks
+
+    def describe(self, outside_blocks: int = 0) -> str:
+        """The one-line summary the log shows when a model loads with this plan."""
+        count = len(self.block_bytes)
+        resident = _ranges(sorted(self.resident)) or "none"
+        return (
+            f"{len(self.resident)}/{count} blocks resident ({resident}, {self.policy.value}), "
+            f"{len(self.streamed)} streamed with prefetch {self.prefetch}"
+            f"{' from pinned memory' if self.pin_memory and self.streamed else ''}; "
+            f"resident {self.resident_bytes / GIB:.2f} GiB, streamed {self.streamed_bytes / GIB:.2f} GiB, "
+            f"buffers {self.slot_bytes / GIB:.2f} GiB, weights on device at peak "
+            f"{self.device_bytes(outside_blocks) / GIB:.2f} GiB"
+        )
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)

