@@ -1,12 +1,16 @@
-"""ComfyUI adapters over the offload engine."""
+"""ComfyUI adapters over the offload engine: the nodes, the ModelPatcher integration, the report route."""
 
 from comfy_api.latest import ComfyExtension, io
+
+from . import report
+from .offload_nodes import NODES
 
 
 class BlockOffloadExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return []
+        return NODES
 
 
 async def comfy_entrypoint() -> BlockOffloadExtension:
+    report.register_routes()
     return BlockOffloadExtension()

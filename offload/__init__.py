@@ -7,7 +7,7 @@
 * ``TimelineRecorder`` times each block's copy and compute on the device.
 """
 
-from .device import MemorySnapshot, memory_snapshot
+from .device import MemorySnapshot, can_pin_memory, memory_snapshot
 from .offloader import BlockOffloader
 from .plan import OffloadPlan, module_bytes
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
@@ -26,6 +26,7 @@ __all__ = [
     "SequentialOffloader",
     "StepTimeline",
     "TimelineRecorder",
+    "can_pin_memory",
     "memory_snapshot",
     "module_bytes",
     "resident_for_budget",

@@ -11,6 +11,7 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -58,8 +59,11 @@ class SequentialOffloader:
         prefetch: int = 1,
         pin_memory: bool = True,
         recorder: TimelineRecorder | None = None,
+        on_promote: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books."""
         self.root = root
+        self.on_promote = on_promote
         self.modules = [m for m in root.modules() if _own_tensors(m)]
         self.vram_limit_bytes = vram_limit_bytes
         self.streamer = BlockStreamer(
@@ -108,3 +112,5 @@ class SequentialOffloader:
                 kept.append(index)
                 used += size
         self.streamer.make_resident(kept)
+        if self.on_promote is not None and kept:
+            self.on_promote(used)

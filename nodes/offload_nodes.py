@@ -1,0 +1,205 @@
+"""The three nodes: each takes a MODEL, clones it, and returns the clone set to stream."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from comfy.model_patcher import ModelPatcher
+from comfy_api.latest import io
+
+from ..offload import ResidencyPolicy
+from .architectures import UnsupportedModelError, find_blocks
+from .patcher import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed, with_offload
+
+GIB = 1024**3
+CATEGORY = "offload"
+STORAGE_DTYPES: dict[str, torch.dtype | None] = {
+    "as loaded": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+MODEL_INPUT = io.Model.Input("model", tooltip="The diffusion model to stream. The model you connect stays unchanged.")
+OUTPUT = io.Model.Output(tooltip="A copy of the model that streams its blocks when it runs.")
+
+
+def _prefetch_input(what: str) -> io.Int.Input:
+    return io.Int.Input(
+        f"prefetch_{what}",
+        default=1,
+        min=0,
+        max=8,
+        tooltip=f"How many {what} ahead are copied while the current one computes. Each costs one more "
+        f"buffer the size of the largest {what[:-1]}. 0 copies on demand (synchronous, for comparison).",
+    )
+
+
+PIN_INPUT = io.Boolean.Input(
+    "pin_memory",
+    default=True,
+    tooltip="Keep streamed weights in page-locked RAM so copies run asynchronously at full bus speed. "
+    "Turn off only if the system is short of RAM.",
+)
+
+
+def _prepare(model: ModelPatcher, node: str, request: OffloadRequest) -> io.NodeOutput:
+    """Checks what can only be checked against the model, then returns the streaming clone."""
+    if not streaming_allowed(model.load_device):
+        logging.warning(
+            f"Block Offload ({node}): ComfyUI runs this model on the CPU, so there is no GPU memory to save; "
+            f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
+        )
+        return io.NodeOutput(model)
+    if not request.sequential:
+        try:
+            _, blocks = find_blocks(model.model.diffusion_model)
+        except UnsupportedModelError as error:
+            raise ValueError(str(error)) from None
+        if request.resident_blocks is not None and request.resident_blocks > len(blocks):
+            raise ValueError(
+                f"resident_blocks is {request.resident_blocks} but this model has {len(blocks)} blocks; "
+                f"use 0 to {len(blocks)}."
+            )
+    return io.NodeOutput(with_offload(model, request))
+
+
+class AsyncBlockOffload(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="AsyncBlockOffload",
+            display_name="Async Block Offload",
+            category=CATEGORY,
+            description="Keeps a number of transformer blocks on the GPU and streams the others from RAM, "
+            "each copy hidden behind the compute of the block before it.",
+            inputs=[
+                MODEL_INPUT,
+                io.Int.Input(
+                    "resident_blocks",
+                    default=0,
+                    min=0,
+                    max=1000,
+                    tooltip="How many blocks stay on the GPU (the first ones). The rest stream. More resident "
+                    "blocks: faster, more VRAM.",
+                ),
+                _prefetch_input("blocks"),
+                PIN_INPUT,
+            ],
+            outputs=[OUTPUT],
+        )
+
+    @classmethod
+    def execute(cls, model: ModelPatcher, resident_blocks: int, prefetch_blocks: int, pin_memory: bool):
+        request = OffloadRequest(
+            "Async Block Offload", resident_blocks=resident_blocks, prefetch=prefetch_blocks, pin_memory=pin_memory
+        )
+        return _prepare(model, "Async Block Offload", request)
+
+
+class PartialGPUResidency(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PartialGPUResidency",
+            display_name="Partial GPU Residency",
+            category=CATEGORY,
+            description="Keeps as many blocks on the GPU as fit a VRAM budget and streams the rest.",
+            inputs=[
+                MODEL_INPUT,
+                io.Float.Input(
+                    "vram_budget_gb",
+                    default=0.0,
+                    min=0.0,
+                    max=1024.0,
+                    step=0.1,
+                    tooltip="GPU memory for this model's weights, stream buffers included, in GiB. 0 = automatic: "
+                    "what ComfyUI leaves free after its reserve and the sampling activations.",
+                ),
+                io.Combo.Input(
+                    "policy",
+                    options=[p.value for p in ResidencyPolicy],
+                    default=ResidencyPolicy.STRIDED.value,
+                    tooltip="Which blocks stay: the first (leading), the last (trailing), or spread evenly "
+                    "(strided), which gives each streamed block's copy a resident block to hide behind.",
+                ),
+                _prefetch_input("blocks"),
+                PIN_INPUT,
+            ],
+            outputs=[OUTPUT],
+        )
+
+    @classmethod
+    def validate_inputs(cls, vram_budget_gb: float, **_: object) -> bool | str:
+        if vram_budget_gb > 0 and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            if vram_budget_gb * GIB > total:
+                return (
+                    f"vram_budget_gb is {vram_budget_gb:.1f} GiB but the GPU has {total / GIB:.1f} GiB; "
+                    "use a smaller budget, or 0 for automatic."
+                )
+        return True
+
+    @classmethod
+    def execute(cls, model: ModelPatcher, vram_budget_gb: float, policy: str, prefetch_blocks: int, pin_memory: bool):
+        request = OffloadRequest(
+            "Partial GPU Residency",
+            budget_bytes=int(vram_budget_gb * GIB),
+            policy=ResidencyPolicy(policy),
+            prefetch=prefetch_blocks,
+            pin_memory=pin_memory,
+        )
+        return _prepare(model, "Partial GPU Residency", request)
+
+
+class SequentialOffloadWrapper(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SequentialOffloadWrapper",
+            display_name="Sequential Offload Wrapper",
+            category=CATEGORY,
+            description="Streams the model module by module; works for any model, block list or not "
+            "(SD1.5/SDXL UNets, unknown architectures).",
+            inputs=[
+                MODEL_INPUT,
+                io.Combo.Input(
+                    "storage_dtype",
+                    options=list(STORAGE_DTYPES),
+                    default="as loaded",
+                    tooltip="The dtype weights wait in while offloaded; each is cast back to the model's dtype "
+                    "on the GPU when used. Smaller saves RAM and copy time but rounds the weights.",
+                ),
+                io.Float.Input(
+                    "vram_limit_gb",
+                    default=0.0,
+                    min=0.0,
+                    max=1024.0,
+                    step=0.1,
+                    tooltip="After the first step, the most frequently used modules are kept on the GPU "
+                    "up to this many GiB. 0 keeps none.",
+                ),
+                _prefetch_input("modules"),
+                PIN_INPUT,
+            ],
+            outputs=[OUTPUT],
+        )
+
+    @classmethod
+    def execute(
+        cls, model: ModelPatcher, storage_dtype: str, vram_limit_gb: float, prefetch_modules: int, pin_memory: bool
+    ):
+        request = OffloadRequest(
+            "Sequential Offload Wrapper",
+            sequential=True,
+            storage_dtype=STORAGE_DTYPES[storage_dtype],
+            vram_limit_bytes=int(vram_limit_gb * GIB),
+            prefetch=prefetch_modules,
+            pin_memory=pin_memory,
+        )
+        return _prepare(model, "Sequential Offload Wrapper", request)
+
+
+NODES: list[type[io.ComfyNode]] = [AsyncBlockOffload, PartialGPUResidency, SequentialOffloadWrapper]
