@@ -1,0 +1,185 @@
+"""The nodes' ModelPatcher integration, in-process against the real ComfyUI 0.3.75.
+
+Real loader, real ModelPatcher, real ``load_models_gpu`` and sampler, on the CPU
+(BLOCK_OFFLOAD_ALLOW_CPU=1 lets the nodes stream there, through the same code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
+    """ComfyUI's modules and this pack, imported the way ComfyUI imports it (as ``block_offload``)."""
+    from comfy.cli_args import args
+
+    args.cpu = True
+    custom_nodes = str(comfyui_path.parent / ".host" / "custom_nodes")
+    if (comfyui_path.parent / ".host").exists() is False:
+        custom_nodes = str(Path(__file__).resolve().parents[1] / ".host" / "custom_nodes")
+    sys.path.insert(1, custom_nodes)
+    mods = SimpleNamespace(
+        mm=importlib.import_module("comfy.model_management"),
+        sd=importlib.import_module("comfy.sd"),
+        sample=importlib.import_module("comfy.sample"),
+        utils=importlib.import_module("comfy.utils"),
+        nodes=importlib.import_module("block_offload.nodes.offload_nodes"),
+        patcher=importlib.import_module("block_offload.nodes.patcher"),
+        models=tiny_models,
+    )
+    return mods
+
+
+@pytest.fixture(autouse=True)
+def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
+
+
+def wan(comfy: SimpleNamespace):
+    return comfy.sd.load_diffusion_model(str(comfy.models["wan21"]))
+
+
+def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    context = torch.randn(
+        1, 7, model.model.diffusion_model.text_embedding[0].in_features, generator=torch.Generator().manual_seed(1)
+    )
+    cond = [[context, {}]]
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(
+        model, noise, STEPS, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
+    )
+
+
+def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: int = 1):
+    return comfy.nodes.AsyncBlockOffload.execute(
+        model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True
+    ).result[0]
+
+
+def streamed_bytes(model) -> int:
+    engine = model.offload_engine
+    return engine.plan.streamed_bytes
+
+
+def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    model = wan(comfy)
+    patched = async_offload(comfy, model, resident=2)
+    with caplog.at_level(logging.INFO):
+        comfy.mm.load_models_gpu([patched])
+    plan = patched.offload_engine.plan
+    listed = sum(entry[1] for entry in patched._load_list())
+    # ComfyUI counted exactly what its loader was offered: everything but the streamed blocks.
+    assert patched.loaded_size() == listed
+    assert patched.model_size() == model.model_size()  # the model's size stays true
+    unlisted = (
+        sum(
+            t.nbytes
+            for n, t in patched.model.state_dict().items()
+            if not any(n.startswith(p + ".") for p in patched.model.block_offload_streamed)
+        )
+        - listed
+    )
+    assert patched.loaded_size() + plan.streamed_bytes + unlisted == patched.model_size()
+    # ComfyUI's own log line reports the resident part only, never a full load.
+    loaded_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert loaded_lines and f"{patched.loaded_size() / 2**20:.2f} MB loaded" in loaded_lines[-1]
+    assert "full load: False" in loaded_lines[-1]
+    plan_lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Block Offload (Async Block Offload)")
+    ]
+    assert len(plan_lines) == 1 and "2/5 blocks resident (0-1, leading), 3 streamed" in plan_lines[0]
+    assert patched.model.model_lowvram
+    comfy.mm.unload_all_models()
+    assert patched.offload_engine is None and patched.loaded_size() == 0
+
+
+def test_offloaded_sampling_is_bitwise_identical_and_input_untouched(comfy: SimpleNamespace) -> None:
+    model = wan(comfy)
+    before = {k: v.clone() for k, v in model.model.state_dict().items()}
+    reference = sample(comfy, model)
+    for resident in (0, 2, 5):
+        for prefetch in (0, 1, 2):
+            assert torch.equal(sample(comfy, async_offload(comfy, model, resident, prefetch)), reference), (
+                resident,
+                prefetch,
+            )
+    partial = comfy.nodes.PartialGPUResidency.execute(
+        model, vram_budget_gb=0.01, policy="strided", prefetch_blocks=1, pin_memory=True
+    ).result[0]
+    assert torch.equal(sample(comfy, partial), reference)
+    sequential = comfy.nodes.SequentialOffloadWrapper.execute(
+        model, storage_dtype="as loaded", vram_limit_gb=0.001, prefetch_modules=2, pin_memory=True
+    ).result[0]
+    assert torch.equal(sample(comfy, sequential), reference)
+    # The input MODEL, used again after all of them, gives the same result and kept its weights.
+    assert torch.equal(sample(comfy, model), reference)
+    comfy.mm.unload_all_models()
+    assert model.get_attachment(comfy.patcher.ATTACHMENT) is None and type(model).__name__ == "ModelPatcher"
+    for key, value in model.model.state_dict().items():
+        assert torch.equal(value, before[key]) and not value.is_pinned(), key
+
+
+def test_lora_applies_to_streamed_blocks_before_or_after_the_node(comfy: SimpleNamespace) -> None:
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0)[0]
+
+    reference = sample(comfy, with_lora(model))
+    assert not torch.equal(reference, sample(comfy, model)), "the LoRA changes nothing; the test would prove nothing"
+    lora_then_offload = async_offload(comfy, with_lora(model), resident=1)
+    offload_then_lora = with_lora(async_offload(comfy, model, resident=1))
+    assert type(offload_then_lora) is type(lora_then_offload)  # clone() kept the streaming class
+    assert torch.equal(sample(comfy, lora_then_offload), reference)
+    assert torch.equal(sample(comfy, offload_then_lora), reference)
+    # Back to the plain model: the LoRA'd weights were restored, not left patched.
+    plain = sample(comfy, model)
+    assert torch.equal(plain, sample(comfy, wan(comfy)))
+    comfy.mm.unload_all_models()
+
+
+def test_chained_nodes_last_one_wins(comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    first = async_offload(comfy, model, resident=4)
+    with caplog.at_level(logging.INFO):
+        second = async_offload(comfy, first, resident=1)
+    assert any("replaces the earlier Async Block Offload" in r.getMessage() for r in caplog.records)
+    assert torch.equal(sample(comfy, second), reference)
+    assert len(second.offload_engine.plan.resident) == 1
+    assert first.offload_request.resident_blocks == 4  # the first node's output is untouched
+    comfy.mm.unload_all_models()
+
+
+def test_bad_inputs_say_what_to_do(comfy: SimpleNamespace) -> None:
+    model = wan(comfy)
+    with pytest.raises(ValueError, match="resident_blocks is 9 but this model has 5 blocks; use 0 to 5"):
+        async_offload(comfy, model, resident=9)
+    unet = SimpleNamespace(
+        model=SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2)), load_device=torch.device("cpu")
+    )
+    with pytest.raises(ValueError, match="Supported: Wan 2.1/2.2 VACE, Wan 2.1/2.2, Flux.*Sequential Offload Wrapper"):
+        comfy.nodes.AsyncBlockOffload.execute(unet, resident_blocks=0, prefetch_blocks=1, pin_memory=True)
+
+
+def test_cpu_without_opt_in_passes_the_model_through(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("BLOCK_OFFLOAD_ALLOW_CPU")
+    model = wan(comfy)
+    with caplog.at_level(logging.WARNING):
+        out = async_offload(comfy, model)
+    assert out is model
+    assert any("no GPU memory to save" in r.getMessage() for r in caplog.records)
