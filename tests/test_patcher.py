@@ -110,10 +110,14 @@ def test_offloaded_sampling_is_bitwise_identical_and_input_untouched(comfy: Simp
     reference = sample(comfy, model)
     for resident in (0, 2, 5):
         for prefetch in (0, 1, 2):
-            assert torch.equal(sample(comfy, async_offload(comfy, model, resident, prefetch)), reference), (
-                resident,
-                prefetch,
-            )
+            patched = async_offload(comfy, model, resident, prefetch)
+            assert torch.equal(sample(comfy, patched), reference), (resident, prefetch)
+            engine = patched.offload_engine
+            assert len(engine.plan.streamed) == 5 - resident
+            # The recorder saw every block of the last step run through the engine's hooks.
+            spans = engine.recorder.latest().spans
+            assert [s.block for s in spans] == list(range(5))
+            assert sum(s.bytes_copied > 0 for s in spans) <= 5 - resident
     partial = comfy.nodes.PartialGPUResidency.execute(
         model, vram_budget_gb=0.01, policy="strided", prefetch_blocks=1, pin_memory=True
     ).result[0]
