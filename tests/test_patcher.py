@@ -113,6 +113,9 @@ def test_offloaded_sampling_is_bitwise_identical_and_input_untouched(comfy: Simp
             patched = async_offload(comfy, model, resident, prefetch)
             assert torch.equal(sample(comfy, patched), reference), (resident, prefetch)
             engine = patched.offload_engine
+            if resident == 5:
+                assert engine is None  # nothing to stream: ComfyUI loads it all, no engine runs
+                continue
             assert len(engine.plan.streamed) == 5 - resident
             # The recorder saw every block of the last step run through the engine's hooks.
             spans = engine.recorder.latest().spans
