@@ -1,0 +1,120 @@
+"""The engine on a CUDA device: equality, the peak-memory bound, and hidden copies.
+
+Skipped without CUDA; run on the GPU machine before resolving (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformer_stack import snapshot, transformer_stack
+
+from offload import BlockOffloader, BlockStreamer, OffloadPlan, SequentialOffloader, TimelineRecorder, module_bytes
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+def forward(model: torch.nn.Module, x: torch.Tensor, steps: int = 1) -> torch.Tensor:
+    with torch.inference_mode():
+        for _ in range(steps):
+            out = model(x)
+    torch.cuda.synchronize()
+    return out
+
+
+def test_streamed_and_sequential_outputs_equal_resident_on_cuda() -> None:
+    model = transformer_stack(num_blocks=6, dim=256, heads=4)
+    x = torch.randn(2, 64, 256, device=CUDA)
+    model.to(CUDA)
+    reference = forward(model, x)
+    model.cpu()
+    offloader = BlockOffloader(model, model.blocks, CUDA)
+    for prefetch in (0, 1, 2, 3):
+        for resident in (0, 3, 6):
+            offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=resident, prefetch=prefetch))
+            assert torch.equal(forward(model, x, steps=2), reference), (prefetch, resident)
+    offloader.remove()
+    wrapper = SequentialOffloader(model, CUDA, prefetch=2)
+    wrapper.enable()
+    assert torch.equal(forward(model, x, steps=2), reference)
+    wrapper.disable()
+
+
+def test_peak_memory_is_resident_plus_slots_plus_activations() -> None:
+    dim, blocks, prefetch = 1024, 8, 2
+    model = transformer_stack(num_blocks=blocks, dim=dim, heads=8)
+    x = torch.randn(1, 256, dim, device=CUDA)
+    block = module_bytes(model.blocks[0])
+    outside = module_bytes(model) - module_bytes(model.blocks)
+    # Activations of one block, measured resident: the peak minus the weights.
+    probe = transformer_stack(num_blocks=1, dim=dim, heads=8).to(CUDA)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    forward(probe, x)
+    activations = torch.cuda.max_memory_allocated() - base
+    del probe
+    offloader = BlockOffloader(model, model.blocks, CUDA)
+    offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=2, prefetch=prefetch))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    forward(model, x, steps=2)
+    peak = torch.cuda.max_memory_allocated()
+    bound = 2 * block + outside + (prefetch + 1) * block + activations
+    assert start <= 2 * block + outside + (prefetch + 1) * block + x.nbytes
+    assert peak <= bound + x.nbytes, f"peak {peak / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
+    offloader.remove()
+
+
+def _time(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:
+    forward(model, x, steps=2)  # warm-up, and the call order is learned
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    forward(model, x, steps=steps)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def test_copies_hide_behind_compute_when_compute_dominates() -> None:
+    # dim 1024, 4096 tokens: each block's compute is several times its 50 MB copy on any PCIe/NVLink host.
+    model = transformer_stack(num_blocks=8, dim=1024, heads=8)
+    x = torch.randn(1, 4096, 1024, device=CUDA)
+    model.to(CUDA)
+    resident_ms = _time(model, x)
+    model.cpu()
+    recorder = TimelineRecorder(CUDA)
+    streamer = BlockStreamer(model.blocks, CUDA, range(8), prefetch=1, recorder=recorder, root=model)
+    streamer.enable()
+    model.embed.to(CUDA)
+    model.head.to(CUDA)
+    streamed_ms = _time(model, x)
+    step = recorder.latest()
+    streamer.disable()
+    sync = BlockStreamer(model.blocks, CUDA, range(8), prefetch=0, root=model)
+    sync.enable()
+    sync_ms = _time(model, x)
+    sync.disable()
+    print(
+        f"resident {resident_ms:.2f} ms, streamed {streamed_ms:.2f} ms, "
+        f"synchronous {sync_ms:.2f} ms, overlap {step.overlap:.1%}"
+    )
+    assert streamed_ms <= 1.10 * resident_ms
+    assert step.overlap >= 0.90
+    assert sync_ms > 1.05 * streamed_ms
+
+
+def test_disable_restores_bitwise_on_cuda() -> None:
+    model = transformer_stack()
+    before = snapshot(model)
+    streamer = BlockStreamer(model.blocks, CUDA, range(4), prefetch=2, root=model)
+    streamer.enable()
+    assert all(p.is_pinned() for p in model.blocks[0].parameters())
+    model.embed.to(CUDA)
+    model.head.to(CUDA)
+    forward(model, torch.randn(1, 4, 32, device=CUDA), steps=2)
+    streamer.disable()
+    model.cpu()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]) and not value.is_pinned()
