@@ -5,9 +5,15 @@ Skipped without CUDA; run on the GPU machine before resolving (see docs/benchmar
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformer_stack import snapshot, transformer_stack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from engine_microbench import time_forward  # noqa: E402
 
 from offload import BlockOffloader, BlockStreamer, OffloadPlan, SequentialOffloader, TimelineRecorder, module_bytes
 
@@ -67,34 +73,24 @@ def test_peak_memory_is_resident_plus_slots_plus_activations() -> None:
     offloader.remove()
 
 
-def _time(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:
-    forward(model, x, steps=2)  # warm-up, and the call order is learned
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    forward(model, x, steps=steps)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 def test_copies_hide_behind_compute_when_compute_dominates() -> None:
     # dim 1024, 4096 tokens: each block's compute is several times its 50 MB copy on any PCIe/NVLink host.
     model = transformer_stack(num_blocks=8, dim=1024, heads=8)
     x = torch.randn(1, 4096, 1024, device=CUDA)
     model.to(CUDA)
-    resident_ms = _time(model, x)
+    resident_ms = time_forward(model, x)
     model.cpu()
     recorder = TimelineRecorder(CUDA)
     streamer = BlockStreamer(model.blocks, CUDA, range(8), prefetch=1, recorder=recorder, root=model)
     streamer.enable()
     model.embed.to(CUDA)
     model.head.to(CUDA)
-    streamed_ms = _time(model, x)
+    streamed_ms = time_forward(model, x)
     step = recorder.latest()
     streamer.disable()
     sync = BlockStreamer(model.blocks, CUDA, range(8), prefetch=0, root=model)
     sync.enable()
-    sync_ms = _time(model, x)
+    sync_ms = time_forward(model, x)
     sync.disable()
     print(
         f"resident {resident_ms:.2f} ms, streamed {streamed_ms:.2f} ms, "

@@ -1,0 +1,106 @@
+"""Engine micro-benchmark: one process, one model, side by side.
+
+    python bench/engine_microbench.py [--blocks 16 --dim 2048 --tokens 4096]
+
+Prints the step time of: fully resident, synchronous offload (prefetch 0), async
+streaming with prefetch 1 and 2, each as a ratio to resident, with the overlap the
+recorder measured, plus the pinned host-to-device bandwidth. Needs a CUDA device;
+``--allow-cpu`` runs the same code on the CPU as a smoke test (the times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+
+from transformer_stack import transformer_stack  # noqa: E402
+
+from offload import BlockStreamer, TimelineRecorder  # noqa: E402
+from offload.device import Clock, synchronize  # noqa: E402
+
+
+def time_forward(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:
+    """Milliseconds per forward, after two warm-up forwards (the engine learns the call order)."""
+    clock = Clock(x.device)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(x)
+        start, end = clock.new_marker(), clock.new_marker()
+        synchronize(x.device)
+        clock.mark(start, None)
+        for _ in range(steps):
+            model(x)
+        synchronize(x.device)
+        clock.mark(end, None)
+    return clock.elapsed_ms(start, end) / steps
+
+
+def h2d_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Pinned host-to-device copy bandwidth, in GB/s."""
+    pinned = torch.accelerator.is_available()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    clock = Clock(device)
+    target.copy_(host, non_blocking=pinned)
+    start, end = clock.new_marker(), clock.new_marker()
+    clock.mark(start, None)
+    for _ in range(3):
+        target.copy_(host, non_blocking=pinned)
+    clock.mark(end, None)
+    return 3 * nbytes / (clock.elapsed_ms(start, end) / 1000) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU as a smoke test")
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.allow_cpu:
+        device = torch.device("cpu")
+    else:
+        sys.exit(
+            "engine_microbench: no CUDA device. The figures only mean something on a GPU; "
+            "pass --allow-cpu to smoke-test the code path on the CPU."
+        )
+    dtype = getattr(torch, args.dtype)
+    model = transformer_stack(num_blocks=args.blocks, dim=args.dim, heads=max(1, args.dim // 128)).to(dtype)
+    x = torch.randn(1, args.tokens, args.dim, device=device, dtype=dtype)
+    rows: list[tuple[str, float, float | None]] = []
+    model.to(device)
+    resident = time_forward(model, x)
+    rows.append(("resident", resident, None))
+    model.cpu()
+    model.embed.to(device)
+    model.head.to(device)
+    for name, prefetch in (("synchronous offload", 0), ("async, prefetch 1", 1), ("async, prefetch 2", 2)):
+        recorder = TimelineRecorder(device)
+        streamer = BlockStreamer(
+            model.blocks, device, range(args.blocks), prefetch=prefetch, recorder=recorder, root=model
+        )
+        streamer.enable()
+        ms = time_forward(model, x)
+        rows.append((name, ms, recorder.latest().overlap))
+        streamer.disable()
+    print(
+        f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"{args.blocks} blocks x dim {args.dim}, {args.tokens} tokens, {args.dtype}"
+    )
+    print(f"pinned host-to-device bandwidth: {h2d_bandwidth_gbps(device):.1f} GB/s")
+    print(f"{'configuration':<22}{'ms/step':>10}{'x resident':>12}{'overlap':>10}")
+    for name, ms, overlap in rows:
+        hidden = "" if overlap is None else f"{overlap:.1%}"
+        print(f"{name:<22}{ms:>10.2f}{ms / resident:>12.3f}{hidden:>10}")
+
+
+if __name__ == "__main__":
+    main()
