@@ -28,7 +28,12 @@ fi
 
 if [[ ! -f "$stamp" ]]; then
   command -v python3 >/dev/null || die "python3 is not on PATH; install Python 3.10 or newer."
-  python3 -m venv "$VENV"
+  python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
+    die "$(python3 -V 2>&1) is too old; ComfyUI and this pack need Python 3.10 or newer as python3."
+  # A failure below leaves no stamp, so the next run starts the install over.
+  trap 'echo "setup: the first-time install failed (see the messages above). Fix the cause and run scripts/setup.sh again; it starts over." >&2' ERR
+  python3 -m venv "$VENV" ||
+    die "python3 -m venv could not create $VENV. On Debian/Ubuntu install the venv module (apt-get install python3-venv), then run scripts/setup.sh again."
   pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
   # Pinning torch in every call keeps a later, unpinned requirement (torchaudio,
   # kornia, spandrel) from replacing it with a newer build.
@@ -54,6 +59,7 @@ PY
   fi
   "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
   touch "$stamp"
+  trap - ERR
 fi
 
 # The host's base directory: ComfyUI reads models from it and writes outputs to it,

@@ -1,0 +1,130 @@
+"""Run an example workflow on a real ComfyUI with tiny random-weight models, and print the result.
+
+Writes the tiny checkpoints into .host/models (scripts/tiny_models.py), starts ComfyUI
+(scripts/comfy_host.py), queues example_workflows/<name>_api.json unchanged, follows it
+over the websocket, prints status, wall time, output files and the pack's offload
+report (GET /block_offload/report, if the pack serves one), then stops the server.
+Use scripts/demo.sh, which runs scripts/setup.sh first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
+
+WORKFLOWS = REPO / "example_workflows"
+# The workflow run when none is named; when it is absent, the first *_api.json by name.
+DEFAULT_WORKFLOW = "tiny_sd3_t2i"
+REPORT_PATH = "/block_offload/report"
+
+
+def available() -> list[str]:
+    return sorted(p.name[: -len("_api.json")] for p in WORKFLOWS.glob("*_api.json"))
+
+
+def resolve_workflow(name: str | None) -> Path:
+    if name:
+        as_path = Path(name)
+        if as_path.is_file():
+            return as_path
+        candidate = WORKFLOWS / f"{name.removesuffix('_api.json').removesuffix('.json')}_api.json"
+        if candidate.is_file():
+            return candidate
+        raise SystemExit(f"demo: no workflow {name!r}; available in {WORKFLOWS}: {', '.join(available()) or 'none'}")
+    default = WORKFLOWS / f"{DEFAULT_WORKFLOW}_api.json"
+    if default.is_file():
+        return default
+    names = available()
+    if not names:
+        raise SystemExit(f"demo: no *_api.json workflow in {WORKFLOWS}")
+    return WORKFLOWS / f"{names[0]}_api.json"
+
+
+def describe_latent(path: Path) -> str:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:  # pragma: no cover - safetensors is one of ComfyUI's requirements
+        return ""
+    tensor = load_file(str(path)).get("latent_tensor")
+    if tensor is None:
+        return "no latent_tensor in it"
+    t = tensor.float()
+    finite = bool(t.isfinite().all())
+    return f"shape {tuple(t.shape)}, {tensor.dtype}, finite={finite}, mean {t.mean():.4f}, std {t.std():.4f}"
+
+
+def print_result(result: RunResult, startup_s: float, total_s: float) -> None:
+    print(f"status:        {result.status}")
+    print(f"prompt id:     {result.prompt_id}")
+    print(f"run wall time: {result.wall_s:.2f} s (server start {startup_s:.2f} s, whole demo {total_s:.2f} s)")
+    counts = result.summary()["events"]
+    print("events:        " + ", ".join(f"{k} x{v}" for k, v in counts.items()))
+    files = result.output_files()
+    print("outputs:" + ("" if files else "       none"))
+    for path in files:
+        extra = describe_latent(path) if path.suffix == ".latent" and path.is_file() else ""
+        print(f"  {path}" + (f"  ({extra})" if extra else ""))
+    if not result.ok:
+        print(f"error:\n{result.error_text() or json.dumps(result.history.get('status'), indent=2)}")
+
+
+def print_report(host: ComfyHost) -> None:
+    resp = host.get(REPORT_PATH)
+    if resp.status_code == 404:
+        print(f"offload report: none (the pack does not serve GET {REPORT_PATH} yet)")
+        return
+    if resp.status_code != 200:
+        print(f"offload report: GET {REPORT_PATH} answered {resp.status_code}: {resp.text[:500]}")
+        return
+    try:
+        report: Any = resp.json()
+    except ValueError:
+        print(f"offload report:\n{resp.text}")
+        return
+    print("offload report:")
+    print(json.dumps(report, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workflow", nargs="?", help=f"name in example_workflows/ (<name>_api.json) or a path; "
+                        f"default {DEFAULT_WORKFLOW}")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the workflow may run (default 600)")
+    parser.add_argument("--gpu", action="store_true", help="run without --cpu (ComfyUI picks the CUDA device)")
+    parser.add_argument("--list", action="store_true", help="list the workflows and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(available()))
+        return 0
+
+    t0 = time.monotonic()
+    workflow = resolve_workflow(args.workflow)
+    prompt = json.loads(workflow.read_text())
+    print(f"workflow:      {workflow.relative_to(REPO) if workflow.is_relative_to(REPO) else workflow}")
+    try:
+        models = ensure_tiny_models()
+    except ComfyHostError as exc:
+        print(f"note: {exc}; running with the models already in .host/models", file=sys.stderr)
+        models = {}
+    for key, path in models.items():
+        print(f"tiny model:    {key}: {path}")
+    try:
+        with ComfyHost(cpu=not args.gpu) as host:
+            print(f"ComfyUI:       {host.url} ({host.comfyui_path}), log {host.log_path}")
+            result = host.run(prompt, timeout=args.timeout)
+            print_result(result, host.startup_s or 0.0, time.monotonic() - t0)
+            print_report(host)
+    except ComfyHostError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
