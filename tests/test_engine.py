@@ -214,5 +214,6 @@ def test_streaming_keeps_no_second_copy_in_ram() -> None:
     after = _rss()
     assert streamer.host_bytes >= module_bytes(model.blocks) > 0.9 * size
     # The originals are freed as their packed copies replace them; only slots are new.
-    assert after - before < 0.25 * size, f"RSS grew by {(after - before) / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB model"
+    grown = (after - before) / 2**20
+    assert after - before < 0.25 * size, f"RSS grew by {grown:.0f} MiB for a {size / 2**20:.0f} MiB model"
     streamer.disable()
