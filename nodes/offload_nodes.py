@@ -45,8 +45,9 @@ PIN_INPUT = io.Boolean.Input(
 )
 
 
-def _prepare(model: ModelPatcher, node: str, request: OffloadRequest) -> io.NodeOutput:
+def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
     """Checks what can only be checked against the model, then returns the streaming clone."""
+    node = request.node
     if not streaming_allowed(model.load_device):
         logging.warning(
             f"Block Offload ({node}): ComfyUI runs this model on the CPU, so there is no GPU memory to save; "
@@ -104,7 +105,7 @@ class AsyncBlockOffload(io.ComfyNode):
         request = OffloadRequest(
             "Async Block Offload", resident_blocks=resident_blocks, prefetch=prefetch_blocks, pin_memory=pin_memory
         )
-        return _prepare(model, "Async Block Offload", request)
+        return _prepare(model, request)
 
 
 class PartialGPUResidency(io.ComfyNode):
@@ -159,7 +160,7 @@ class PartialGPUResidency(io.ComfyNode):
             prefetch=prefetch_blocks,
             pin_memory=pin_memory,
         )
-        return _prepare(model, "Partial GPU Residency", request)
+        return _prepare(model, request)
 
 
 class SequentialOffloadWrapper(io.ComfyNode):
@@ -207,7 +208,7 @@ class SequentialOffloadWrapper(io.ComfyNode):
             prefetch=prefetch_modules,
             pin_memory=pin_memory,
         )
-        return _prepare(model, "Sequential Offload Wrapper", request)
+        return _prepare(model, request)
 
 
 NODES: list[type[io.ComfyNode]] = [AsyncBlockOffload, PartialGPUResidency, SequentialOffloadWrapper]
