@@ -1,0 +1,571 @@
+"""Tiny random-weight checkpoints of real diffusion architectures, for tests and the demo.
+
+Nothing may be downloaded, yet the pack has to be exercised against the model classes
+ComfyUI really builds (``WanModel``, ``Flux``, ``MMDiT``), loaded through ComfyUI's own
+loaders (``UNETLoader``, ``CLIPLoader``, ``LoraLoaderModelOnly``). So this module writes
+safetensors files whose key names and shapes are exactly those of the real checkpoints,
+only narrower and shallower where ComfyUI's detection (``comfy/model_detection.py``)
+allows it, filled with seeded random numbers.
+
+Usage::
+
+    python scripts/tiny_models.py --models-dir .host/models
+
+or, from Python, :func:`generate`. Files land in ComfyUI's usual sub-folders
+(``diffusion_models/``, ``text_encoders/``, ``loras/``). A file that already exists with
+the same :data:`GENERATOR_VERSION` is left alone, so a second run costs only a header read.
+The output is deterministic: every tensor has its own fixed seed (from the file and its
+key), so the bytes depend neither on the run nor on which other files were (re)generated.
+Tensors are generated and written one at a time, so even the 2 GB Flux needs little memory.
+
+What ComfyUI 0.3.75 fixes and what it infers from the weights (hence the shapes below):
+
+* Wan 2.1: ``num_heads = dim // 128`` and ``text_dim`` is NOT inferred: the model is built
+  with ``text_dim=4096`` whatever the file says. The tiny Wan therefore takes 4096-wide
+  context; CLIPLoader type ``sd3`` turns the tiny CLIP-L into exactly that (its 768-wide
+  hidden states zero-padded to 4096).
+* Flux: ``num_heads=24``, ``axes_dim=[16, 56, 56]`` (head dim 128) and ``mlp_ratio=4`` are
+  fixed, so the hidden size must be 3072: a Flux cannot be narrow, only shallow. It is
+  stored in bfloat16 (as real Flux checkpoints are) to halve the file; ``context_in_dim``
+  and ``vec_in_dim`` are inferred, so both are 768 (CLIP-L hidden states and pooled output,
+  CLIPLoader type ``stable_diffusion``).
+* SD3 (MMDiT): ``hidden = 64 * depth`` and ``heads = depth``; context and pooled widths are
+  inferred. They are 4096 and 2048, as in real SD3, so CLIPLoader type ``sd3`` works.
+* CLIP-L: ComfyUI's config (``comfy/sd1_clip_config.json``) is fixed at 12 layers of width
+  768, and CLIPLoader cannot override it; missing layers would stay uninitialised memory.
+  So it is full size, stored in float16 (ComfyUI runs text encoders in fp16 anyway).
+
+Weights are N(0, 0.02), biases N(0, 0.02), norm scales 1 + N(0, 0.02), except that the
+adaLN "gate" slices of every modulation are centred on 1 (see
+:meth:`SpecBuilder.modulation`), so removing any one block moves the denoised output by
+roughly 10 % (Wan, SD3) to 40-75 % (Flux): a block that is streamed wrongly cannot hide.
+Files are written by :func:`save_safetensors`, whose header is byte-stable (safetensors'
+own writer orders the metadata differently in every process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+#: Bump whenever any generated tensor changes, so stale files are rewritten.
+GENERATOR_VERSION = "2"
+#: Base seed; each file adds a stable offset derived from its name.
+SEED = 20250601
+#: safetensors metadata keys that identify our files.
+META_VERSION = "block_offload_tiny_version"
+META_NAME = "block_offload_tiny_name"
+
+# Init scales. Linear/conv weights ~ N(0, 0.02) as in most DiT inits; biases and norm
+# weights get a little noise too (1 + N(0, 0.02) for scales) so that a bug that drops or
+# mixes up a bias or a norm weight while streaming blocks changes the output.
+WEIGHT_STD = 0.02
+BIAS_STD = 0.02
+NORM_STD = 0.02
+# LoRA factors: delta = up @ down * alpha / rank has std sqrt(rank) * 0.1 * 0.1 = 0.02 for
+# rank 4, alpha 4: as large as the weights themselves, so strength 1.0 moves the output.
+LORA_RANK = 4
+LORA_ALPHA = 4.0
+LORA_STD = 0.1
+
+# --- Architecture sizes ----------------------------------------------------------------
+
+#: Wan 2.1 T2V. dim 256 -> 2 heads of 128 (ComfyUI derives heads = dim // 128).
+WAN21_DIM = 256
+WAN21_FFN_DIM = 512
+WAN21_LAYERS = 5
+WAN21_TEXT_DIM = 4096  # fixed by ComfyUI (WanModel default), not inferred from weights
+WAN21_FREQ_DIM = 256  # fixed by ComfyUI
+WAN21_LATENT_CHANNELS = 16
+WAN21_PATCH = (1, 2, 2)
+
+#: Flux (dev-style: with guidance_in). Width fixed by ComfyUI, depth is ours.
+FLUX_HIDDEN = 3072  # = 24 heads * 128, both fixed by ComfyUI's Flux detection
+FLUX_DOUBLE_BLOCKS = 2
+FLUX_SINGLE_BLOCKS = 2
+FLUX_CONTEXT_DIM = 768
+FLUX_VEC_DIM = 768
+FLUX_LATENT_CHANNELS = 16
+FLUX_PATCH = 2
+
+#: SD3 / SD3.5 MMDiT (RMS qk-norm like SD3.5). depth 4 -> hidden 256, 4 heads, 4 joint blocks.
+SD3_DEPTH = 4
+SD3_HIDDEN = 64 * SD3_DEPTH
+SD3_CONTEXT_DIM = 4096
+SD3_ADM_DIM = 2048
+SD3_POS_EMBED_MAX = 32  # latents up to 64x64 (512x512 px)
+SD3_LATENT_CHANNELS = 16
+SD3_PATCH = 2
+
+#: CLIP-L text encoder, ComfyUI's fixed config.
+CLIP_L_WIDTH = 768
+CLIP_L_LAYERS = 12
+CLIP_L_MLP = 3072
+CLIP_L_VOCAB = 49408
+CLIP_L_POSITIONS = 77
+
+# --- File names ------------------------------------------------------------------------
+
+WAN21 = "wan21"
+FLUX = "flux"
+SD3 = "sd3"
+CLIP_L = "clip_l"
+WAN21_LORA = "wan21_lora"
+FLUX_LORA = "flux_lora"
+SD3_LORA = "sd3_lora"
+
+WAN21_FILE = "block_offload_tiny_wan21.safetensors"
+FLUX_FILE = "block_offload_tiny_flux.safetensors"
+SD3_FILE = "block_offload_tiny_sd3.safetensors"
+CLIP_L_FILE = "block_offload_tiny_clip_l.safetensors"
+WAN21_LORA_FILE = "block_offload_tiny_wan21_lora.safetensors"
+FLUX_LORA_FILE = "block_offload_tiny_flux_lora.safetensors"
+SD3_LORA_FILE = "block_offload_tiny_sd3_lora.safetensors"
+
+#: ComfyUI model folder of each file; node widgets take the bare file name.
+FOLDERS: dict[str, str] = {
+    WAN21: "diffusion_models",
+    FLUX: "diffusion_models",
+    SD3: "diffusion_models",
+    CLIP_L: "text_encoders",
+    WAN21_LORA: "loras",
+    FLUX_LORA: "loras",
+    SD3_LORA: "loras",
+}
+FILES: dict[str, str] = {
+    WAN21: WAN21_FILE,
+    FLUX: FLUX_FILE,
+    SD3: SD3_FILE,
+    CLIP_L: CLIP_L_FILE,
+    WAN21_LORA: WAN21_LORA_FILE,
+    FLUX_LORA: FLUX_LORA_FILE,
+    SD3_LORA: SD3_LORA_FILE,
+}
+
+#: CLIPLoader ``type`` to use with the tiny CLIP-L for each diffusion model, and the
+#: conditioning it yields: (context width, pooled width). Type "sd3" with a lone CLIP-L pads
+#: its hidden states to 4096 and its pooled output to 2048; "stable_diffusion" gives plain
+#: CLIP-L output (CLIPLoader offers no "flux"; DualCLIPLoader's "flux" wants CLIP-L + T5).
+CLIP_TYPE: dict[str, str] = {WAN21: "sd3", FLUX: "stable_diffusion", SD3: "sd3"}
+CONDITIONING_DIMS: dict[str, tuple[int, int]] = {
+    WAN21: (WAN21_TEXT_DIM, 2048),  # Wan T2V ignores the pooled output
+    FLUX: (FLUX_CONTEXT_DIM, FLUX_VEC_DIM),
+    SD3: (SD3_CONTEXT_DIM, SD3_ADM_DIM),
+}
+#: The LoRA made for each diffusion model.
+LORA_FOR: dict[str, str] = {WAN21: WAN21_LORA, FLUX: FLUX_LORA, SD3: SD3_LORA}
+#: The ComfyUI node that makes an empty latent of the right shape for each model:
+#: Wan [B, 16, (length - 1) // 4 + 1, H/8, W/8]; Flux and SD3 [B, 16, H/8, W/8].
+EMPTY_LATENT_NODE: dict[str, str] = {
+    WAN21: "EmptyHunyuanLatentVideo",
+    FLUX: "EmptySD3LatentImage",
+    SD3: "EmptySD3LatentImage",
+}
+
+# --- Tensor specs ----------------------------------------------------------------------
+
+WEIGHT, BIAS, NORM, LORA, ALPHA = "weight", "bias", "norm", "lora", "alpha"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to generate: its key, shape and how to initialise it."""
+
+    key: str
+    shape: tuple[int, ...]
+    init: str  # WEIGHT, BIAS, NORM, LORA or ALPHA
+    #: For modulation biases: the tensor is ``chunks`` equal slices along its first
+    #: non-unit axis (shift, scale, gate, ...) and the ``gates`` slices are centred on 1.
+    chunks: int = 1
+    gates: tuple[int, ...] = ()
+
+
+class SpecBuilder:
+    """Collects TensorSpecs with the helpers the architectures need (linear, norm, ...)."""
+
+    def __init__(self) -> None:
+        self.specs: list[TensorSpec] = []
+
+    def tensor(
+        self, key: str, shape: Sequence[int], init: str = WEIGHT, chunks: int = 1, gates: tuple[int, ...] = ()
+    ) -> None:
+        self.specs.append(TensorSpec(key, tuple(shape), init, chunks, gates))
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool = True) -> None:
+        self.tensor(f"{name}.weight", (out_f, in_f))
+        if bias:
+            self.tensor(f"{name}.bias", (out_f,), BIAS)
+
+    def modulation(self, name: str, chunks: int, gates: tuple[int, ...], dim: int) -> None:
+        """An adaLN linear producing ``chunks`` vectors (shift, scale, gate, ...) from ``dim``.
+
+        With every bias near 0 the gates would be ~0.05 and each block would add almost nothing
+        to the residual stream: a block streamed wrongly (stale, zeroed, another block's
+        weights) would barely move the output. Gate biases near 1, as in trained models, make
+        every block count.
+        """
+        self.tensor(f"{name}.weight", (chunks * dim, dim))
+        self.tensor(f"{name}.bias", (chunks * dim,), BIAS, chunks, gates)
+
+    def norm(self, name: str, dim: int, bias: bool = False, weight_key: str = "weight") -> None:
+        self.tensor(f"{name}.{weight_key}", (dim,), NORM)
+        if bias:
+            self.tensor(f"{name}.bias", (dim,), BIAS)
+
+
+def wan21_specs() -> list[TensorSpec]:
+    """Wan 2.1 T2V (comfy/ldm/wan/model.py WanModel, model_type 't2v', qk_norm, cross_attn_norm)."""
+    s, d = SpecBuilder(), WAN21_DIM
+    s.tensor("patch_embedding.weight", (d, WAN21_LATENT_CHANNELS, *WAN21_PATCH))
+    s.tensor("patch_embedding.bias", (d,), BIAS)
+    s.linear("text_embedding.0", d, WAN21_TEXT_DIM)
+    s.linear("text_embedding.2", d, d)
+    s.linear("time_embedding.0", d, WAN21_FREQ_DIM)
+    s.linear("time_embedding.2", d, d)
+    s.linear("time_projection.1", 6 * d, d)  # block modulations get their gate offset themselves
+    for i in range(WAN21_LAYERS):
+        p = f"blocks.{i}"
+        for attn in ("self_attn", "cross_attn"):
+            for proj in ("q", "k", "v", "o"):
+                s.linear(f"{p}.{attn}.{proj}", d, d)
+            s.norm(f"{p}.{attn}.norm_q", d)
+            s.norm(f"{p}.{attn}.norm_k", d)
+        s.norm(f"{p}.norm3", d, bias=True)
+        s.linear(f"{p}.ffn.0", WAN21_FFN_DIM, d)
+        s.linear(f"{p}.ffn.2", d, WAN21_FFN_DIM)
+        # added to time_projection's output: shift, scale, gate (attention), then (FFN)
+        s.tensor(f"{p}.modulation", (1, 6, d), BIAS, chunks=6, gates=(2, 5))
+    s.linear("head.head", WAN21_LATENT_CHANNELS * 4, d)
+    s.tensor("head.modulation", (1, 2, d), BIAS)
+    return s.specs
+
+
+def flux_specs() -> list[TensorSpec]:
+    """Flux dev (comfy/ldm/flux/model.py Flux with guidance_in, qkv_bias, vector_in)."""
+    s, h = SpecBuilder(), FLUX_HIDDEN
+    mlp = 4 * h
+    head_dim = 128
+    s.linear("img_in", h, FLUX_LATENT_CHANNELS * FLUX_PATCH * FLUX_PATCH)
+    for emb, in_dim in (("time_in", 256), ("vector_in", FLUX_VEC_DIM), ("guidance_in", 256)):
+        s.linear(f"{emb}.in_layer", h, in_dim)
+        s.linear(f"{emb}.out_layer", h, h)
+    s.linear("txt_in", h, FLUX_CONTEXT_DIM)
+    for i in range(FLUX_DOUBLE_BLOCKS):
+        p = f"double_blocks.{i}"
+        for stream in ("img", "txt"):
+            s.modulation(f"{p}.{stream}_mod.lin", 6, (2, 5), h)
+            s.linear(f"{p}.{stream}_attn.qkv", 3 * h, h)
+            s.norm(f"{p}.{stream}_attn.norm.query_norm", head_dim, weight_key="scale")
+            s.norm(f"{p}.{stream}_attn.norm.key_norm", head_dim, weight_key="scale")
+            s.linear(f"{p}.{stream}_attn.proj", h, h)
+            s.linear(f"{p}.{stream}_mlp.0", mlp, h)
+            s.linear(f"{p}.{stream}_mlp.2", h, mlp)
+    for i in range(FLUX_SINGLE_BLOCKS):
+        p = f"single_blocks.{i}"
+        s.linear(f"{p}.linear1", 3 * h + mlp, h)
+        s.linear(f"{p}.linear2", h, h + mlp)
+        s.norm(f"{p}.norm.query_norm", head_dim, weight_key="scale")
+        s.norm(f"{p}.norm.key_norm", head_dim, weight_key="scale")
+        s.modulation(f"{p}.modulation.lin", 3, (2,), h)
+    s.linear("final_layer.linear", FLUX_PATCH * FLUX_PATCH * FLUX_LATENT_CHANNELS, h)
+    s.linear("final_layer.adaLN_modulation.1", 2 * h, h)
+    return s.specs
+
+
+def sd3_specs() -> list[TensorSpec]:
+    """SD3.5-style MMDiT (comfy/ldm/modules/diffusionmodules/mmdit.py, qk_norm 'rms')."""
+    s, h = SpecBuilder(), SD3_HIDDEN
+    head_dim = 64
+    s.tensor("x_embedder.proj.weight", (h, SD3_LATENT_CHANNELS, SD3_PATCH, SD3_PATCH))
+    s.tensor("x_embedder.proj.bias", (h,), BIAS)
+    s.tensor("pos_embed", (1, SD3_POS_EMBED_MAX * SD3_POS_EMBED_MAX, h))
+    s.linear("t_embedder.mlp.0", h, 256)
+    s.linear("t_embedder.mlp.2", h, h)
+    s.linear("y_embedder.mlp.0", h, SD3_ADM_DIM)
+    s.linear("y_embedder.mlp.2", h, h)
+    s.linear("context_embedder", h, SD3_CONTEXT_DIM)
+    for i in range(SD3_DEPTH):
+        for part in ("context_block", "x_block"):
+            p = f"joint_blocks.{i}.{part}"
+            # The last context block only feeds the x stream: no proj, no MLP, 2 modulations.
+            pre_only = part == "context_block" and i == SD3_DEPTH - 1
+            s.linear(f"{p}.attn.qkv", 3 * h, h)
+            s.norm(f"{p}.attn.ln_q", head_dim)
+            s.norm(f"{p}.attn.ln_k", head_dim)
+            if not pre_only:
+                s.linear(f"{p}.attn.proj", h, h)
+                s.linear(f"{p}.mlp.fc1", 4 * h, h)
+                s.linear(f"{p}.mlp.fc2", h, 4 * h)
+            if pre_only:
+                s.modulation(f"{p}.adaLN_modulation.1", 2, (), h)
+            else:
+                s.modulation(f"{p}.adaLN_modulation.1", 6, (2, 5), h)
+    s.linear("final_layer.linear", SD3_PATCH * SD3_PATCH * SD3_LATENT_CHANNELS, h)
+    s.linear("final_layer.adaLN_modulation.1", 2 * h, h)
+    return s.specs
+
+
+def clip_l_specs() -> list[TensorSpec]:
+    """CLIP-L text model in the transformers key layout ComfyUI's CLIPLoader expects."""
+    s, w = SpecBuilder(), CLIP_L_WIDTH
+    s.tensor("text_model.embeddings.token_embedding.weight", (CLIP_L_VOCAB, w))
+    s.tensor("text_model.embeddings.position_embedding.weight", (CLIP_L_POSITIONS, w))
+    for i in range(CLIP_L_LAYERS):
+        p = f"text_model.encoder.layers.{i}"
+        s.norm(f"{p}.layer_norm1", w, bias=True)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            s.linear(f"{p}.self_attn.{proj}", w, w)
+        s.norm(f"{p}.layer_norm2", w, bias=True)
+        s.linear(f"{p}.mlp.fc1", CLIP_L_MLP, w)
+        s.linear(f"{p}.mlp.fc2", w, CLIP_L_MLP)
+    s.norm("text_model.final_layer_norm", w, bias=True)
+    s.linear("text_projection", w, w, bias=False)
+    return s.specs
+
+
+def _lora(targets: Iterable[tuple[str, int, int]], up: str, down: str, alpha: bool) -> list[TensorSpec]:
+    """LoRA factors for (lora key, out, in) targets, named ``{key}{down}`` / ``{key}{up}``."""
+    s = SpecBuilder()
+    for key, out_f, in_f in targets:
+        s.tensor(f"{key}{down}", (LORA_RANK, in_f), LORA)
+        s.tensor(f"{key}{up}", (out_f, LORA_RANK), LORA)
+        if alpha:
+            s.tensor(f"{key}.alpha", (), ALPHA)
+    return s.specs
+
+
+def wan21_lora_specs() -> list[TensorSpec]:
+    """Wan LoRA in the ``diffusion_model.<module>.lora_A/lora_B`` layout (musubi/diffusion-pipe)."""
+    d, targets = WAN21_DIM, []
+    for i in range(WAN21_LAYERS):
+        for attn in ("self_attn", "cross_attn"):
+            for proj in ("q", "k", "v", "o"):
+                targets.append((f"diffusion_model.blocks.{i}.{attn}.{proj}", d, d))
+        targets.append((f"diffusion_model.blocks.{i}.ffn.0", WAN21_FFN_DIM, d))
+        targets.append((f"diffusion_model.blocks.{i}.ffn.2", d, WAN21_FFN_DIM))
+    return _lora(targets, ".lora_B.weight", ".lora_A.weight", alpha=True)
+
+
+def flux_lora_specs() -> list[TensorSpec]:
+    """Flux LoRA in kohya's ``lora_unet_*`` layout (lora_down/lora_up/alpha), both block kinds.
+
+    Only attention projections and the single blocks' output linear: at width 3072 every
+    patched weight costs ComfyUI a backup copy and a full-size delta, so the MLPs and
+    modulations (three quarters of the parameters) are left out to keep patching quick.
+    """
+    h, mlp, targets = FLUX_HIDDEN, 4 * FLUX_HIDDEN, []
+    for i in range(FLUX_DOUBLE_BLOCKS):
+        for stream in ("img", "txt"):
+            p = f"lora_unet_double_blocks_{i}_{stream}"
+            targets += [(f"{p}_attn_qkv", 3 * h, h), (f"{p}_attn_proj", h, h)]
+    for i in range(FLUX_SINGLE_BLOCKS):
+        targets.append((f"lora_unet_single_blocks_{i}_linear2", h, h + mlp))
+    return _lora(targets, ".lora_up.weight", ".lora_down.weight", alpha=True)
+
+
+def sd3_lora_specs() -> list[TensorSpec]:
+    """SD3 LoRA in the diffusers/PEFT layout (``transformer.transformer_blocks.N.attn.to_q``...).
+
+    to_q/to_k/to_v (and add_*_proj) each patch a third of ComfyUI's fused qkv weight, so this
+    also exercises offset (sliced) LoRA patches. No alpha: ComfyUI then scales by 1.
+    """
+    h, targets = SD3_HIDDEN, []
+    for i in range(SD3_DEPTH):
+        p = f"transformer.transformer_blocks.{i}"
+        for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            targets.append((f"{p}.attn.{proj}", h, h))
+        targets += [(f"{p}.attn.to_out.0", h, h), (f"{p}.ff.net.0.proj", 4 * h, h), (f"{p}.ff.net.2", h, 4 * h)]
+    return _lora(targets, ".lora_B.weight", ".lora_A.weight", alpha=False)
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One file to generate: its spec builder and storage dtype."""
+
+    name: str
+    specs: Callable[[], list[TensorSpec]]
+    dtype: torch.dtype
+
+    @property
+    def relpath(self) -> Path:
+        return Path(FOLDERS[self.name]) / FILES[self.name]
+
+    @property
+    def seed(self) -> int:
+        return SEED + zlib.crc32(self.name.encode())
+
+
+ARTIFACTS: dict[str, Artifact] = {
+    a.name: a
+    for a in (
+        Artifact(WAN21, wan21_specs, torch.float32),
+        Artifact(FLUX, flux_specs, torch.bfloat16),
+        Artifact(SD3, sd3_specs, torch.float32),
+        Artifact(CLIP_L, clip_l_specs, torch.float16),
+        Artifact(WAN21_LORA, wan21_lora_specs, torch.float32),
+        Artifact(FLUX_LORA, flux_lora_specs, torch.float32),
+        Artifact(SD3_LORA, sd3_lora_specs, torch.float32),
+    )
+}
+
+
+def tensor_seed(artifact_seed: int, key: str) -> int:
+    """A seed per tensor, so a tensor's values depend only on the file and its key: adding a
+    block or a layer to one architecture leaves every other tensor bit-identical."""
+    digest = hashlib.blake2b(f"{artifact_seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def make_tensor(artifact: Artifact, spec: TensorSpec) -> torch.Tensor:
+    """One tensor of an artifact, drawn in fp32 from its own seeded generator, then cast."""
+    gen = torch.Generator().manual_seed(tensor_seed(artifact.seed, spec.key))
+    t = torch.empty(spec.shape, dtype=torch.float32)
+    if spec.init == WEIGHT:
+        t.normal_(0.0, WEIGHT_STD, generator=gen)
+    elif spec.init == BIAS:
+        t.normal_(0.0, BIAS_STD, generator=gen)
+    elif spec.init == NORM:
+        t.normal_(1.0, NORM_STD, generator=gen)
+    elif spec.init == LORA:
+        t.normal_(0.0, LORA_STD, generator=gen)
+    elif spec.init == ALPHA:
+        t.fill_(LORA_ALPHA)
+    else:
+        raise ValueError(f"unknown init {spec.init!r} for {spec.key}")
+    for gate in spec.gates:
+        t.view(spec.chunks, -1)[gate] += 1.0
+    return t.to(artifact.dtype)
+
+
+def build_state_dict(artifact: Artifact) -> dict[str, torch.Tensor]:
+    """All of an artifact's tensors in memory (what its file holds; handy for tests)."""
+    return {spec.key: make_tensor(artifact, spec) for spec in artifact.specs()}
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def save_safetensors(
+    path: Path,
+    layout: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensor_for: Callable[[str], torch.Tensor],
+    metadata: dict[str, str],
+) -> None:
+    """Write a safetensors file with a byte-stable header, one tensor in memory at a time.
+
+    safetensors' own writer keeps ``__metadata__`` in a Rust HashMap, whose order changes from
+    one process to the next, so its files are not bitwise reproducible; it also wants every
+    tensor in memory at once. The format is simple (little-endian u64 header size, JSON
+    header padded to 8 bytes, raw data), so we write it ourselves: the header from ``layout``
+    (key, dtype, shape), keys sorted, then ``tensor_for(key)`` for each key in that order.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this writer copies raw memory")
+    entries = sorted(layout)
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for key, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for key, dtype, shape in entries:
+            t = tensor_for(key)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{key}: got {t.dtype} {tuple(t.shape)}, header says {dtype} {tuple(shape)}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        # Flush to disk before the rename: a crash then leaves the old file or the complete new
+        # one, never an empty one under the final name. It also keeps gigabytes of dirty pages
+        # from being written back while the caller goes on to load and run the models.
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _up_to_date(path: Path, name: str) -> bool:
+    """Whether ``path`` is a readable safetensors file we wrote with this generator version."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # missing, truncated or not safetensors: regenerate
+        return False
+    return meta.get(META_VERSION) == GENERATOR_VERSION and meta.get(META_NAME) == name
+
+
+def write_artifact(artifact: Artifact, path: Path) -> None:
+    """Generate and save one artifact atomically (temp file + rename), so an interrupted or
+    concurrent run never leaves a half-written file that looks finished."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    specs = {spec.key: spec for spec in artifact.specs()}
+    layout = [(key, artifact.dtype, spec.shape) for key, spec in specs.items()]
+    meta = {META_VERSION: GENERATOR_VERSION, META_NAME: artifact.name, "seed": str(artifact.seed)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_safetensors(tmp, layout, lambda key: make_tensor(artifact, specs[key]), meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def generate(
+    models_dir: Path,
+    only: Iterable[str] | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Path]:
+    """Write the tiny checkpoints under ``models_dir`` and return ``{name: path}``.
+
+    ``only`` restricts to some of :data:`ARTIFACTS` (default: all); ``force`` rewrites files
+    that are already up to date; ``log`` receives one line per file.
+    """
+    models_dir = Path(models_dir)
+    names = list(ARTIFACTS) if only is None else list(only)
+    unknown = sorted(set(names) - set(ARTIFACTS))
+    if unknown:
+        raise ValueError(f"unknown tiny model(s) {unknown}; known: {sorted(ARTIFACTS)}")
+    paths: dict[str, Path] = {}
+    for name in names:
+        artifact = ARTIFACTS[name]
+        path = models_dir / artifact.relpath
+        if not force and _up_to_date(path, name):
+            status = "up to date"
+        else:
+            t0 = time.monotonic()
+            write_artifact(artifact, path)
+            status = f"written in {time.monotonic() - t0:.1f} s"
+        if log is not None:
+            log(f"{name:<11} {path} ({path.stat().st_size / 2**20:.1f} MiB, {status})")
+        paths[name] = path
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models-dir", type=Path, required=True, help="ComfyUI models folder to write into")
+    parser.add_argument("--only", nargs="+", choices=sorted(ARTIFACTS), help="generate only these files")
+    parser.add_argument("--force", action="store_true", help="rewrite files even when they are up to date")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    generate(args.models_dir, only=args.only, force=args.force, log=print)
+    print(f"done in {time.monotonic() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
