@@ -178,8 +178,9 @@ class SequentialOffloadWrapper(io.ComfyNode):
                     "storage_dtype",
                     options=list(STORAGE_DTYPES),
                     default="as loaded",
-                    tooltip="The dtype weights wait in while offloaded; each is cast back to the model's dtype "
-                    "on the GPU when used. Smaller saves RAM and copy time but rounds the weights.",
+                    tooltip="The dtype weights are copied to the GPU in, then cast back to the model's dtype there. "
+                    "Smaller cuts copy time but rounds the weights this node runs; the originals stay in RAM, "
+                    "so the model you connect is unchanged.",
                 ),
                 io.Float.Input(
                     "vram_limit_gb",

@@ -172,8 +172,8 @@ class BlockOffloadPatcher(ModelPatcher):
                 if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(False))
             )
             limit = request.vram_limit_bytes / 2**30
-            dtype = request.storage_dtype or "as loaded"
-            summary = f"every module streamed, stored as {dtype}, modules kept on device up to {limit:.2f} GiB"
+            dtype = request.storage_dtype or "the model's dtype"
+            summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
             return None, names, summary
         arch, blocks = find_blocks(diffusion_model)
         sizes = [module_bytes(block) for _, block in blocks]

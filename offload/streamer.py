@@ -60,6 +60,8 @@ class _StreamedBlock:
     host: torch.Tensor
     host_views: tuple[torch.Tensor, ...]
     origin_device: torch.device
+    # Kept only with a lossy storage dtype: restoring from the rounded copy would change the model.
+    originals: tuple[torch.Tensor, ...] | None = None
     slot: int | None = None
 
 
@@ -75,9 +77,10 @@ class BlockStreamer:
 
     ``prefetch=0`` is the synchronous mode kept for comparison: each copy is issued
     when its block is called and the compute waits for it at once.
-    ``storage_dtype`` keeps floating-point tensors in another dtype on the host;
+    ``storage_dtype`` keeps floating-point parameters in another dtype on the host;
     they are cast back on the copy stream, right after the copy, so the cast and
-    the copy are ordered on one stream.
+    the copy are ordered on one stream. It shrinks what each step copies; the
+    originals are kept too, because a rounded copy must never replace them.
     """
 
     def __init__(
@@ -216,15 +219,17 @@ class BlockStreamer:
         host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         storage.pack_into(host)
         host_views = storage.views(host)
-        # From here on the block's only copy of its weights is the host buffer.
+        originals = layout.current() if self._casts else None
+        # Without a storage dtype, the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
-        return _StreamedBlock(layout, storage, host, host_views, origin)
+        return _StreamedBlock(layout, storage, host, host_views, origin, originals)
 
     def _restore(self, index: int, device: torch.device) -> None:
         state = self._state[index]
+        sources = state.originals if state.originals is not None else state.host_views
         restored = tuple(
-            view.to(device=device, dtype=slot.dtype, copy=True)
-            for slot, view in zip(state.layout.slots, state.host_views, strict=True)
+            source.to(device=device, dtype=slot.dtype, copy=True)
+            for slot, source in zip(state.layout.slots, sources, strict=True)
         )
         state.layout.point_at(restored)
 

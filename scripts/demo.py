@@ -1,7 +1,7 @@
 """Run an example workflow on a real ComfyUI with tiny random-weight models, and print the result.
 
 Writes the tiny checkpoints into .host/models (scripts/tiny_models.py), starts ComfyUI
-(scripts/comfy_host.py), queues example_workflows/<name>_api.json unchanged, follows it
+(scripts/comfy_host.py), queues example_workflows/api/<name>.json unchanged, follows it
 over the websocket, prints status, wall time, output files and the pack's offload
 report (GET /block_offload/report, if the pack serves one), then stops the server.
 Use scripts/demo.sh, which runs scripts/setup.sh first.
@@ -18,14 +18,14 @@ from typing import Any
 
 from comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
 
-WORKFLOWS = REPO / "example_workflows"
-# The workflow run when none is named; when it is absent, the first *_api.json by name.
-DEFAULT_WORKFLOW = "tiny_sd3_t2i"
+WORKFLOWS = REPO / "example_workflows" / "api"
+# The workflow run when none is named; when it is absent, the first by name.
+DEFAULT_WORKFLOW = "async_block_offload_wan21_t2v"
 REPORT_PATH = "/block_offload/report"
 
 
 def available() -> list[str]:
-    return sorted(p.name[: -len("_api.json")] for p in WORKFLOWS.glob("*_api.json"))
+    return sorted(p.stem for p in WORKFLOWS.glob("*.json"))
 
 
 def resolve_workflow(name: str | None) -> Path:
@@ -33,17 +33,17 @@ def resolve_workflow(name: str | None) -> Path:
         as_path = Path(name)
         if as_path.is_file():
             return as_path
-        candidate = WORKFLOWS / f"{name.removesuffix('_api.json').removesuffix('.json')}_api.json"
+        candidate = WORKFLOWS / f"{name.removesuffix('.json')}.json"
         if candidate.is_file():
             return candidate
         raise SystemExit(f"demo: no workflow {name!r}; available in {WORKFLOWS}: {', '.join(available()) or 'none'}")
-    default = WORKFLOWS / f"{DEFAULT_WORKFLOW}_api.json"
+    default = WORKFLOWS / f"{DEFAULT_WORKFLOW}.json"
     if default.is_file():
         return default
     names = available()
     if not names:
-        raise SystemExit(f"demo: no *_api.json workflow in {WORKFLOWS}")
-    return WORKFLOWS / f"{names[0]}_api.json"
+        raise SystemExit(f"demo: no API-format workflow in {WORKFLOWS}")
+    return WORKFLOWS / f"{names[0]}.json"
 
 
 def describe_latent(path: Path) -> str:
@@ -93,7 +93,7 @@ def print_report(host: ComfyHost) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workflow", nargs="?", help=f"name in example_workflows/ (<name>_api.json) or a path; "
+    parser.add_argument("workflow", nargs="?", help=f"name in example_workflows/api/ or a path; "
                         f"default {DEFAULT_WORKFLOW}")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the workflow may run (default 600)")
     parser.add_argument("--gpu", action="store_true", help="run without --cpu (ComfyUI picks the CUDA device)")

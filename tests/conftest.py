@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,7 @@ def comfy_host() -> Iterator[ComfyHost]:
         ensure_tiny_models(HOST_DIR / "models")
     except ComfyHostError as exc:
         sys.stderr.write(f"conftest: {exc}\n")
-    host = ComfyHost()
+    host = ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"})  # the nodes stream on the CPU too
     host.start()
     try:
         yield host
