@@ -6,6 +6,8 @@ import weakref
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from ..offload import memory_snapshot
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ def snapshot() -> dict[str, Any]:
         memory = memory_snapshot(engine.recorder.device)
         data["device"] = str(engine.recorder.device)
         data["memory"] = asdict(memory)
+    data["process_rss_bytes"] = psutil.Process().memory_info().rss
     return data
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, path in models.items():
         print(f"tiny model:    {key}: {path}")
     try:
-        with ComfyHost(cpu=not args.gpu) as host:
+        # On the CPU the nodes would pass the model through (nothing to save); the demo shows the streaming.
+        env = {**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}
+        with ComfyHost(cpu=not args.gpu, env=env) as host:
             print(f"ComfyUI:       {host.url} ({host.comfyui_path}), log {host.log_path}")
             result = host.run(prompt, timeout=args.timeout)
             print_result(result, host.startup_s or 0.0, time.monotonic() - t0)
