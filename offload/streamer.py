@@ -121,7 +121,6 @@ class BlockStreamer:
         self._expected: list[int] = list(range(len(self.blocks)))
         self._order: list[int] = []
         self._tick = 0
-        self._in_step = False
         self.enabled = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -190,19 +189,6 @@ class BlockStreamer:
     @property
     def host_bytes(self) -> int:
         return sum(state.host.numel() for state in self._state.values())
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(state.host.numel() for state in self._state.values() if state.host.is_pinned())
-
-    @property
-    def slot_bytes(self) -> int:
-        """Device bytes the slot pool takes once allocated."""
-        if not self._state:
-            return 0
-        largest = max(state.layout.nbytes for state in self._state.values())
-        staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
-        return self.num_slots * (largest + staging)
 
     @property
     def _casts(self) -> bool:
@@ -330,7 +316,6 @@ class BlockStreamer:
         """Marks the start of one pass through the blocks (the root module's forward)."""
         self._finish_active()
         self._order = []
-        self._in_step = True
         if self.recorder:
             self.recorder.begin_step(current_stream(self.device))
         self._prefetch()
@@ -340,7 +325,6 @@ class BlockStreamer:
         if self._order:
             self._expected = self._order
         self._order = []
-        self._in_step = False
         if self.recorder:
             self.recorder.end_step(current_stream(self.device))
 

@@ -113,6 +113,11 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     # Block 3's parameters went back to the host although its call never returned.
     assert all(not slot.in_use for slot in streamer._slots)
     assert all(torch.equal(out, reference) for out in run(model, x))
+    # Releasing the device buffers between runs frees the pool; the next call allocates it again.
+    streamer.release_device_buffers()
+    assert not streamer._slots and all(streamer.slot_of(i) is None for i in (1, 2, 3))
+    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert len(streamer._slots) == streamer.num_slots
     streamer.disable()
 
 
