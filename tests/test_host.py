@@ -203,3 +203,18 @@ def test_custom_messages_are_kept_in_order(tmp_path: Path) -> None:
     assert [e.data["i"] for e in result.events_of("probe.step")] == [0, 1, 2]
     assert types.index("probe.step") > types.index("execution_start")
     assert types.index("probe.broadcast") < types.index("execution_success")
+
+
+def test_nodes_have_display_names_and_a_tooltip_on_every_input(comfy_host: ComfyHost) -> None:
+    info = comfy_host.object_info()
+    names = {
+        "AsyncBlockOffload": "Async Block Offload",
+        "PartialGPUResidency": "Partial GPU Residency",
+        "SequentialOffloadWrapper": "Sequential Offload Wrapper",
+    }
+    for node_id, display_name in names.items():
+        node = info[node_id]
+        assert node["display_name"] == display_name and node["category"] == "offload"
+        inputs = {**node["input"]["required"], **node["input"].get("optional", {})}
+        for name, (_, options) in inputs.items():
+            assert options.get("tooltip"), f"{node_id}.{name} has no tooltip"
