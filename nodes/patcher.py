@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import comfy.utils
 import torch
@@ -69,6 +69,8 @@ class _Engine:
     runner: BlockStreamer | SequentialOffloader
     recorder: TimelineRecorder
     summary: str
+    # Things the user should know about this run (a fallback taken, a cap reached): logged once, shown by the panel.
+    notices: list[str] = field(default_factory=list)
 
     def stop(self) -> None:
         self.runner.disable()
