@@ -20,39 +20,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from transformer_stack import transformer_stack  # noqa: E402
 
+from bench.timing import h2d_bandwidth_gbps, ms_per_call  # noqa: E402
 from offload import BlockStreamer, TimelineRecorder  # noqa: E402
-from offload.device import Clock, synchronize  # noqa: E402
 
 
 def time_forward(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:
     """Milliseconds per forward, after two warm-up forwards (the engine learns the call order)."""
-    clock = Clock(x.device)
     with torch.inference_mode():
-        for _ in range(2):
-            model(x)
-        start, end = clock.new_marker(), clock.new_marker()
-        synchronize(x.device)
-        clock.mark(start, None)
-        for _ in range(steps):
-            model(x)
-        synchronize(x.device)
-        clock.mark(end, None)
-    return clock.elapsed_ms(start, end) / steps
-
-
-def h2d_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Pinned host-to-device copy bandwidth, in GB/s."""
-    pinned = torch.accelerator.is_available()
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    clock = Clock(device)
-    target.copy_(host, non_blocking=pinned)
-    start, end = clock.new_marker(), clock.new_marker()
-    clock.mark(start, None)
-    for _ in range(3):
-        target.copy_(host, non_blocking=pinned)
-    clock.mark(end, None)
-    return 3 * nbytes / (clock.elapsed_ms(start, end) / 1000) / 1e9
+        return ms_per_call(lambda: model(x), x.device, steps, warmup=2)
 
 
 def main() -> None:

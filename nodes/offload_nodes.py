@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import comfy.model_management
 import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
@@ -14,6 +15,13 @@ from .patcher import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed, with_offl
 
 GIB = 1024**3
 CATEGORY = "offload"
+# Partial GPU Residency's default policy: the planner picks the resident blocks and the prefetch depth.
+AUTO_POLICY = "auto"
+# The widgets' ranges. A node that validates an input itself is not range-checked by ComfyUI, so
+# ``validate_inputs`` checks them against these too (API clients can send any value).
+MAX_PREFETCH = 8
+MAX_RESIDENT_BLOCKS = 1000
+MAX_GIB = 1024.0
 STORAGE_DTYPES: dict[str, torch.dtype | None] = {
     "as loaded": None,
     "bf16": torch.bfloat16,
@@ -31,7 +39,7 @@ def _prefetch_input(what: str) -> io.Int.Input:
         f"prefetch_{what}",
         default=1,
         min=0,
-        max=8,
+        max=MAX_PREFETCH,
         tooltip=f"How many {what} ahead are copied while the current one computes. Each costs one more "
         f"buffer the size of the largest {what[:-1]}. 0 copies on demand (synchronous, for comparison).",
     )
@@ -43,6 +51,51 @@ PIN_INPUT = io.Boolean.Input(
     tooltip="Keep streamed weights in page-locked RAM so copies run asynchronously at full bus speed. "
     "Turn off only if the system is short of RAM.",
 )
+
+
+def _problems(*problems: str | None) -> bool | str:
+    """``validate_inputs``' answer: True, or every problem found, each saying what to do."""
+    found = [problem for problem in problems if problem]
+    return " ".join(found) if found else True
+
+
+def _count_problem(name: str, value: int, high: int, advice: str) -> str | None:
+    if 0 <= value <= high:
+        return None
+    return f"{name} is {value}; {advice}"
+
+
+def _prefetch_problem(name: str, value: int) -> str | None:
+    return _count_problem(name, value, MAX_PREFETCH, f"use 0 (copy on demand) to {MAX_PREFETCH}.")
+
+
+def _gib_problem(name: str, value: float, zero_means: str) -> str | None:
+    """A GiB amount: within the widget's range, and no more than the device ComfyUI runs models on has."""
+    if not 0 <= value <= MAX_GIB:
+        return f"{name} is {value}; use 0 ({zero_means}) or a positive number of GiB up to {MAX_GIB:.0f}."
+    device = comfy.model_management.get_torch_device()
+    if value == 0 or not streaming_allowed(device):  # the node passes the model through on the CPU
+        return None
+    total = comfy.model_management.get_total_memory(device)
+    if value * GIB > total:
+        return (
+            f"{name} is {value:.1f} GiB but the device ({device}) has {total / GIB:.1f} GiB; "
+            f"use less, or 0 ({zero_means})."
+        )
+    return None
+
+
+def _storage_dtype_problem(name: str) -> str | None:
+    if name not in STORAGE_DTYPES:
+        return f"storage_dtype is {name!r}; use one of: {', '.join(STORAGE_DTYPES)}."
+    dtype = STORAGE_DTYPES[name]
+    device = comfy.model_management.get_torch_device()
+    if dtype is not None and not comfy.model_management.supports_cast(device, dtype):
+        return (
+            f"storage_dtype is {name} but ComfyUI cannot cast {name} weights on this device ({device}); "
+            "use fp16, bf16 or as loaded."
+        )
+    return None
 
 
 def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
@@ -90,7 +143,7 @@ class AsyncBlockOffload(io.ComfyNode):
                     "resident_blocks",
                     default=0,
                     min=0,
-                    max=1000,
+                    max=MAX_RESIDENT_BLOCKS,
                     tooltip="How many blocks stay on the GPU (the first ones). The rest stream. More resident "
                     "blocks: faster, more VRAM.",
                 ),
@@ -98,6 +151,18 @@ class AsyncBlockOffload(io.ComfyNode):
                 PIN_INPUT,
             ],
             outputs=[OUTPUT],
+        )
+
+    @classmethod
+    def validate_inputs(cls, resident_blocks: int, prefetch_blocks: int) -> bool | str:
+        return _problems(
+            _count_problem(
+                "resident_blocks",
+                resident_blocks,
+                MAX_RESIDENT_BLOCKS,
+                "use 0 (every block streams) up to the model's number of blocks.",
+            ),
+            _prefetch_problem("prefetch_blocks", prefetch_blocks),
         )
 
     @classmethod
@@ -122,17 +187,20 @@ class PartialGPUResidency(io.ComfyNode):
                     "vram_budget_gb",
                     default=0.0,
                     min=0.0,
-                    max=1024.0,
+                    max=MAX_GIB,
                     step=0.1,
                     tooltip="GPU memory for this model's weights, stream buffers included, in GiB. 0 = automatic: "
                     "what ComfyUI leaves free after its reserve and the sampling activations.",
                 ),
                 io.Combo.Input(
                     "policy",
-                    options=[p.value for p in ResidencyPolicy],
-                    default=ResidencyPolicy.STRIDED.value,
+                    options=[AUTO_POLICY, *(p.value for p in ResidencyPolicy)],
+                    default=AUTO_POLICY,
                     tooltip="Which blocks stay: the first (leading), the last (trailing), or spread evenly "
-                    "(strided), which gives each streamed block's copy a resident block to hide behind.",
+                    "(strided), which gives each streamed block's copy a resident block to hide behind. "
+                    "auto: the first run is strided and measures each block's compute time and the copy "
+                    "speed (kept per GPU and model in ComfyUI's user folder); from the next run on, the "
+                    "resident blocks and the prefetch depth are the ones predicted fastest within the budget.",
                 ),
                 _prefetch_input("blocks"),
                 PIN_INPUT,
@@ -141,24 +209,23 @@ class PartialGPUResidency(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, vram_budget_gb: float, **_: object) -> bool | str:
-        if vram_budget_gb > 0 and torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            if vram_budget_gb * GIB > total:
-                return (
-                    f"vram_budget_gb is {vram_budget_gb:.1f} GiB but the GPU has {total / GIB:.1f} GiB; "
-                    "use a smaller budget, or 0 for automatic."
-                )
-        return True
+    def validate_inputs(cls, vram_budget_gb: float, prefetch_blocks: int) -> bool | str:
+        return _problems(
+            _gib_problem("vram_budget_gb", vram_budget_gb, "automatic"),
+            _prefetch_problem("prefetch_blocks", prefetch_blocks),
+        )
 
     @classmethod
     def execute(cls, model: ModelPatcher, vram_budget_gb: float, policy: str, prefetch_blocks: int, pin_memory: bool):
+        auto = policy == AUTO_POLICY
         request = OffloadRequest(
             "Partial GPU Residency",
             budget_bytes=int(vram_budget_gb * GIB),
-            policy=ResidencyPolicy(policy),
+            # An automatic placement's first, measuring run is strided (its prefetch, the node's).
+            policy=ResidencyPolicy.STRIDED if auto else ResidencyPolicy(policy),
             prefetch=prefetch_blocks,
             pin_memory=pin_memory,
+            auto_placement=auto,
         )
         return _prepare(model, request)
 
@@ -186,7 +253,7 @@ class SequentialOffloadWrapper(io.ComfyNode):
                     "vram_limit_gb",
                     default=0.0,
                     min=0.0,
-                    max=1024.0,
+                    max=MAX_GIB,
                     step=0.1,
                     tooltip="After the first step, the most frequently used modules are kept on the GPU "
                     "up to this many GiB. 0 keeps none.",
@@ -195,6 +262,14 @@ class SequentialOffloadWrapper(io.ComfyNode):
                 PIN_INPUT,
             ],
             outputs=[OUTPUT],
+        )
+
+    @classmethod
+    def validate_inputs(cls, storage_dtype: str, vram_limit_gb: float, prefetch_modules: int) -> bool | str:
+        return _problems(
+            _storage_dtype_problem(storage_dtype),
+            _gib_problem("vram_limit_gb", vram_limit_gb, "keep no module on the device"),
+            _prefetch_problem("prefetch_modules", prefetch_modules),
         )
 
     @classmethod

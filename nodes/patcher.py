@@ -16,31 +16,86 @@ which travels as an attachment.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import comfy.model_management
 import comfy.utils
+import folder_paths
 import torch
+from comfy.cli_args import args
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import (
     BlockStreamer,
+    CostCache,
     OffloadPlan,
+    PinnedMemoryBudget,
     ResidencyPolicy,
     SequentialOffloader,
+    StackCosts,
     TimelineRecorder,
+    best_plan,
+    cache_key,
     can_pin_memory,
+    device_name,
     module_bytes,
+    place_falling_back,
 )
 from . import report
 from .architectures import find_blocks
 
 ATTACHMENT = "block_offload"
 ENGINE = "block_offload_engine"
+FALLBACK = "block_offload_fallback"
 # Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
 ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
+# A cap, in GiB, on the page-locked RAM the pack takes (below ComfyUI's own pinned-memory budget).
+PINNED_LIMIT_ENV = "BLOCK_OFFLOAD_MAX_PINNED_GB"
+# Tests and demos: pretend the device has only this many bytes for a streaming model's placement,
+# so the out-of-memory fallback runs on any device (the stream buffers' allocation raises beyond it).
+SIMULATED_DEVICE_LIMIT_ENV = "BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES"
+GIB = 1024**3
+# What the plan line of an automatic placement's first, measuring run says (the benchmark looks for it).
+MEASURING = "not measured on this device yet"
+
+
+def _pinned_limit() -> int | None:
+    """How many bytes all streaming models together may pin now; None: no cap known.
+
+    Where ComfyUI pins (NVIDIA, AMD) it has a budget, MAX_PINNED_MEMORY, for the weights of the
+    modules it casts on demand; the pack takes only what ComfyUI has left of it. It keeps its own
+    count instead of adding to ComfyUI's TOTAL_PINNED_MEMORY, because ComfyUI sets that total to 0
+    whenever its own list of pinned tensors empties, which would silently drop the pack's share.
+    ``--disable-pinned-memory`` means none; ``BLOCK_OFFLOAD_MAX_PINNED_GB`` caps it further.
+    """
+    if args.disable_pinned_memory:
+        return 0
+    limits = []
+    comfy_max = getattr(comfy.model_management, "MAX_PINNED_MEMORY", -1)
+    if comfy_max > 0:
+        limits.append(int(comfy_max - comfy.model_management.TOTAL_PINNED_MEMORY))
+    setting = os.environ.get(PINNED_LIMIT_ENV)
+    if setting:
+        limits.append(int(float(setting) * GIB))
+    return min(limits, default=None)
+
+
+PINNED_MEMORY = PinnedMemoryBudget(_pinned_limit)
+
+
+# ComfyUI loads the model again for every prompt: the same costs and budget give the same answer (a search
+# of a 57-block Flux takes a second or two), so it is kept rather than searched again.
+_best_plan = functools.lru_cache(maxsize=16)(best_plan)
+
+
+def _cost_cache() -> CostCache:
+    """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts)."""
+    return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")
 
 
 @dataclass(frozen=True)
@@ -57,6 +112,8 @@ class OffloadRequest:
     sequential: bool = False
     storage_dtype: torch.dtype | None = None
     vram_limit_bytes: int = 0
+    # Resident blocks and prefetch chosen by offload.planner from measured costs (``policy`` until measured).
+    auto_placement: bool = False
 
 
 @dataclass
@@ -74,6 +131,17 @@ class _Engine:
 
     def stop(self) -> None:
         self.runner.disable()
+
+
+@dataclass(frozen=True)
+class _Fallback:
+    """A placement that ran out of device memory and the smaller one that fit. Kept on the model,
+    so its later loads (each sampling run loads a new clone) start from the one that fit."""
+
+    request: OffloadRequest
+    asked: OffloadPlan
+    placed: OffloadPlan
+    notice: str
 
 
 def streaming_allowed(device: torch.device) -> bool:
@@ -136,22 +204,68 @@ class BlockOffloadPatcher(ModelPatcher):
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         request = self.offload_request
         engine = self.offload_engine
+        if engine is not None:
+            self._remember_costs(engine)  # before planning, so this load can plan from them
         budget = math.inf if full_load else lowvram_model_memory
-        plan, streamed, summary = self._plan(request, budget)
+        asked, streamed, summary = self._plan(request, budget)
+        plan = asked
+        fallback = getattr(self.model, FALLBACK, None)
+        if fallback is not None and (fallback.request, fallback.asked) == (request, asked):
+            plan = fallback.placed  # this placement ran out of memory before: start from the one that fit
+            streamed, summary = self._describe(plan)
         if engine is not None and (engine.request, engine.plan, engine.streamed) != (request, plan, streamed):
             self._stop_streaming()
             engine = None
+        if engine is not None or plan is None:
+            self._place(request, plan, streamed, summary, device_to, budget, force_patch_weights)
+            return
+
+        def place(candidate: OffloadPlan) -> None:
+            described = (streamed, summary) if candidate is plan else self._describe(candidate)
+            self._place(request, candidate, *described, device_to, budget, force_patch_weights)
+
+        placed, failed = place_falling_back(plan, place, self._undo_placement)
+        if failed:
+            notice = (
+                f"Out of memory placing {len(asked.resident)} resident blocks with prefetch {asked.prefetch}; "
+                f"fell back to {len(placed.resident)} with prefetch {placed.prefetch}."
+            )
+            logging.warning(f"Block Offload ({request.node}): {notice}")
+            fallback = _Fallback(request, asked, placed, notice)
+            setattr(self.model, FALLBACK, fallback)
+        if placed != asked and self.offload_engine is not None:
+            self.offload_engine.notices.append(fallback.notice)  # each new engine shows it; the log has it once
+
+    def _place(
+        self,
+        request: OffloadRequest,
+        plan: OffloadPlan | None,
+        streamed: frozenset[str],
+        summary: str,
+        device_to: torch.device,
+        budget: float,
+        force_patch_weights: bool,
+    ) -> None:
+        """ComfyUI loads all but the streamed blocks, its budget less our stream buffers; the engine streams them."""
         self.model.block_offload_streamed = streamed
-        # ComfyUI places the rest; our slots come out of the same budget.
         slot_bytes = plan.slot_bytes if plan else 0
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - slot_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not streamed:
             return
-        if engine is None:
+        if self.offload_engine is None:
             self._start_streaming(request, plan, streamed, summary, device_to)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += slot_bytes
+
+    def _undo_placement(self) -> None:
+        """Back to where ``load`` started: no engine, nothing on the device, weight patches undone.
+
+        ``unpatch_model`` takes the object patches off too; ``partially_load`` puts them on with
+        ``patch_model(load_weights=False)`` before it calls ``load``, so the same is done here.
+        """
+        self.unpatch_model(self.offload_device, unpatch_weights=True)
+        self.patch_model(load_weights=False)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if unpatch_weights:
@@ -162,6 +276,22 @@ class BlockOffloadPatcher(ModelPatcher):
         # A detached patcher may hand its loaded weights to a clone that does not stream.
         self._stop_streaming()
         return super().detach(unpatch_all)
+
+    # -- sampling runs, for the live panel (report) ------------------------------------------
+
+    def pre_run(self):
+        super().pre_run()
+        engine = self.offload_engine
+        if engine is not None:
+            report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
+
+    def cleanup(self):
+        try:
+            engine = self.offload_engine
+            if engine is not None:
+                report.run_finished(engine)
+        finally:
+            super().cleanup()
 
     # -- planning ----------------------------------------------------------------------------
 
@@ -189,16 +319,71 @@ class BlockOffloadPatcher(ModelPatcher):
                 count = len(sizes)
             else:
                 budget_bytes = int(max(0, room))
+        pin_memory = request.pin_memory and can_pin_memory()
+        unplanned = ""  # why an automatic placement fell back to the request's policy
+        if request.auto_placement and budget_bytes is not None:
+            planned, unplanned = self._planned(arch.name, sizes, budget_bytes, pin_memory)
+            if planned is not None:
+                return planned
         plan = OffloadPlan.build(
             sizes,
             resident_count=count,
             budget_bytes=budget_bytes,
             policy=request.policy,
             prefetch=request.prefetch,
-            pin_memory=request.pin_memory and can_pin_memory(),
+            pin_memory=pin_memory,
         )
+        streamed, summary = self._describe(plan)
+        return plan, streamed, summary + unplanned
+
+    def _planned(
+        self, arch: str, sizes: list[int], budget_bytes: int, pin_memory: bool
+    ) -> tuple[tuple[OffloadPlan, frozenset[str], str] | None, str]:
+        """The planner's fastest placement within ``budget_bytes`` from this model's measured costs on
+        this device, or None and why not: not measured yet, or not even the stream buffers fit (then
+        the request's policy places it, and the out-of-memory fallback decides)."""
+        costs = _cost_cache().get(cache_key(device_name(self.load_device), arch, sizes))
+        if costs is None or costs.block_bytes != tuple(sizes):
+            return None, f"; {MEASURING}, so this run measures it and the next one is planned"
+        try:
+            predicted = _best_plan(costs, budget_bytes, pin_memory=pin_memory, inline_copies=self._inline)
+        except ValueError as error:
+            return None, f"; the planner found no placement: {error}"
+        streamed, summary = self._describe(predicted.plan)
+        return (predicted.plan, streamed, f"{summary}; chosen by the planner, {predicted.describe(costs)}"), ""
+
+    @property
+    def _inline(self) -> bool:
+        """Without an accelerator the engine copies inline, on the host, between two computes."""
+        return self.load_device.type == "cpu"
+
+    def _remember_costs(self, engine: _Engine) -> None:
+        """Keeps what an automatic placement's last step cost, when this model has no measurements on
+        this device yet: every block's compute time, the gaps between them, and the copy bandwidth."""
+        plan = engine.plan
+        if not engine.request.auto_placement or plan is None:
+            return
+        arch, _ = find_blocks(self.model.diffusion_model)
+        cache = _cost_cache()
+        key = cache_key(device_name(self.load_device), arch.name, plan.block_bytes)
+        step = engine.recorder.latest()
+        if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
+            return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
+        if len({span.block for span in step.spans}) < len(plan.block_bytes):
+            return  # a step cut short (an interrupted prompt) would make every later plan wrong
+        costs = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=self._inline)
+        cache.put(key, costs)
+        logging.info(
+            f"Block Offload ({engine.request.node}): measured {arch.name} on {device_name(self.load_device)}: "
+            f"{sum(costs.compute_ms):.1f} ms of block compute per step, {costs.bandwidth_gbps:.2f} GB/s "
+            f"host to device; the next load plans the placement from them ({cache.path})"
+        )
+
+    def _describe(self, plan: OffloadPlan) -> tuple[frozenset[str], str]:
+        """The streamed blocks' module names, and the summary line the log shows for ``plan``."""
+        arch, blocks = find_blocks(self.model.diffusion_model)
         streamed = frozenset(f"diffusion_model.{blocks[i][0]}" for i in plan.streamed)
-        return plan, streamed, f"{arch.name}: {plan.describe(outside)}"
+        return streamed, f"{arch.name}: {plan.describe(self.model_size() - sum(plan.block_bytes))}"
 
     # -- streaming ---------------------------------------------------------------------------
 
@@ -222,7 +407,8 @@ class BlockOffloadPatcher(ModelPatcher):
                 prefetch=request.prefetch,
                 pin_memory=request.pin_memory,
                 recorder=recorder,
-                on_promote=self._count_promoted,
+                on_promote=functools.partial(_count_promoted, self.model),
+                pin_budget=PINNED_MEMORY,
             )
         else:
             _, blocks = find_blocks(diffusion_model)
@@ -234,9 +420,17 @@ class BlockOffloadPatcher(ModelPatcher):
                 pin_memory=plan.pin_memory,
                 recorder=recorder,
                 root=diffusion_model,
+                pin_budget=PINNED_MEMORY,
+                device_limit_bytes=self._simulated_device_room(),
             )
         runner.enable()
-        engine = _Engine(request, plan, streamed, runner, recorder, summary)
+        if plan is not None:
+            try:
+                runner.allocate_device_buffers()
+            except torch.OutOfMemoryError:
+                runner.disable()
+                raise
+        engine = _Engine(request, plan, streamed, runner, recorder, summary, notices=_pinning_notices(request, runner))
         setattr(self.model, ENGINE, engine)
         report.engine_started(engine)
         logging.info(f"Block Offload ({request.node}): {summary}")
@@ -245,13 +439,17 @@ class BlockOffloadPatcher(ModelPatcher):
         engine = self.offload_engine
         if engine is None:
             return
+        self._remember_costs(engine)
         engine.stop()
         delattr(self.model, ENGINE)
         self.model.block_offload_streamed = frozenset()
         report.engine_stopped(engine)
 
-    def _count_promoted(self, nbytes: int) -> None:
-        self.model.model_loaded_weight_memory += nbytes
+    def _simulated_device_room(self) -> int | None:
+        """What BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES leaves for the stream buffers after what ComfyUI
+        loaded; None when it is not set."""
+        limit = os.environ.get(SIMULATED_DEVICE_LIMIT_ENV)
+        return None if not limit else int(limit) - self.model.model_loaded_weight_memory
 
     def _patch_streamed_weights(self, streamed: frozenset[str], device: torch.device) -> None:
         """Applies weight patches (LoRA, ...) to the streamed weights once, before they are packed.
@@ -273,3 +471,26 @@ class BlockOffloadPatcher(ModelPatcher):
                     weight = comfy.utils.get_attr(self.model, key)
                     weight.data = weight.data.to(self.offload_device)
             module.comfy_patched_weights = True
+
+
+def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
+    """ComfyUI counts the modules the sequential wrapper keeps on the device. A function of the model,
+    not a method of the patcher: the engine lives on the model, and a patcher it referred to could not
+    be freed (nor stop the engine as it goes) until Python's cycle collector came by."""
+    model.model_loaded_weight_memory += nbytes
+
+
+def _pinning_notices(request: OffloadRequest, runner: BlockStreamer | SequentialOffloader) -> list[str]:
+    """A notice (logged once) when the pinned-memory cap sent some streamed weights to pageable RAM."""
+    streamer = runner if isinstance(runner, BlockStreamer) else runner.streamer
+    refused = streamer.refused_pinning
+    if not refused:
+        return []
+    notice = (
+        f"Pinned memory cap reached ({PINNED_MEMORY.limit / GIB:.2f} GiB): {len(refused)} of "
+        f"{len(streamer.streamed)} streamed {'blocks' if streamer.recurse else 'modules'} "
+        f"({sum(refused.values()) / GIB:.2f} GiB) stream from pageable RAM, which copies more slowly. "
+        f"Unloading other models frees pinned memory; {PINNED_LIMIT_ENV} sets the pack's own cap."
+    )
+    logging.warning(f"Block Offload ({request.node}): {notice}")
+    return [notice]

@@ -1,48 +1,426 @@
-"""What the pack last did, for the demo, the panel and anyone asking ``GET /block_offload/report``."""
+"""What the pack is doing and last did: for the panel (web/), the demo, and anyone asking.
+
+* websocket message ``block_offload.status`` (``STATUS_EVENT``), pushed to every client while a
+  model streams, never more often than once per ``MIN_INTERVAL_S``, whichever engine sends it:
+  the run (node, prompt, plan, which blocks are resident), the step and block running now,
+  device and process memory, the engine's notices and, when a step finished since the last
+  message, that step's per-block copy and compute spans (``last_step``, see ``_compact_step``).
+  A run's first message and its last (``running`` false, with the run's last step) always go,
+  delayed when one went less than an interval before.
+* ``GET /block_offload/report``: the same status for a panel opened mid-run, with the last step
+  in full (``timeline``) and the process RSS (``process_rss_bytes``).
+* ``GET /block_offload/timeline``: every step of the current or last sampling run, to download.
+
+The engine's recorder calls a ``_Publisher`` (a ``TimelineListener``) on the sampling thread: a
+block call costs it one clock read and one compare (~0.15 us on the CPU here); building and
+queueing a message (~50 us) happens only when one is due (bench/recorder_overhead.py measures both). ``send_sync`` hands
+the message to ComfyUI's event loop, which serialises and sends it off the sampling thread. The
+routes read the publisher from the server's thread; it only appends and replaces, never mutates
+what it shared.
+"""
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 import weakref
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import psutil
+import torch
 
 from ..offload import memory_snapshot
+from ..offload.device import is_accelerator
+from ..offload.timeline import StepTimeline
 
 if TYPE_CHECKING:
     from .patcher import _Engine
 
-_active: weakref.ref | None = None
-_last_summary: dict[str, Any] = {}
+STATUS_EVENT = "block_offload.status"
+SCHEMA_VERSION = 1
+MIN_INTERVAL_S = 0.25  # at most four messages a second
+# What the downloadable timeline of one run may hold (block calls in all its steps): ~30 MB at most.
+MAX_RUN_SPANS = 200_000
+SPAN_FIELDS = ("block", "copy_start", "copy_end", "compute_start", "compute_end", "stall", "bytes_copied")
+RESIDENT, STREAMED = "R", "S"
+
+_PROCESS = psutil.Process()
+_HOST_TOTAL = psutil.virtual_memory().total
+
+
+class _Outbox:
+    """The one rate limit every message obeys: the panel sees a single stream.
+
+    A message that must go (a run's first and last) but comes inside the interval waits for its end;
+    statuses are snapshots, so a newer one waiting replaces an older one instead of queueing behind
+    it, and a burst of short runs never builds a backlog that would hold back the next run's updates.
+    """
+
+    def __init__(self) -> None:
+        self.next_at = 0.0  # perf_counter time from which a message may go
+        self.seq = 0
+        self._waiting: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # the sampling thread sends, the server's loop sends what waited
+
+    def send(self, status: dict[str, Any], force: bool = False) -> bool:
+        """Sends ``status`` if one is due; ``force`` sends it anyway, when the interval ends."""
+        with self._lock:
+            delay = self.next_at - time.perf_counter()
+            if delay <= 0:
+                self._emit(status)
+                return True
+            if not force:
+                return False
+            first_to_wait = self._waiting is None
+            self._waiting = status
+        server = _server()
+        if first_to_wait and server is not None:
+            server.loop.call_soon_threadsafe(server.loop.call_later, delay, self._send_waiting)
+        return True
+
+    def _send_waiting(self) -> None:
+        with self._lock:
+            status, self._waiting = self._waiting, None
+            if status is not None:
+                self._emit(status)
+
+    def _emit(self, status: dict[str, Any]) -> None:
+        self.next_at = time.perf_counter() + MIN_INTERVAL_S
+        self.seq += 1
+        status.update(seq=self.seq, time=time.time())
+        server = _server()
+        if server is not None:  # in-process use (tests, benchmarks) has nobody to tell
+            server.send_sync(STATUS_EVENT, status)
+
+
+_outbox = _Outbox()
+
+
+def _server() -> Any:
+    """ComfyUI's PromptServer when this process runs one (never imports it: in-process use has none)."""
+    module = sys.modules.get("server")
+    return getattr(getattr(module, "PromptServer", None), "instance", None)
+
+
+def _prompt_id() -> str | None:
+    return getattr(_server(), "last_prompt_id", None)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
+    """A step for the websocket: one array per block call, in ``SPAN_FIELDS`` order, times in ms."""
+    return {
+        "step": step.step - first_step,
+        "duration_ms": _rounded(step.duration_ms),
+        "copy_ms": _rounded(step.copy_ms),
+        "stall_ms": _rounded(step.stall_ms),
+        "bytes_copied": step.bytes_copied,
+        "overlap": _rounded(step.overlap),
+        "bandwidth_gbps": _rounded(step.bandwidth_gbps),
+        "peak_allocated": step.peak_allocated,
+        "span_fields": SPAN_FIELDS,
+        "spans": [
+            [
+                s.block,
+                _rounded(s.copy_start),
+                _rounded(s.copy_end),
+                _rounded(s.compute_start),
+                _rounded(s.compute_end),
+                _rounded(s.stall),
+                s.bytes_copied,
+            ]
+            for s in step.spans
+        ],
+    }
+
+
+def _full_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
+    """A step as the recorder describes it, numbered from the run's first step."""
+    data = step.as_dict()
+    data["step"] -= first_step
+    return data
+
+
+def _memory(device: torch.device, resident_weights: int | None, streaming_buffers: int | None) -> dict[str, Any]:
+    """Device memory (None on the CPU) split as the panel's bar shows it, and the process's host memory."""
+    snap = memory_snapshot(device)
+    other = None
+    if snap.allocated is not None:
+        other = max(0, snap.allocated - (resident_weights or 0) - (streaming_buffers or 0))
+    return {
+        "allocated": snap.allocated,
+        "reserved": snap.reserved,
+        "peak_allocated": snap.peak_allocated,
+        "free": snap.free,
+        "total": snap.total,
+        "resident_weights": resident_weights,
+        "streaming_buffers": streaming_buffers,
+        "other": other,  # activations, other models, the allocator's cache: what is left of allocated
+        "process_rss": _PROCESS.memory_info().rss,
+        "host_total": _HOST_TOTAL,
+    }
+
+
+def _idle_device() -> torch.device:
+    """The device ComfyUI computes on, for the memory figures before any model streamed."""
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.get_torch_device()
+    except ImportError:  # in-process use without ComfyUI on the path
+        return torch.device("cpu")
+
+
+def _models() -> list[dict[str, Any]]:
+    """The placement of every model streaming now, one entry per engine (so per node), oldest first."""
+    return [publisher.placement_entry() for ref in _live if (publisher := ref()) is not None]
+
+
+def _empty_status() -> dict[str, Any]:
+    device = _idle_device()
+    return {
+        "v": SCHEMA_VERSION,
+        "running": False,
+        "prompt_id": None,
+        "node": None,
+        "plan": None,
+        "device": str(device),
+        "accelerator": is_accelerator(device),
+        "step": None,
+        "steps_done": 0,
+        "block": None,
+        "blocks": 0,
+        "placement": "",
+        "prefetch": None,
+        "pinned": None,
+        "streamed_host_bytes": None,
+        "notices": [],
+        "memory": _memory(device, None, None),
+        "models": _models(),
+    }
+
+
+class _Publisher:
+    """Follows one engine's recorder (a ``TimelineListener``) and keeps its current or last sampling run.
+
+    A run is one sampling call (``run_started`` .. ``run_finished``), or, when a sampler calls the
+    model without ComfyUI's ``pre_run``, everything since the engine started.
+    """
+
+    def __init__(self, engine: _Engine) -> None:
+        self._engine = weakref.ref(engine)  # the engine holds the recorder that holds us: no cycle
+        self.node = engine.request.node
+        self.plan = engine.summary
+        self.device = engine.recorder.device
+        self.notices = engine.notices  # the engine's own list: notices added later show too
+        self.prefetch = engine.plan.prefetch if engine.plan else engine.request.prefetch
+        self.pinned = engine.plan.pin_memory if engine.plan else engine.request.pin_memory
+        self.streaming_buffers = engine.plan.slot_bytes if engine.plan else None
+        self.streamed_host_bytes = engine.plan.streamed_bytes if engine.plan else None
+        self.placement = self._placement(engine)
+        self.resident_weights: int | None = None
+        self.prompt_id: str | None = None
+        self.running = False
+        self.first_step: int | None = None  # the recorder's index of the run's first step
+        self.step: int | None = None
+        self.block: int | None = None
+        self.steps: list[StepTimeline] = []
+        self.last_step: StepTimeline | None = None
+        self.steps_done = 0
+        self.truncated = False
+        self._spans = 0
+        self._unsent: StepTimeline | None = None
+
+    @staticmethod
+    def _placement(engine: _Engine) -> str:
+        """One letter per block (per module for the sequential wrapper): resident or streamed."""
+        streamer = getattr(engine.runner, "streamer", engine.runner)  # the sequential wrapper's, or the runner
+        streamed = streamer.streamed
+        return "".join(STREAMED if i in streamed else RESIDENT for i in range(len(streamer.blocks)))
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def start_run(self, resident_weights: int) -> None:
+        self.resident_weights = resident_weights
+        self.prompt_id = _prompt_id()
+        self.running = True
+        self.first_step = None
+        self.step = self.block = None
+        self.steps = []  # a new list: a route may still be reading the old one
+        self.last_step = None
+        self.steps_done = self._spans = 0
+        self.truncated = False
+        self._unsent = None
+
+    def finish_run(self) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.recorder.latest()  # resolves the steps still pending on the device (calls step_resolved)
+            self.placement = self._placement(engine)  # the sequential wrapper promotes modules after a pass
+        self.running = False
+        self.block = None
+        self._unsent = self.last_step  # the final message always carries the run's last step
+        self.publish(force=True)
+
+    # -- TimelineListener: the sampling thread ----------------------------------------------
+
+    def block_called(self, step: int, block: int) -> None:
+        self.step, self.block = step, block
+        if self.first_step is None:
+            self.first_step = step
+            self.running = True
+            self.prompt_id = self.prompt_id or _prompt_id()
+        if time.perf_counter() >= _outbox.next_at:
+            self.publish()
+
+    def step_resolved(self, timeline: StepTimeline) -> None:
+        if self.first_step is None or timeline.step < self.first_step:
+            return  # the end of an earlier run, resolved late
+        self.steps_done += 1
+        self._spans += len(timeline.spans)
+        if self._spans <= MAX_RUN_SPANS:
+            self.steps.append(timeline)
+        else:
+            self.truncated = True
+        self.last_step = self._unsent = timeline
+        if time.perf_counter() >= _outbox.next_at:
+            self.publish()
+
+    def publish(self, force: bool = False) -> None:
+        global _current
+        _current = self
+        status = self.status(self._unsent)
+        if _outbox.send(status, force):
+            self._unsent = None
+
+    # -- what the panel reads ----------------------------------------------------------------
+
+    def status(self, last_step: StepTimeline | None) -> dict[str, Any]:
+        first = self.first_step or 0
+        data = {
+            "v": SCHEMA_VERSION,
+            "running": self.running,
+            "prompt_id": self.prompt_id,
+            "node": self.node,
+            "plan": self.plan,
+            "device": str(self.device),
+            "accelerator": is_accelerator(self.device),
+            "step": None if self.step is None else self.step - first,
+            "steps_done": self.steps_done,
+            "block": self.block,
+            "blocks": len(self.placement),
+            "placement": self.placement,
+            "prefetch": self.prefetch,
+            "pinned": self.pinned,
+            "streamed_host_bytes": self.streamed_host_bytes,
+            "notices": list(self.notices),
+            "memory": _memory(self.device, self.resident_weights, self.streaming_buffers),
+            "models": _models(),
+        }
+        if last_step is not None:
+            data["last_step"] = _compact_step(last_step, first)
+        return data
+
+    def placement_entry(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "placement": self.placement,
+            "prefetch": self.prefetch,
+            "pinned": self.pinned,
+            "running": self.running,
+        }
+
+    def run_timeline(self) -> dict[str, Any]:
+        first = self.first_step or 0
+        return {
+            "v": SCHEMA_VERSION,
+            "node": self.node,
+            "prompt_id": self.prompt_id,
+            "plan": self.plan,
+            "device": str(self.device),
+            "placement": self.placement,
+            "prefetch": self.prefetch,
+            "pinned": self.pinned,
+            "running": self.running,
+            "steps_done": self.steps_done,
+            "truncated": self.truncated,
+            "steps": [_full_step(step, first) for step in list(self.steps)],
+        }
+
+
+# The publisher whose run the panel shows: the last one that started, ran a run or sent a message.
+_current: _Publisher | None = None
+
+
+# Every engine streaming now, for the panel's per-node placement. Replaced, never changed in place:
+# the routes read it from the server's thread.
+_live: tuple[weakref.ref[_Publisher], ...] = ()
+
+
+def _set_live(add: _Publisher | None = None, drop: _Publisher | None = None) -> None:
+    global _live
+    kept = tuple(ref for ref in _live if ref() is not None and ref() is not drop)
+    _live = kept + ((weakref.ref(add),) if add is not None else ())
 
 
 def engine_started(engine: _Engine) -> None:
-    global _active
-    _active = weakref.ref(engine)
-    _last_summary.clear()
-    _last_summary.update(node=engine.request.node, plan=engine.summary)
+    global _current
+    publisher = _Publisher(engine)
+    engine.recorder.listener = publisher
+    _current = publisher
+    _set_live(add=publisher)
 
 
 def engine_stopped(engine: _Engine) -> None:
-    """Keeps the stopped engine's last step: the report describes the last run, not only a live one."""
-    step = engine.recorder.latest()
-    if step is not None:
-        _last_summary["timeline"] = step.as_dict()
+    """The report goes on describing the stopped engine's last run."""
+    publisher = engine.recorder.listener
+    if isinstance(publisher, _Publisher):
+        _set_live(drop=publisher)
+        if publisher.running:
+            publisher.finish_run()
+        engine.recorder.listener = None
+
+
+def run_started(engine: _Engine, resident_weights: int) -> None:
+    """A sampling run begins on ``engine``; ``resident_weights``: the bytes ComfyUI loaded of the model."""
+    global _current
+    publisher = engine.recorder.listener
+    if isinstance(publisher, _Publisher):
+        publisher.start_run(resident_weights)
+        _current = publisher
+        publisher.publish(force=True)
+
+
+def run_finished(engine: _Engine) -> None:
+    publisher = engine.recorder.listener
+    if isinstance(publisher, _Publisher):
+        publisher.finish_run()
 
 
 def snapshot() -> dict[str, Any]:
-    engine = _active() if _active is not None else None
-    data = dict(_last_summary)
-    if engine is not None:
-        step = engine.recorder.latest()
-        if step is not None:
-            data["timeline"] = step.as_dict()
-        memory = memory_snapshot(engine.recorder.device)
-        data["device"] = str(engine.recorder.device)
-        data["memory"] = asdict(memory)
-    data["process_rss_bytes"] = psutil.Process().memory_info().rss
+    """The latest status, its last step in full, and the process's RSS."""
+    publisher = _current
+    if publisher is None:
+        data = _empty_status()
+        data["timeline"] = None
+    else:
+        last = publisher.last_step
+        data = publisher.status(last)
+        data["timeline"] = _full_step(last, publisher.first_step or 0) if last is not None else None
+    data.update(seq=_outbox.seq, time=time.time(), process_rss_bytes=data["memory"]["process_rss"])
     return data
+
+
+def run_timeline() -> dict[str, Any]:
+    """Every step of the current or last sampling run (``steps`` is empty before any)."""
+    publisher = _current
+    if publisher is None:
+        return {"v": SCHEMA_VERSION, "node": None, "prompt_id": None, "running": False, "steps_done": 0, "steps": []}
+    return publisher.run_timeline()
 
 
 def register_routes() -> None:
@@ -52,3 +430,10 @@ def register_routes() -> None:
     @PromptServer.instance.routes.get("/block_offload/report")
     async def get_report(request: web.Request) -> web.Response:
         return web.json_response(snapshot())
+
+    @PromptServer.instance.routes.get("/block_offload/timeline")
+    async def get_timeline(request: web.Request) -> web.Response:
+        response = web.json_response(run_timeline())
+        if "download" in request.query:
+            response.headers["Content-Disposition"] = 'attachment; filename="block_offload_timeline.json"'
+        return response

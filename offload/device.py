@@ -29,6 +29,14 @@ def current_stream(device: torch.device) -> torch.Stream | None:
     return torch.accelerator.current_stream(device)
 
 
+def device_name(device: torch.device) -> str:
+    """What the device is (``NVIDIA H100 80GB HBM3``), for keying measurements made on it."""
+    backend = getattr(torch, device.type, None)
+    if is_accelerator(device) and hasattr(backend, "get_device_name"):
+        return backend.get_device_name(device)
+    return device.type
+
+
 def can_pin_memory() -> bool:
     """Page-locked host memory needs a driver; without an accelerator there is nothing to pin for."""
     return torch.accelerator.is_available()

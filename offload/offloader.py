@@ -12,13 +12,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .plan import OffloadPlan, module_bytes
+from .plan import OffloadPlan, module_bytes, place_falling_back
 from .streamer import BlockStreamer
 from .timeline import TimelineRecorder
 
 
 class BlockOffloader:
-    """Applies an ``OffloadPlan`` to ``root`` whose block stack is ``blocks``."""
+    """Applies an ``OffloadPlan`` to ``root`` whose block stack is ``blocks``.
+
+    ``device_limit_bytes`` simulates a device with only that much room for the model's weights and
+    stream buffers (see ``BlockStreamer``), so the out-of-memory fallback can be exercised anywhere.
+    """
 
     def __init__(
         self,
@@ -26,25 +30,40 @@ class BlockOffloader:
         blocks: Sequence[nn.Module],
         device: torch.device | str,
         recorder: TimelineRecorder | None = None,
+        device_limit_bytes: int | None = None,
     ) -> None:
         self.root = root
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.recorder = recorder
+        self.device_limit_bytes = device_limit_bytes
         self.streamer: BlockStreamer | None = None
         self.plan: OffloadPlan | None = None
+        # Plans that ran out of device memory in the last ``apply``, in the order tried.
+        self.failed: list[OffloadPlan] = []
         self._origin: torch.device | None = None
 
     def block_bytes(self) -> list[int]:
         return [module_bytes(block) for block in self.blocks]
 
-    def apply(self, plan: OffloadPlan) -> None:
-        """Places the model by ``plan``; applying another plan first undoes this one."""
+    def apply(self, plan: OffloadPlan) -> OffloadPlan:
+        """Places the model by ``plan``; applying another plan first undoes this one.
+
+        When the device runs out of memory, the smaller plans of ``plan.fallback()`` are tried in
+        turn (``failed`` lists those that did not fit). Returns the plan placed.
+        """
         if len(plan.block_bytes) != len(self.blocks):
             raise ValueError(f"the plan is for {len(plan.block_bytes)} blocks, the model has {len(self.blocks)}")
         self.remove()
         first = next(iter(self.root.state_dict(keep_vars=True).values()), None)
         self._origin = first.device if first is not None else self.device
+        self.plan, self.failed = place_falling_back(plan, self._place, self.remove)
+        return self.plan
+
+    def _place(self, plan: OffloadPlan) -> None:
+        room = None
+        if self.device_limit_bytes is not None:
+            room = self.device_limit_bytes - (module_bytes(self.root) - plan.streamed_bytes)
         self.streamer = BlockStreamer(
             self.blocks,
             self.device,
@@ -53,10 +72,11 @@ class BlockOffloader:
             pin_memory=plan.pin_memory,
             recorder=self.recorder,
             root=self.root,
+            device_limit_bytes=room,
         )
         self.streamer.enable()
         self._move_unstreamed(self.device)
-        self.plan = plan
+        self.streamer.allocate_device_buffers()
 
     def remove(self) -> None:
         """Puts the whole model back on the device it came from, bit for bit."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
@@ -25,7 +26,8 @@ class OffloadPlan:
     resident: frozenset[int]
     prefetch: int = 1
     pin_memory: bool = True
-    policy: ResidencyPolicy = ResidencyPolicy.LEADING
+    # None: the resident set was chosen block by block (offload.planner), not by a position policy.
+    policy: ResidencyPolicy | None = ResidencyPolicy.LEADING
 
     @classmethod
     def build(
@@ -75,12 +77,29 @@ class OffloadPlan:
         """Weights on the device at the peak: resident blocks, slots, and what lies outside the blocks."""
         return self.resident_bytes + self.slot_bytes + outside_blocks
 
+    def fallback(self) -> OffloadPlan | None:
+        """The next placement to try when this one ran out of device memory, or None when every
+        block already streams synchronously.
+
+        Half the resident blocks first (the ones kept are picked from the resident set by the
+        same policy, so leading stays leading and strided stays spread), then one block less
+        of prefetch, which frees one stream buffer.
+        """
+        if self.resident:
+            ordered = sorted(self.resident)
+            picked = resident_indices(len(ordered), len(ordered) // 2, self.policy or ResidencyPolicy.STRIDED)
+            return replace(self, resident=frozenset(ordered[i] for i in picked))
+        if self.prefetch > 0:
+            return replace(self, prefetch=self.prefetch - 1)
+        return None
+
     def describe(self, outside_blocks: int = 0) -> str:
         """The one-line summary the log shows when a model loads with this plan."""
         count = len(self.block_bytes)
         resident = _ranges(sorted(self.resident)) or "none"
+        chosen_by = self.policy.value if self.policy else "planned"
         return (
-            f"{len(self.resident)}/{count} blocks resident ({resident}, {self.policy.value}), "
+            f"{len(self.resident)}/{count} blocks resident ({resident}, {chosen_by}), "
             f"{len(self.streamed)} streamed with prefetch {self.prefetch}"
             f"{' from pinned memory' if self.pin_memory and self.streamed else ''}; "
             f"resident {self.resident_bytes / GIB:.2f} GiB, streamed {self.streamed_bytes / GIB:.2f} GiB, "
@@ -98,3 +117,28 @@ def _ranges(indices: list[int]) -> str:
         else:
             runs.append([i, i])
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def place_falling_back(
+    plan: OffloadPlan, place: Callable[[OffloadPlan], None], undo: Callable[[], None]
+) -> tuple[OffloadPlan, list[OffloadPlan]]:
+    """Places ``plan``, or, while the device runs out of memory, each smaller ``fallback()`` in turn.
+
+    ``undo`` must leave the model as it was before ``place`` began. Returns the plan placed and
+    the plans that did not fit, in the order tried; raises the last out-of-memory error when
+    not even every block streaming synchronously fits.
+    """
+    failed: list[OffloadPlan] = []
+    while True:
+        try:
+            place(plan)
+            return plan, failed
+        except torch.OutOfMemoryError:
+            smaller = plan.fallback()
+            if smaller is None:
+                undo()
+                raise
+        # Undone outside the handler: the error's traceback holds the failed attempt's tensors.
+        undo()
+        failed.append(plan)
+        plan = smaller

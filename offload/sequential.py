@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from .pinning import PinnedMemoryBudget
 from .streamer import BlockStreamer
 from .timeline import TimelineRecorder
 
@@ -60,6 +61,7 @@ class SequentialOffloader:
         pin_memory: bool = True,
         recorder: TimelineRecorder | None = None,
         on_promote: Callable[[int], None] | None = None,
+        pin_budget: PinnedMemoryBudget | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books."""
         self.root = root
@@ -77,6 +79,7 @@ class SequentialOffloader:
             root=root,
             recurse=False,
             nesting=_nesting(self.modules),
+            pin_budget=pin_budget,
         )
         self._promotion_hook = None
 

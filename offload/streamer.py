@@ -22,9 +22,10 @@ out of order or are skipped cost a miss (an unhidden copy) at most once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,7 +33,41 @@ from torch.utils.hooks import RemovableHandle
 
 from .device import can_pin_memory, current_stream, is_accelerator, new_stream, synchronize
 from .layout import BlockLayout
+from .pinning import PinnedMemoryBudget
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
+
+
+class SlotState(Protocol):
+    """What the slot choice reads of a slot (offload.planner replays it on slots of its own)."""
+
+    block: int | None
+    in_use: bool
+    last_used: int
+
+
+def pick_slot(slots: Sequence[SlotState], protected: Container[int]) -> int | None:
+    """A free slot, preferring empty ones, then the least recently used block not about to run."""
+    best = None
+    for number, slot in enumerate(slots):
+        if slot.in_use or (slot.block is not None and slot.block in protected):
+            continue
+        if slot.block is None:
+            return number
+        if best is None or slot.last_used < slots[best].last_used:
+            best = number
+    return best
+
+
+def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> list[int]:
+    """The next ``count`` streamed blocks of the call ``order`` from ``position``, wrapping into the next step."""
+    ahead: list[int] = []
+    for offset in range(len(order) if count > 0 else 0):
+        index = order[(position + offset) % len(order)]
+        if index in streamed and index not in ahead:
+            ahead.append(index)
+            if len(ahead) == count:
+                break
+    return ahead
 
 
 @dataclass
@@ -63,6 +98,7 @@ class _StreamedBlock:
     # Kept only with a lossy storage dtype: restoring from the rounded copy would change the model.
     originals: tuple[torch.Tensor, ...] | None = None
     slot: int | None = None
+    pinned: bool = False
 
 
 @dataclass
@@ -81,6 +117,10 @@ class BlockStreamer:
     they are cast back on the copy stream, right after the copy, so the cast and
     the copy are ordered on one stream. It shrinks what each step copies; the
     originals are kept too, because a rounded copy must never replace them.
+    ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
+    ``device_limit_bytes`` simulates a device that has only that many bytes left for the slot
+    pool: allocating more raises ``torch.OutOfMemoryError`` as the allocator would, so the
+    out-of-memory fallback can be exercised on any device.
     """
 
     def __init__(
@@ -96,6 +136,8 @@ class BlockStreamer:
         root: nn.Module | None = None,
         recurse: bool = True,
         nesting: int = 1,
+        pin_budget: PinnedMemoryBudget | None = None,
+        device_limit_bytes: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -107,6 +149,8 @@ class BlockStreamer:
             raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
+        self._pinned = pin_budget.share() if pin_budget is not None else None
+        self.device_limit_bytes = device_limit_bytes
         self.storage_dtype = storage_dtype
         self.recorder = recorder
         self.root = root
@@ -151,6 +195,7 @@ class BlockStreamer:
         self._handles.clear()
         for index in sorted(self._state):
             self._restore(index, self._state[index].origin_device)
+            self._unpin(self._state[index])
         self._state.clear()
         self._slots.clear()
         self.enabled = False
@@ -173,6 +218,7 @@ class BlockStreamer:
                 if slot is not None:
                     self._slots[slot].block = None
                 self._restore(index, self.device)
+                self._unpin(self._state[index])
                 del self._state[index]
         self.streamed = frozenset(self._state)
 
@@ -191,6 +237,19 @@ class BlockStreamer:
         return sum(state.host.numel() for state in self._state.values())
 
     @property
+    def device_buffer_bytes(self) -> int:
+        """Device bytes the slot pool holds now (0 before the first call and after a release)."""
+        return sum(s.flat.numel() + (s.staging.numel() if s.staging is not None else 0) for s in self._slots)
+
+    @property
+    def refused_pinning(self) -> dict[int, int]:
+        """Streamed blocks (index: host bytes) that wanted pinned memory but got pageable memory,
+        because the pin budget was spent."""
+        if not self.pin_memory:
+            return {}
+        return {index: state.host.numel() for index, state in sorted(self._state.items()) if not state.pinned}
+
+    @property
     def _casts(self) -> bool:
         return self.storage_dtype is not None
 
@@ -202,13 +261,19 @@ class BlockStreamer:
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
         origin = layout.slots[0].tensor().device if layout.slots else self.device
-        host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(storage.nbytes))
+        host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=pinned)
         storage.pack_into(host)
         host_views = storage.views(host)
         originals = layout.current() if self._casts else None
         # Without a storage dtype, the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
-        return _StreamedBlock(layout, storage, host, host_views, origin, originals)
+        return _StreamedBlock(layout, storage, host, host_views, origin, originals, pinned=pinned)
+
+    def _unpin(self, state: _StreamedBlock) -> None:
+        """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
+        if state.pinned and self._pinned is not None:
+            self._pinned.release(state.host.numel())
 
     def _restore(self, index: int, device: torch.device) -> None:
         state = self._state[index]
@@ -221,9 +286,25 @@ class BlockStreamer:
 
     # -- device side -------------------------------------------------------------------------
 
+    def allocate_device_buffers(self) -> None:
+        """Allocates the slot pool now rather than at the first block call, so running out of device
+        memory shows while the model is being placed, where the caller can still fall back."""
+        if not self._state:
+            self._check_device_limit(0)  # nothing streams, but what is resident may already be too much
+        elif not self._slots:
+            self._allocate_slots()
+
+    def _check_device_limit(self, needed: int) -> None:
+        if self.device_limit_bytes is not None and needed > self.device_limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"simulated device limit: the stream buffers need {needed} bytes, "
+                f"{self.device_limit_bytes} are left after the resident weights"
+            )
+
     def _allocate_slots(self) -> None:
         largest = max(state.layout.nbytes for state in self._state.values())
         staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
+        self._check_device_limit(self.num_slots * (largest + staging))
         on_device = is_accelerator(self.device)
         for _ in range(self.num_slots):
             self._slots.append(
@@ -241,23 +322,11 @@ class BlockStreamer:
             views = slot.views[index] = self._state[index].layout.views(slot.flat)
         return views
 
-    def _pick_slot(self, protected: set[int]) -> int | None:
-        """A free slot, preferring empty ones, then the least recently used block not about to run."""
-        best = None
-        for number, slot in enumerate(self._slots):
-            if slot.in_use or (slot.block is not None and slot.block in protected):
-                continue
-            if slot.block is None:
-                return number
-            if best is None or slot.last_used < self._slots[best].last_used:
-                best = number
-        return best
-
     def _load(self, index: int, protected: set[int]) -> int | None:
         """Issues the copy of block ``index`` into a slot; returns the slot, or None if none is free."""
         if not self._slots:
             self._allocate_slots()
-        number = self._pick_slot(protected)
+        number = pick_slot(self._slots, protected)
         if number is None:
             return None
         slot = self._slots[number]
@@ -289,19 +358,7 @@ class BlockStreamer:
             target.copy_(source)
 
     def _upcoming(self) -> list[int]:
-        """The next ``prefetch`` streamed blocks of the expected order, wrapping into the next step."""
-        ahead: list[int] = []
-        if self.prefetch == 0 or not self._state:
-            return ahead
-        order = self._expected
-        position = len(self._order)
-        for offset in range(len(order)):
-            index = order[(position + offset) % len(order)]
-            if index in self._state and index not in ahead:
-                ahead.append(index)
-                if len(ahead) == self.prefetch:
-                    break
-        return ahead
+        return look_ahead(self._expected, len(self._order), self._state, self.prefetch)
 
     def _prefetch(self) -> None:
         ahead = self._upcoming()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -90,14 +91,26 @@ class StepTimeline:
         return data
 
 
+class TimelineListener(Protocol):
+    """Hears the recorder's progress, on the thread that runs the model: it must return at once."""
+
+    def block_called(self, step: int, block: int) -> None: ...
+
+    def step_resolved(self, timeline: StepTimeline) -> None: ...
+
+
 class TimelineRecorder:
-    """Collects the spans of each step; keeps the last ``keep`` resolved steps."""
+    """Collects the spans of each step; keeps the last ``keep`` resolved steps.
+
+    ``listener``, when set, hears every block call and every resolved step (a live view's feed).
+    """
 
     def __init__(self, device: torch.device, keep: int = 1) -> None:
         self.clock = Clock(device)
         self.device = device
         self.enabled = True
         self.steps: deque[StepTimeline] = deque(maxlen=keep)
+        self.listener: TimelineListener | None = None
         self._free: list[Marker] = []
         self._step_index = 0
         self._step_start: Marker | None = None
@@ -126,6 +139,8 @@ class TimelineRecorder:
         self._step_index += 1
         self._step_start = None
         self._calls = []
+        # On the CPU the step resolves now; on a device only if it already finished (one event query).
+        self._resolve(wait=False)
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
         if not self.enabled:
@@ -144,6 +159,8 @@ class TimelineRecorder:
         record = CallRecord(block, self._marker(), self._marker(), self._marker())
         self.clock.mark(record.arrive, stream)
         self._calls.append(record)
+        if self.listener is not None:
+            self.listener.block_called(self._step_index, block)
         return record
 
     def call_started(self, record: CallRecord | None, copy: CopyRecord | None, stream: torch.Stream | None) -> None:
@@ -166,7 +183,10 @@ class TimelineRecorder:
             if not wait and isinstance(end, torch.Event) and not end.query():
                 return
             self._pending.popleft()
-            self.steps.append(self._resolved(index, start, end, calls, peak))
+            timeline = self._resolved(index, start, end, calls, peak)
+            self.steps.append(timeline)
+            if self.listener is not None:
+                self.listener.step_resolved(timeline)
 
     def _resolved(
         self, index: int, start: Marker, end: Marker, calls: list[CallRecord], peak: int | None

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -306,6 +306,11 @@ class ComfyHost:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (to read its memory, say), while it runs."""
+        return self._proc.pid if self.running else None
+
     def command(self) -> list[str]:
         cmd = [self.python, str(self.comfyui_path / "main.py")]
         if self.cpu:
@@ -488,13 +493,19 @@ class ComfyHost:
         self.post("/free", {"unload_models": unload_models, "free_memory": free_memory}).raise_for_status()
 
     # ------------------------------------------------------------------- running
-    def run(self, prompt: Mapping[str, Any], timeout: float = 600.0) -> RunResult:
+    def run(
+        self,
+        prompt: Mapping[str, Any],
+        timeout: float = 600.0,
+        on_event: Callable[[WsEvent], None] | None = None,
+    ) -> RunResult:
         """Queue ``prompt`` and follow it over the websocket until ComfyUI is done with it.
 
         Every message for this run is kept in order: ComfyUI's own (execution_start,
         executing, progress, executed, ...) and any custom type a pack sends. Messages
         that name another prompt_id are dropped; messages without one (status, a pack's
-        custom events) are kept. On timeout the prompt is interrupted and
+        custom events) are kept. ``on_event`` sees each kept message as it arrives (to
+        interrupt at a chosen moment, say). On timeout the prompt is interrupted and
         RunTimeoutError raised.
         """
         self._check_alive()
@@ -537,6 +548,8 @@ class ComfyHost:
                 if other:
                     continue
                 events.append(event)
+                if on_event is not None:
+                    on_event(event)
                 if event.type in _OUTCOME_EVENTS:
                     status = _OUTCOME_EVENTS[event.type]
                     grace_end = time.monotonic() + 10.0

@@ -62,6 +62,23 @@ PY
   trap - ERR
 fi
 
+# Development requirements added since the first install (each version of the file installs once).
+dev_stamp="$VENV/.block-offload-dev-$(sha1sum "$repo/requirements-dev.txt" | cut -c1-12)"
+if [[ ! -f "$dev_stamp" ]]; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${TORCH_PINS[@]}" -r "$repo/requirements-dev.txt"
+  touch "$dev_stamp"
+fi
+
+# The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
+if [[ ! -x /usr/bin/chromium ]]; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null ||
+      die "apt-get could not install chromium, which tests/test_browser.py needs."
+  else
+    echo "setup: /usr/bin/chromium is missing and this is not a root Debian shell; install the chromium package (tests/test_browser.py skips without it)." >&2
+  fi
+fi
+
 # The host's base directory: ComfyUI reads models from it and writes outputs to it,
 # so a user's own ComfyUI gets nothing but what it already has.
 mkdir -p "$HOST_DIR/custom_nodes" "$HOST_DIR/models" "$HOST_DIR/input" "$HOST_DIR/output" "$HOST_DIR/temp"

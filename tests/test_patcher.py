@@ -20,6 +20,10 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
+    return in_process_comfy(comfyui_path, tiny_models)
+
+
+def in_process_comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
     """ComfyUI's modules and this pack, imported the way ComfyUI imports it (as ``block_offload``)."""
     from comfy.cli_args import args
 

@@ -1,0 +1,103 @@
+"""A line chart as a PNG, drawn with Pillow (which ComfyUI already installs): no plotting library.
+
+Enough for the benchmark's one figure kind: a few named lines of (x, y) points, linear axes
+from zero, a legend beside the plot.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+# Distinguishable on white (Okabe-Ito, then Paul Tol's muted set), one per method line.
+PALETTE = (
+    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#882255",
+    "#117733", "#332288", "#999933", "#AA4499", "#44AA99", "#661100", "#6699CC",
+)  # fmt: skip
+# Reference lines, not methods: dashed, in black and grey.
+REFERENCES = {"fully resident": "#000000", "lower bound": "#888888"}
+
+
+def _ticks(top: float, count: int = 5) -> list[float]:
+    """Round tick values from 0 to at least ``top``."""
+    if top <= 0:
+        return [0.0, 1.0]
+    raw = top / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
+
+
+def _dashed(draw: ImageDraw.ImageDraw, a: tuple[float, float], b: tuple[float, float], fill: str) -> None:
+    length = math.dist(a, b)
+    for start in range(0, int(length), 12):
+        t0, t1 = start / length, min(start + 7, length) / length
+        p0 = (a[0] + (b[0] - a[0]) * t0, a[1] + (b[1] - a[1]) * t0)
+        p1 = (a[0] + (b[0] - a[0]) * t1, a[1] + (b[1] - a[1]) * t1)
+        draw.line([p0, p1], fill=fill, width=2)
+
+
+def line_chart(
+    series: dict[str, list[tuple[float, float]]],
+    path: Path,
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    size: tuple[int, int] = (1280, 600),
+) -> Path:
+    """Draws ``series`` (name -> points) and writes the PNG to ``path``."""
+    width, height = size
+    font = ImageFont.load_default(size=14)
+    small = ImageFont.load_default(size=12)
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = 80, 70, width - 460, height - 60
+    points = [p for line in series.values() for p in line]
+    x_ticks = _ticks(max((x for x, _ in points), default=1.0))
+    y_ticks = _ticks(max((y for _, y in points), default=1.0))
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return (
+            left + (right - left) * x / x_ticks[-1],
+            bottom - (bottom - top) * y / y_ticks[-1],
+        )
+
+    draw.text((left, 15), title, fill="black", font=font)
+    for x in x_ticks:
+        px, _ = at(x, 0)
+        draw.line([(px, top), (px, bottom)], fill="#e6e6e6")
+        draw.text((px, bottom + 8), f"{x:g}", fill="black", font=small, anchor="mt")
+    for y in y_ticks:
+        _, py = at(0, y)
+        draw.line([(left, py), (right, py)], fill="#e6e6e6")
+        draw.text((left - 8, py), f"{y:g}", fill="black", font=small, anchor="rm")
+    draw.rectangle([left, top, right, bottom], outline="black")
+    draw.text(((left + right) / 2, height - 22), x_label, fill="black", font=font, anchor="mm")
+    draw.text((12, top - 24), y_label, fill="black", font=font)
+
+    methods = 0
+    for number, (name, line) in enumerate(series.items()):
+        dashed = name in REFERENCES
+        colour = REFERENCES[name] if dashed else PALETTE[methods % len(PALETTE)]
+        methods += not dashed
+        pixels = [at(x, y) for x, y in line]
+        for a, b in zip(pixels, pixels[1:], strict=False):
+            if dashed:
+                _dashed(draw, a, b, colour)
+            else:
+                draw.line([a, b], fill=colour, width=3)
+        if not dashed:
+            for px, py in pixels:
+                draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
+        legend_y = top + 4 + number * 22
+        if dashed:
+            _dashed(draw, (right + 20, legend_y + 7), (right + 50, legend_y + 7), colour)
+        else:
+            draw.line([(right + 20, legend_y + 7), (right + 50, legend_y + 7)], fill=colour, width=3)
+        draw.text((right + 58, legend_y), name, fill="black", font=small)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path

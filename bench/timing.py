@@ -1,0 +1,37 @@
+"""Timing helpers the benchmarks share: milliseconds per call, and pinned host-to-device bandwidth.
+
+Times come from the engine's ``Clock``: device events on an accelerator, the host clock on the CPU
+(smoke runs only: the figures mean nothing there). Needs the repository root on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from offload.device import Clock, synchronize
+
+
+def ms_per_call(fn: Callable[[], object], device: torch.device, steps: int, warmup: int) -> float:
+    """Milliseconds per call of ``fn``, averaged over ``steps`` calls after ``warmup`` untimed ones."""
+    clock = Clock(device)
+    for _ in range(warmup):
+        fn()
+    start, end = clock.new_marker(), clock.new_marker()
+    synchronize(device)
+    clock.mark(start, None)
+    for _ in range(steps):
+        fn()
+    synchronize(device)
+    clock.mark(end, None)
+    return clock.elapsed_ms(start, end) / steps
+
+
+def h2d_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Host-to-device copy bandwidth from page-locked memory (plain RAM on the CPU), in GB/s."""
+    pinned = torch.accelerator.is_available()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ms = ms_per_call(lambda: target.copy_(host, non_blocking=pinned), device, steps=3, warmup=1)
+    return nbytes / (ms / 1000.0) / 1e9

@@ -1,0 +1,406 @@
+"""Predicts the step time of a placement, and picks the fastest placement that fits a budget.
+
+The prediction replays what ``BlockStreamer`` does in one step, call by call: the
+same slot pool (``prefetch + 1`` slots) and the same functions choosing a slot
+(``pick_slot``: empty ones first, then the least recently used block that is not
+about to run) and what to copy ahead (``look_ahead``: the next ``prefetch`` streamed
+blocks of the call order, wrapping into the next step), the same on-demand copy
+when a block arrives without a slot. Device time follows the streams the engine uses:
+
+* one copy stream, copies in the order they are issued; a copy into a slot
+  starts when the stream is free and the slot's previous block has finished
+  computing (its *released* event);
+* one compute stream; call ``i`` arrives ``gap_ms[i]`` after the previous call
+  ended, starts when its copy is ready, and computes ``compute_ms[i]``;
+* resident blocks need no copy.
+
+With ``inline_copies`` (the CPU, where there is no copy stream) every copy runs on
+the host between two computes, as the engine really does there.
+
+The host is assumed to run ahead of the device, which is what the engine's
+event-only synchronisation allows (with pinned memory): even a copy issued when its
+block is called (prefetch 0) starts as soon as its slot is free, during the compute
+of the resident blocks before it. The step is taken in steady state (the third
+step), because the first step starts with empty slots and later ones start with
+copies the previous step issued for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .plan import OffloadPlan
+from .residency import ResidencyPolicy
+from .streamer import look_ahead, pick_slot
+from .timeline import StepTimeline
+
+#: Predictions this close (relative) count as equal.
+TIE = 1e-6
+#: Prefetch depths the search tries. Deeper costs a block of device memory per step for little gain.
+PREFETCH_CHOICES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class StackCosts:
+    """What one step of a block stack costs, measured once and reused to predict any placement.
+
+    ``calls`` are the block indices in the order one step calls them; ``compute_ms`` and
+    ``gap_ms`` are per call: the block's own compute, and the compute-stream time between
+    the previous call's end (the step's start, for the first call) and this call's arrival.
+    ``tail_ms`` runs from the last call's end to the step's end.
+    """
+
+    block_bytes: tuple[int, ...]
+    calls: tuple[int, ...]
+    compute_ms: tuple[float, ...]
+    gap_ms: tuple[float, ...]
+    tail_ms: float
+    bandwidth_gbps: float
+
+    def __post_init__(self) -> None:
+        if not len(self.calls) == len(self.compute_ms) == len(self.gap_ms):
+            raise ValueError("calls, compute_ms and gap_ms must have one entry per call")
+        if any(not 0 <= block < len(self.block_bytes) for block in self.calls):
+            raise ValueError(f"a call names a block outside 0..{len(self.block_bytes) - 1}")
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(f"the host-to-device bandwidth must be positive, got {self.bandwidth_gbps}")
+
+    @classmethod
+    def uniform(cls, num_blocks: int, compute_ms: float, block_bytes: int, bandwidth_gbps: float) -> StackCosts:
+        """``num_blocks`` equal blocks called once each, in list order, back to back."""
+        return cls(
+            (block_bytes,) * num_blocks,
+            tuple(range(num_blocks)),
+            (compute_ms,) * num_blocks,
+            (0.0,) * num_blocks,
+            0.0,
+            bandwidth_gbps,
+        )
+
+    @classmethod
+    def from_timeline(
+        cls,
+        step: StepTimeline,
+        block_bytes: Sequence[int],
+        bandwidth_gbps: float | None = None,
+        inline_copies: bool = False,
+    ) -> StackCosts:
+        """Costs read from one recorded step; the bandwidth is the step's own unless given.
+
+        With ``inline_copies`` (a CPU recording) the copies a call issued ahead ran on the
+        host inside that call's compute span; their time is taken out of it.
+        """
+        bandwidth = bandwidth_gbps or step.bandwidth_gbps
+        if bandwidth is None:
+            raise ValueError("the step copied nothing, so it cannot tell the bandwidth; give bandwidth_gbps")
+        copies = [(s.copy_start, s.copy_end) for s in step.spans if s.copy_start is not None]
+        calls, compute, gaps = [], [], []
+        previous_end = 0.0
+        for span in step.spans:
+            arrive = span.compute_start - span.stall
+            inside = 0.0
+            if inline_copies:
+                inside = sum(
+                    end - start for start, end in copies if span.compute_start <= start and end <= span.compute_end
+                )
+            calls.append(span.block)
+            compute.append(max(0.0, span.compute_end - span.compute_start - inside))
+            gaps.append(max(0.0, arrive - previous_end))
+            previous_end = span.compute_end
+        return cls(
+            tuple(block_bytes),
+            tuple(calls),
+            tuple(compute),
+            tuple(gaps),
+            max(0.0, step.duration_ms - previous_end),
+            bandwidth,
+        )
+
+    def copy_ms(self, block: int) -> float:
+        return self.block_bytes[block] / (self.bandwidth_gbps * 1e6)
+
+    @property
+    def resident_step_ms(self) -> float:
+        """The step with every block resident: nothing to wait for."""
+        return sum(self.gap_ms) + sum(self.compute_ms) + self.tail_ms
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StackCosts:
+        return cls(
+            tuple(int(b) for b in data["block_bytes"]),
+            tuple(int(c) for c in data["calls"]),
+            tuple(float(c) for c in data["compute_ms"]),
+            tuple(float(g) for g in data["gap_ms"]),
+            float(data["tail_ms"]),
+            float(data["bandwidth_gbps"]),
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One steady-state step of ``plan``, as the pipeline model sees it."""
+
+    plan: OffloadPlan
+    step_ms: float
+    stall_ms: float
+    bytes_copied: int
+    #: Per call of the step: whether it consumed a copy (False: resident, or still in its slot).
+    copied: tuple[bool, ...]
+
+    def describe(self, costs: StackCosts) -> str:
+        bound = lower_bound_ms(costs, self.plan.streamed_bytes)
+        return (
+            f"predicted {self.step_ms:.1f} ms per step (stalls {self.stall_ms:.1f} ms; all resident "
+            f"{costs.resident_step_ms:.1f} ms, lower bound {bound:.1f} ms at {costs.bandwidth_gbps:.1f} GB/s)"
+        )
+
+
+def lower_bound_ms(costs: StackCosts, streamed_bytes: int) -> float:
+    """No placement streaming ``streamed_bytes`` per step beats this: compute, or the copies alone."""
+    return max(costs.resident_step_ms, streamed_bytes / (costs.bandwidth_gbps * 1e6))
+
+
+@dataclass
+class _Slot:
+    block: int | None = None
+    in_use: bool = False
+    last_used: int = -1
+    ready_at: float = 0.0
+    released_at: float = 0.0
+    pending_bytes: int = 0  # a copy not yet consumed by a call
+
+
+@dataclass
+class _Step:
+    start: float
+    stall: float = 0.0
+    bytes_copied: int = 0
+    copied: list[bool] = field(default_factory=list)
+
+
+class _Pipeline:
+    """BlockStreamer's bookkeeping, with clocks instead of tensors (see the module docstring)."""
+
+    def __init__(self, costs: StackCosts, plan: OffloadPlan, inline_copies: bool) -> None:
+        self.costs = costs
+        self.streamed = plan.streamed
+        self.prefetch = plan.prefetch
+        self.inline = inline_copies
+        self.slots = [_Slot() for _ in range(plan.prefetch + 1)]
+        self.slot_of: dict[int, int] = {}
+        self.expected = list(range(len(costs.block_bytes)))  # the first step assumes list order
+        self.order: list[int] = []
+        self.tick = 0
+        self.clock = 0.0  # the compute stream (the host, with inline copies)
+        self.copy_free = 0.0  # the copy stream
+
+    def run_step(self) -> tuple[float, _Step]:
+        step = _Step(start=self.clock)
+        self.order = []
+        self._prefetch()
+        for gap, compute, block in zip(self.costs.gap_ms, self.costs.compute_ms, self.costs.calls, strict=True):
+            self._call(block, gap, compute, step)
+        if self.order:
+            self.expected = self.order
+        self.clock += self.costs.tail_ms
+        return self.clock - step.start, step
+
+    def _call(self, block: int, gap: float, compute: float, step: _Step) -> None:
+        self.clock += gap
+        arrive = self.clock
+        self.order.append(block)
+        self.tick += 1
+        slot = None
+        if block in self.streamed:
+            number = self.slot_of.get(block)
+            if number is None:
+                number = self._load(block, protected=set())
+            slot = self.slots[number]
+            self.clock = max(self.clock, slot.ready_at)
+            slot.in_use = True
+            slot.last_used = self.tick
+            step.bytes_copied += slot.pending_bytes
+            step.copied.append(slot.pending_bytes > 0)
+            slot.pending_bytes = 0
+        else:
+            step.copied.append(False)
+        step.stall += self.clock - arrive
+        self._prefetch()
+        self.clock += compute
+        if slot is not None:
+            slot.released_at = self.clock
+            slot.in_use = False
+
+    def _prefetch(self) -> None:
+        ahead = look_ahead(self.expected, len(self.order), self.streamed, self.prefetch)
+        protected = set(ahead)
+        for block in ahead:
+            if block not in self.slot_of and self._load(block, protected) is None:
+                return
+
+    def _load(self, block: int, protected: set[int]) -> int | None:
+        number = pick_slot(self.slots, protected)
+        if number is None:
+            return None
+        slot = self.slots[number]
+        if slot.block is not None:
+            del self.slot_of[slot.block]
+        duration = self.costs.copy_ms(block)
+        if self.inline:
+            start = self.clock
+            self.clock += duration
+        else:
+            start = max(self.copy_free, slot.released_at)
+            self.copy_free = start + duration
+        slot.ready_at = start + duration
+        slot.block = block
+        slot.pending_bytes = self.costs.block_bytes[block]
+        self.slot_of[block] = number
+        return number
+
+
+def simulate(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False, steps: int = 3) -> Prediction:
+    """The ``steps``-th step of ``plan`` (the first ``steps - 1`` warm the slots up)."""
+    if plan.block_bytes != costs.block_bytes:
+        raise ValueError("the plan and the costs describe different stacks")
+    pipeline = _Pipeline(costs, plan, inline_copies)
+    for _ in range(steps):
+        duration, step = pipeline.run_step()
+    return Prediction(plan, duration, step.stall, step.bytes_copied, tuple(step.copied))
+
+
+def _fits(sizes: Sequence[int], resident: Iterable[int], prefetch: int, budget_bytes: int) -> bool:
+    """The engine's own budget rule (``OffloadPlan.build``): slots as large as the largest block."""
+    slots = (prefetch + 1) * max(sizes, default=0)
+    return sum(sizes[i] for i in resident) + slots <= budget_bytes
+
+
+def _greedy(
+    costs: StackCosts, budget_bytes: int, prefetch: int, pin_memory: bool, inline_copies: bool
+) -> Prediction | None:
+    """Adds, one at a time, the block whose residency shortens the predicted step most."""
+    sizes = costs.block_bytes
+    if not _fits(sizes, (), prefetch, budget_bytes):
+        return None
+    resident: frozenset[int] = frozenset()
+    best = simulate(costs, OffloadPlan(sizes, resident, prefetch, pin_memory, None), inline_copies=inline_copies)
+    while True:
+        options = [
+            simulate(costs, OffloadPlan(sizes, resident | {i}, prefetch, pin_memory, None), inline_copies=inline_copies)
+            for i in range(len(sizes))
+            if i not in resident and _fits(sizes, resident | {i}, prefetch, budget_bytes)
+        ]
+        if not options:
+            return best
+        chosen = min(options, key=lambda p: p.step_ms)
+        resident = chosen.plan.resident
+        if _better(chosen, best):
+            best = chosen
+
+
+def _better(a: Prediction, b: Prediction) -> bool:
+    """Faster; when as fast, the one streaming less (its copies have more time to spare if the
+    bandwidth or the compute drift from what was measured), then the shallower prefetch."""
+    if a.step_ms < b.step_ms * (1 - TIE):
+        return True
+    if b.step_ms < a.step_ms * (1 - TIE):
+        return False
+    return (a.plan.streamed_bytes, a.plan.prefetch) < (b.plan.streamed_bytes, b.plan.prefetch)
+
+
+def best_plan(
+    costs: StackCosts,
+    budget_bytes: int,
+    *,
+    prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
+    pin_memory: bool = True,
+    inline_copies: bool = False,
+) -> Prediction:
+    """The fastest placement whose resident blocks and slots fit ``budget_bytes``.
+
+    Candidates, for every prefetch depth: the three residency policies at the largest
+    count that fits, and a greedy set grown block by block on the predicted step time
+    (it finds the positions where residency hides the most copy time, which the fixed
+    policies cannot when blocks differ in size or compute). Everything resident is a
+    candidate too when it fits.
+    """
+    sizes = costs.block_bytes
+    candidates: list[Prediction] = []
+    if sum(sizes) <= budget_bytes:
+        every = OffloadPlan(sizes, frozenset(range(len(sizes))), min(prefetch_choices), pin_memory, None)
+        candidates.append(simulate(costs, every, inline_copies=inline_copies))
+    for prefetch in prefetch_choices:
+        for policy in ResidencyPolicy:
+            plan = OffloadPlan.build(
+                sizes, budget_bytes=budget_bytes, policy=policy, prefetch=prefetch, pin_memory=pin_memory
+            )
+            if plan.device_bytes() <= budget_bytes:
+                candidates.append(simulate(costs, plan, inline_copies=inline_copies))
+        greedy = _greedy(costs, budget_bytes, prefetch, pin_memory, inline_copies)
+        if greedy is not None:
+            candidates.append(greedy)
+    if not candidates:
+        smallest = (min(prefetch_choices) + 1) * max(sizes, default=0)
+        raise ValueError(
+            f"a budget of {budget_bytes / 2**30:.2f} GiB holds no placement: streaming needs at least "
+            f"{smallest / 2**30:.2f} GiB of slots"
+        )
+    best = candidates[0]
+    for candidate in candidates[1:]:
+        if _better(candidate, best):
+            best = candidate
+    return best
+
+
+def cache_key(device_name: str, architecture: str, block_bytes: Sequence[int]) -> str:
+    """Measurements hold for one device and one stack shape (block count and sizes)."""
+    return f"{device_name} | {architecture} | {len(block_bytes)} blocks | {sum(block_bytes)} bytes"
+
+
+class CostCache:
+    """Measured ``StackCosts`` by ``cache_key``, in one small JSON file.
+
+    The newest ``limit`` entries are kept. A missing or unreadable file is an empty cache:
+    measurements are only ever a shortcut, never a requirement.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], limit: int = 64) -> None:
+        self.path = Path(path)
+        self.limit = limit
+
+    def _entries(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return entries if isinstance(entries, dict) else {}
+
+    def get(self, key: str) -> StackCosts | None:
+        entry = self._entries().get(key)
+        if entry is None:
+            return None
+        try:
+            return StackCosts.from_dict(entry["costs"])
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, costs: StackCosts) -> None:
+        entries = self._entries()
+        entries.pop(key, None)
+        entries[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "costs": costs.as_dict()}
+        kept = dict(list(entries.items())[-self.limit :])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole then renamed, so a reader never sees half a file.
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as handle:
+            json.dump({"version": 1, "entries": kept}, handle, indent=1)
+        os.replace(handle.name, self.path)

@@ -1,0 +1,338 @@
+"""The live panel's feed: the ``block_offload.status`` websocket messages and the report routes.
+
+Through the real server (the session's ``comfy_host``, CPU streaming allowed): the tiny Wan
+example workflow, with more steps so the run outlasts several rate-limit intervals, is queued
+while a second websocket client listens as a panel would. Every message must follow the
+schema below, none may come sooner than ``MIN_INTERVAL_S`` after the one before, the last
+says the run finished and carries its last step, and the routes must return that run.
+
+On a CUDA machine, a GPU server of its own: the messages carry the device's memory figures.
+
+In-process (no server): the real publisher on a real engine, to prove the throttle holds when
+steps come far faster than messages may, and to measure what a block call costs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import websocket
+from comfy_host import REPO, ComfyHost, RunResult
+from test_patcher import comfy  # noqa: F401 - the fixture: ComfyUI imported in-process, on the CPU
+from transformer_stack import transformer_stack
+
+pytestmark = pytest.mark.usefixtures("tiny_models")
+
+WORKFLOW = REPO / "example_workflows" / "api" / "async_block_offload_wan21_t2v.json"
+NODE_NAME = "Async Block Offload"
+BLOCKS = 5  # tiny Wan 2.1's blocks; the workflow keeps 1 resident (leading)
+PLACEMENT = "RSSSS"
+# Each tiny Wan step takes ~12 ms on two idle CPU cores: 150 steps outlast several intervals.
+LONG_RUN_STEPS = 150
+
+STATUS_EVENT = "block_offload.status"
+MIN_INTERVAL_S = 0.25
+SPAN_FIELDS = ["block", "copy_start", "copy_end", "compute_start", "compute_end", "stall", "bytes_copied"]
+MEMORY_FIELDS = {
+    "allocated", "reserved", "peak_allocated", "free", "total",
+    "resident_weights", "streaming_buffers", "other", "process_rss", "host_total",
+}  # fmt: skip
+STATUS_FIELDS = {
+    "v": int, "seq": int, "time": float, "running": bool, "prompt_id": (str, type(None)),
+    "node": (str, type(None)), "plan": (str, type(None)), "device": str, "accelerator": bool,
+    "step": (int, type(None)), "steps_done": int, "block": (int, type(None)), "blocks": int, "placement": str,
+    "prefetch": (int, type(None)), "pinned": (bool, type(None)), "streamed_host_bytes": (int, type(None)),
+    "notices": list, "memory": dict, "models": list,
+}  # fmt: skip
+OPTIONAL_NUMBER = (int, float, type(None))
+
+
+def wan_prompt(steps: int) -> dict[str, Any]:
+    """The example workflow as shipped (scripts/demo.py runs it unchanged) with ``steps`` sampler steps,
+    and a seed and output prefix of its own, so ComfyUI's cache cannot skip the sampler."""
+    tag = uuid.uuid4().hex
+    prompt = json.loads(WORKFLOW.read_text())
+    prompt["7"]["inputs"].update(steps=steps, seed=int(tag[:8], 16))
+    prompt["8"]["inputs"]["filename_prefix"] = f"tests/panel/{tag}"
+    return prompt
+
+
+class StatusListener:
+    """A second websocket client, as a browser panel is: collects the pack's messages with their arrival time."""
+
+    def __init__(self, host: ComfyHost) -> None:
+        self.messages: list[tuple[float, dict[str, Any]]] = []
+        self._ws = websocket.create_connection(f"ws://{host.host}:{host.port}/ws?clientId={uuid.uuid4().hex}")
+        self._ws.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                raw = self._ws.recv()
+            except websocket.WebSocketTimeoutException:
+                continue
+            except websocket.WebSocketConnectionClosedException:
+                return
+            if isinstance(raw, str):
+                message = json.loads(raw)
+                if message.get("type") == STATUS_EVENT:
+                    self.messages.append((time.monotonic(), message["data"]))
+
+    def of(self, prompt_id: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(at, data) for at, data in self.messages if data["prompt_id"] == prompt_id]
+
+    def wait_finished(self, prompt_id: str, timeout: float = 10.0) -> list[tuple[float, dict[str, Any]]]:
+        """This prompt's messages, once the one saying its run finished has come."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            received = self.of(prompt_id)
+            if received and not received[-1][1]["running"]:
+                return received
+            time.sleep(0.05)
+        raise AssertionError(f"no finishing status for {prompt_id} in {timeout} s; got {self.of(prompt_id)}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._ws.close()
+
+
+def check_status(status: dict[str, Any]) -> None:
+    """The schema every message and the report share (nodes/report.py)."""
+    for name, kind in STATUS_FIELDS.items():
+        assert isinstance(status.get(name), kind), f"{name}={status.get(name)!r} is not {kind}"
+    assert status["v"] == 1
+    assert set(status["memory"]) == MEMORY_FIELDS, status["memory"]
+    assert all(isinstance(text, str) for text in status["notices"])
+    assert len(status["placement"]) == status["blocks"] and set(status["placement"]) <= {"R", "S"}
+    memory = status["memory"]
+    assert memory["process_rss"] > 0 and memory["host_total"] >= memory["process_rss"]
+    if status["accelerator"]:
+        assert all(isinstance(memory[k], int) for k in ("allocated", "reserved", "free", "total")), memory
+        assert 0 <= memory["free"] <= memory["total"] and memory["allocated"] <= memory["reserved"], memory
+    else:
+        assert all(memory[k] is None for k in ("allocated", "reserved", "free", "total", "other")), memory
+    for model in status["models"]:  # every model streaming now, one per node
+        assert set(model) == {"node", "placement", "prefetch", "pinned", "running"}, model
+        assert set(model["placement"]) <= {"R", "S"}
+    if "last_step" in status:
+        check_step(status["last_step"], status["placement"])
+
+
+def check_step(step: dict[str, Any], placement: str) -> None:
+    """A compact step: one row per block call; streamed blocks were copied, resident ones not."""
+    assert list(step["span_fields"]) == SPAN_FIELDS
+    assert isinstance(step["step"], int) and step["step"] >= 0
+    assert step["duration_ms"] > 0 and 0.0 <= step["overlap"] <= 1.0
+    for name in ("copy_ms", "stall_ms", "bandwidth_gbps"):
+        assert isinstance(step[name], OPTIONAL_NUMBER), (name, step[name])
+    assert [row[0] for row in step["spans"]] == list(range(len(placement))), step["spans"]
+    for block, copy_start, copy_end, compute_start, compute_end, stall, copied in step["spans"]:
+        assert 0 <= compute_start <= compute_end <= step["duration_ms"], step
+        assert stall >= 0
+        if placement[block] == "S":
+            assert copy_start is not None and copy_start <= copy_end and copied > 0, (block, step)
+        else:
+            assert copy_start is None and copied == 0, (block, step)
+    assert step["bytes_copied"] == sum(row[6] for row in step["spans"])
+
+
+@pytest.fixture(scope="module")
+def long_run(comfy_host: ComfyHost) -> tuple[RunResult, list[tuple[float, dict[str, Any]]]]:
+    """One run of LONG_RUN_STEPS steps and the status messages a listening client received for it."""
+    listener = StatusListener(comfy_host)
+    try:
+        result = comfy_host.run(wan_prompt(LONG_RUN_STEPS), timeout=300)
+        assert result.ok, result.error_text()
+        received = listener.wait_finished(result.prompt_id)
+    finally:
+        listener.close()
+    return result, received
+
+
+def test_status_messages_follow_the_schema_and_the_run(long_run) -> None:
+    result, received = long_run
+    statuses = [data for _, data in received]
+    for status in statuses:
+        check_status(status)
+    assert len(statuses) >= 4, f"a {result.wall_s:.1f} s run sent only {len(statuses)} messages"
+    assert all(s["node"] == NODE_NAME and s["placement"] == PLACEMENT and s["blocks"] == BLOCKS for s in statuses)
+    for status in statuses:  # the run's model is among those streaming (the session may hold others)
+        assert (NODE_NAME, PLACEMENT) in [(m["node"], m["placement"]) for m in status["models"]], status["models"]
+    assert all(s["running"] for s in statuses[:-1]) and not statuses[-1]["running"]
+    seqs = [s["seq"] for s in statuses]
+    assert seqs == sorted(set(seqs)), seqs
+    done = [s["steps_done"] for s in statuses]
+    assert done == sorted(done), done
+    live = [s for s in statuses if s["block"] is not None]
+    assert live, "no message named the block running"
+    assert all(0 <= s["block"] < BLOCKS and 0 <= s["step"] < LONG_RUN_STEPS for s in live)
+    # The final message carries the run's last step: one model pass per sampler step (cond and uncond batched).
+    final = statuses[-1]
+    assert final["steps_done"] == LONG_RUN_STEPS
+    assert final["last_step"]["step"] == LONG_RUN_STEPS - 1
+    assert sum("last_step" in s for s in statuses) >= 2
+    # The pack's own copies on the CPU: RAM-to-RAM, but timed and counted like a device's.
+    assert final["last_step"]["bytes_copied"] == final["streamed_host_bytes"]
+    assert final["memory"]["resident_weights"] > 0 and final["memory"]["streaming_buffers"] > 0
+
+
+def test_status_messages_respect_the_rate_limit(long_run) -> None:
+    result, received = long_run
+    sent = [data["time"] for _, data in received]
+    gaps = [b - a for a, b in zip(sent, sent[1:], strict=False)]
+    assert min(gaps) >= MIN_INTERVAL_S - 1e-3, f"messages sent {min(gaps) * 1e3:.1f} ms apart: {gaps}"
+    # What the client saw: no more than the limit allows over the time they spanned (one interval of jitter).
+    arrived = [at for at, _ in received]
+    span = arrived[-1] - arrived[0]
+    assert len(arrived) - 1 <= span / MIN_INTERVAL_S + 1, (len(arrived), span)
+    rate = (len(arrived) - 1) / span
+    print(f"\n{len(arrived)} status messages in {span:.2f} s ({rate:.2f}/s) over a {result.wall_s:.2f} s run")
+
+
+def test_routes_return_the_last_run(comfy_host: ComfyHost, long_run) -> None:
+    result, received = long_run
+    report = comfy_host.get_json("/block_offload/report")
+    check_status(report)
+    assert report["prompt_id"] == result.prompt_id and not report["running"]
+    assert report["steps_done"] == LONG_RUN_STEPS and report["last_step"]["step"] == LONG_RUN_STEPS - 1
+    assert report["timeline"]["step"] == LONG_RUN_STEPS - 1 and len(report["timeline"]["spans"]) == BLOCKS
+    assert report["plan"] and report["node"] == NODE_NAME and report["process_rss_bytes"] > 0
+
+    timeline = comfy_host.get_json("/block_offload/timeline")
+    assert timeline["prompt_id"] == result.prompt_id and timeline["node"] == NODE_NAME
+    assert timeline["steps_done"] == LONG_RUN_STEPS and not timeline["truncated"]
+    assert [s["step"] for s in timeline["steps"]] == list(range(LONG_RUN_STEPS))
+    for step in timeline["steps"]:
+        assert [span["block"] for span in step["spans"]] == list(range(BLOCKS))
+        assert step["bytes_copied"] == report["streamed_host_bytes"]
+        assert 0.0 <= step["overlap"] <= 1.0 and step["duration_ms"] > 0
+    # The last step the websocket carried is the last step of the downloadable timeline.
+    last = timeline["steps"][-1]
+    compact = received[-1][1]["last_step"]
+    assert compact["duration_ms"] == pytest.approx(last["duration_ms"], abs=1e-3)
+
+    download = comfy_host.get("/api/block_offload/timeline?download=1")
+    assert download.status_code == 200
+    assert "attachment" in download.headers["Content-Disposition"]
+    assert download.json()["prompt_id"] == result.prompt_id
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_figures_on_a_cuda_device() -> None:
+    """ComfyUI on the GPU (a server of its own: the session's runs with --cpu): device memory in every
+    message, and the last step's copies timed by CUDA events."""
+    with ComfyHost(cpu=False) as host:
+        listener = StatusListener(host)
+        try:
+            result = host.run(wan_prompt(LONG_RUN_STEPS), timeout=300)
+            assert result.ok, result.error_text()
+            statuses = [data for _, data in listener.wait_finished(result.prompt_id)]
+        finally:
+            listener.close()
+    for status in statuses:
+        check_status(status)
+        assert status["accelerator"] and status["device"].startswith("cuda"), status["device"]
+    final = statuses[-1]
+    memory = final["memory"]
+    assert memory["total"] == torch.cuda.mem_get_info()[1]
+    assert memory["resident_weights"] > 0 and memory["streaming_buffers"] > 0
+    assert memory["allocated"] >= memory["streaming_buffers"] and memory["other"] >= 0
+    step = final["last_step"]
+    assert step["peak_allocated"] >= memory["streaming_buffers"]
+    assert step["bytes_copied"] == final["streamed_host_bytes"] and step["bandwidth_gbps"] > 0.1
+    print(f"\nGPU: overlap {step['overlap']:.2f}, {step['bandwidth_gbps']:.1f} GB/s, step {step['duration_ms']:.2f} ms")
+
+
+# -- in-process: the publisher on a real engine --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pack(comfy: SimpleNamespace) -> SimpleNamespace:  # noqa: F811 - the fixture imported above
+    """The pack's engine, patcher and report modules, imported as ComfyUI imports them, without a server."""
+    return SimpleNamespace(
+        offload=importlib.import_module("block_offload.offload"),
+        patcher=comfy.patcher,
+        report=importlib.import_module("block_offload.nodes.report"),
+    )
+
+
+def streaming_engine(pack: SimpleNamespace, num_blocks: int, resident: int, dim: int = 64) -> tuple[Any, Any]:
+    """A tiny transformer stack streaming on the CPU, wrapped in the engine state the patcher builds."""
+    off = pack.offload
+    model = transformer_stack(num_blocks=num_blocks, dim=dim, heads=4)
+    plan = off.OffloadPlan.build([off.module_bytes(b) for b in model.blocks], resident_count=resident)
+    recorder = off.TimelineRecorder(torch.device("cpu"))
+    runner = off.BlockStreamer(model.blocks, "cpu", plan.streamed, recorder=recorder, root=model)
+    request = pack.patcher.OffloadRequest(node="panel test")
+    engine = pack.patcher._Engine(request, plan, frozenset(), runner, recorder, plan.describe())
+    return model, engine
+
+
+def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> None:
+    report = pack.report
+    model, engine = streaming_engine(pack, num_blocks=8, resident=2)
+    engine.runner.enable()
+    report.engine_started(engine)
+    x = torch.randn(1, 8, 64)
+    try:
+        first_seq = report._outbox.seq
+        report.run_started(engine, resident_weights=0)
+        steps, start = 0, time.perf_counter()
+        with torch.inference_mode():
+            while time.perf_counter() - start < 1.2:
+                model(x)
+                steps += 1
+        report.run_finished(engine)
+        elapsed = time.perf_counter() - start
+    finally:
+        engine.stop()
+    sent = report._outbox.seq - first_seq
+    # The start and the end are always sent (deferred to keep the interval), the rest when one is due.
+    assert 2 <= sent <= elapsed / MIN_INTERVAL_S + 2, (sent, elapsed, steps)
+    assert steps * 8 > 2 * (elapsed / MIN_INTERVAL_S + 2), f"too few block calls ({steps * 8}) to test the throttle"
+    timeline = report.run_timeline()
+    assert timeline["steps_done"] == steps and len(timeline["steps"]) == steps
+    assert timeline["placement"] == "RRSSSSSS" and not timeline["running"]
+    assert all(len(step["spans"]) == 8 for step in timeline["steps"])
+    snapshot = report.snapshot()
+    check_status(snapshot)
+    assert snapshot["last_step"]["step"] == steps - 1
+
+
+def test_listener_cost_per_block_call(pack: SimpleNamespace) -> None:
+    """What the panel adds to every block call: one clock read and one compare, and a message when due."""
+    report = pack.report
+    model, engine = streaming_engine(pack, num_blocks=4, resident=0)
+    engine.runner.enable()
+    report.engine_started(engine)
+    report.run_started(engine, resident_weights=0)
+    with torch.inference_mode():
+        model(torch.randn(1, 8, 64))  # a step for the messages to carry
+    engine.stop()
+    listener = engine.recorder.listener
+    calls = 200_000
+    first_seq = report._outbox.seq
+    start = time.perf_counter()
+    for i in range(calls):
+        listener.block_called(0, i & 3)
+    per_call = (time.perf_counter() - start) / calls
+    sent = report._outbox.seq - first_seq
+    start = time.perf_counter()
+    for _ in range(200):
+        listener.status(engine.recorder.latest())
+    per_message = (time.perf_counter() - start) / 200
+    print(f"\npanel listener: {per_call * 1e9:.0f} ns per block call, {per_message * 1e6:.0f} us per message built")
+    assert per_call < 5e-6, f"{per_call * 1e6:.2f} us per block call"
+    assert sent <= (per_call * calls) / MIN_INTERVAL_S + 1
