@@ -45,6 +45,7 @@ from ..offload import (
     device_name,
     module_bytes,
     place_falling_back,
+    unpark,
 )
 from . import report
 from .architectures import find_blocks
@@ -129,8 +130,8 @@ class _Engine:
     # Things the user should know about this run (a fallback taken, a cap reached): logged once, shown by the panel.
     notices: list[str] = field(default_factory=list)
 
-    def stop(self) -> None:
-        self.runner.disable()
+    def stop(self, park: bool = False) -> None:
+        self.runner.disable(park)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class BlockOffloadPatcher(ModelPatcher):
         if self.offload_engine is None and self.model.model_loaded_weight_memory > 0:
             # Another patcher of these weights left them loaded its way (ComfyUI keeps a
             # detached clone's placement); start from the host so nothing streamed stays on the GPU.
-            self.unpatch_model(self.offload_device, unpatch_weights=True)
+            # ComfyUI's own unpatch: blocks a detached streaming clone parked stay parked, for this engine to adopt.
+            super().unpatch_model(self.offload_device, unpatch_weights=True)
         return super().partially_load(device_to, extra_memory, force_patch_weights)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
@@ -269,12 +271,16 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if unpatch_weights:
+            # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
+            unpark(self.model.modules())
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # A detached patcher may hand its loaded weights to a clone that does not stream.
-        self._stop_streaming()
+        # Without unpatch_all, ComfyUI hands these weights to a new clone (one per prompt): the engine parks,
+        # leaving the streamed blocks on their host buffers for the next engine to adopt instead of packing
+        # them again. They are valid CPU tensors, so a clone that does not stream can take them over too.
+        self._stop_streaming(park=not unpatch_all)
         return super().detach(unpatch_all)
 
     # -- sampling runs, for the live panel (report) ------------------------------------------
@@ -435,12 +441,12 @@ class BlockOffloadPatcher(ModelPatcher):
         report.engine_started(engine)
         logging.info(f"Block Offload ({request.node}): {summary}")
 
-    def _stop_streaming(self) -> None:
+    def _stop_streaming(self, park: bool = False) -> None:
         engine = self.offload_engine
         if engine is None:
             return
         self._remember_costs(engine)
-        engine.stop()
+        engine.stop(park)
         delattr(self.model, ENGINE)
         self.model.block_offload_streamed = frozenset()
         report.engine_stopped(engine)
@@ -467,6 +473,11 @@ class BlockOffloadPatcher(ModelPatcher):
                 continue
             for key in keys:
                 if key in self.patches:
+                    weight = comfy.utils.get_attr(self.model, key)
+                    if weight.untyped_storage().nbytes() > weight.nbytes:
+                        # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold
+                        # the whole block's (pinned) buffer alive for as long as the patch is on.
+                        weight.data = weight.data.clone()
                     self.patch_weight_to_device(key, device_to=device)
                     weight = comfy.utils.get_attr(self.model, key)
                     weight.data = weight.data.to(self.offload_device)

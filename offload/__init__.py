@@ -16,7 +16,7 @@ from .plan import OffloadPlan, module_bytes, place_falling_back
 from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lower_bound_ms, simulate
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .sequential import ModuleState, SequentialOffloader
-from .streamer import BlockStreamer
+from .streamer import BlockStreamer, unpark
 from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
@@ -45,4 +45,5 @@ __all__ = [
     "resident_for_budget",
     "resident_indices",
     "simulate",
+    "unpark",
 ]

@@ -8,6 +8,7 @@ copies more slowly and cannot overlap compute as well, but never fails.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 
@@ -58,6 +59,22 @@ class PinnedShare:
     def release(self, nbytes: int) -> None:
         self.budget.release(nbytes)
         self.nbytes -= nbytes
+
+    def park(self, nbytes: int, memory: object) -> weakref.finalize:
+        """Hands ``nbytes`` of this share to ``memory`` (a host buffer's storage that outlives its streamer):
+        they stay counted until ``memory`` is collected, unless a share of the same budget adopts them first."""
+        self.nbytes -= nbytes
+        return weakref.finalize(memory, self.budget.release, nbytes)
+
+    def adopt(self, parked: weakref.finalize) -> bool:
+        """Takes back bytes ``park`` handed out, without counting them twice; False when the memory is gone
+        or was counted by another budget (then nothing changes)."""
+        held = parked.peek()
+        if held is None or held[1] != self.budget.release:
+            return False
+        parked.detach()
+        self.nbytes += held[2][0]
+        return True
 
     def __del__(self) -> None:
         if self.nbytes:

@@ -88,11 +88,12 @@ class SequentialOffloader:
         if self.vram_limit_bytes > 0:
             self._promotion_hook = self.root.register_forward_hook(self._promote_after_first_pass)
 
-    def disable(self) -> None:
+    def disable(self, park: bool = False) -> None:
+        """``park``: see ``BlockStreamer.disable``."""
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        self.streamer.disable()
+        self.streamer.disable(park)
 
     def state(self, module: nn.Module) -> ModuleState:
         index = next(i for i, m in enumerate(self.modules) if m is module)

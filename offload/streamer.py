@@ -18,10 +18,18 @@ How one step runs, with prefetch ``k``:
 The call order is learned: the first step assumes list order, later steps
 follow the order the previous step really used, so blocks that run twice, run
 out of order or are skipped cost a miss (an unhidden copy) at most once.
+
+Stopping can *park* instead of restoring: blocks that came from the CPU keep
+their host buffers, which then are their only storage (valid CPU tensors holding
+exactly the weights). The next streamer enabled on the same modules adopts a
+parked buffer while the modules still use exactly its views, so a host that
+hands a model from one streamer to the next (ComfyUI loads a new clone for
+every prompt) neither copies nor pins the streamed weights again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Container, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -99,6 +107,59 @@ class _StreamedBlock:
     originals: tuple[torch.Tensor, ...] | None = None
     slot: int | None = None
     pinned: bool = False
+
+
+@dataclass(frozen=True)
+class _ParkedBuffer:
+    """A parked block's host buffer, known only weakly: the module's tensors are what keep it alive."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    signature: tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]
+    pinned: bool
+    # Its pinned bytes' reservation, released when the buffer is freed, or taken back by an adopting share.
+    reservation: weakref.finalize | None
+
+    def host(self) -> torch.Tensor | None:
+        storage = self.storage()
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))
+
+
+# Keyed weakly by the block module: a deleted model takes its parked buffers (and their reservations) with it.
+_PARKED: weakref.WeakKeyDictionary[nn.Module, _ParkedBuffer] = weakref.WeakKeyDictionary()
+
+
+def _signature(layout: BlockLayout) -> tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]:
+    # No owner modules: a value of the weak registry must not keep its key alive.
+    return tuple((slot.name, slot.is_parameter, slot.offset, slot.shape, slot.dtype) for slot in layout.slots)
+
+
+def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        tensor.device == view.device
+        and tensor.data_ptr() == view.data_ptr()
+        and tensor.dtype == view.dtype
+        and tensor.shape == view.shape
+        and tensor.stride() == view.stride()
+    )
+
+
+def unpark(modules: Iterable[nn.Module]) -> None:
+    """Gives the parked blocks among ``modules`` memory of their own again (a copy of what they hold),
+    so that their host buffers, pinned ones included, are freed: what a host's real unload calls."""
+    for module in modules:
+        parked = _PARKED.pop(module, None)
+        host = parked.host() if parked is not None else None
+        if host is None:
+            continue
+        start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for tensor in table.values():
+                    if tensor is not None and tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
+                        tensor.data = tensor.data.clone()
 
 
 @dataclass
@@ -184,8 +245,13 @@ class BlockStreamer:
             self._handles.append(self.root.register_forward_hook(lambda *_: self.end_step(), always_call=True))
         self.enabled = True
 
-    def disable(self) -> None:
-        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers."""
+    def disable(self, park: bool = False) -> None:
+        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers.
+
+        ``park``: blocks that came from the CPU keep their host buffer as their storage instead (with a
+        storage dtype they point back at their originals), and a later ``enable`` on the same modules
+        adopts it; a pinned buffer stays counted by the pin budget until it is adopted or freed.
+        """
         if not self.enabled:
             return
         self._finish_active()
@@ -194,8 +260,11 @@ class BlockStreamer:
             handle.remove()
         self._handles.clear()
         for index in sorted(self._state):
-            self._restore(index, self._state[index].origin_device)
-            self._unpin(self._state[index])
+            if park and self._state[index].origin_device.type == "cpu":
+                self._park(index)
+            else:
+                self._restore(index, self._state[index].origin_device)
+                self._unpin(self._state[index])
         self._state.clear()
         self._slots.clear()
         self.enabled = False
@@ -257,6 +326,9 @@ class BlockStreamer:
 
     def _offload(self, block: nn.Module) -> _StreamedBlock:
         layout = BlockLayout.of(block, recurse=self.recurse)
+        adopted = self._adopt(block, layout)
+        if adopted is not None:
+            return adopted
         storage = layout
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
@@ -269,6 +341,39 @@ class BlockStreamer:
         # Without a storage dtype, the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
         return _StreamedBlock(layout, storage, host, host_views, origin, originals, pinned=pinned)
+
+    def _park(self, index: int) -> None:
+        """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
+        state = self._state[index]
+        if state.originals is not None:
+            state.layout.point_at(state.originals)  # the rounded host copy must not replace them
+            self._unpin(state)
+            return
+        storage = state.host.untyped_storage()
+        nbytes = state.host.numel()
+        reservation = self._pinned.park(nbytes, storage) if state.pinned and self._pinned is not None else None
+        _PARKED[self.blocks[index]] = _ParkedBuffer(
+            weakref.ref(storage), nbytes, _signature(state.layout), state.pinned, reservation
+        )
+
+    def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
+        """The block's parked host buffer, taken over as it is, if the block still uses exactly its views
+        (a weight replaced or patched while parked means it is packed again) and it is pinned as asked."""
+        parked = _PARKED.pop(block, None)
+        if parked is None or self._casts or parked.pinned != self.pin_memory:
+            return None
+        host = parked.host()
+        if host is None or parked.signature != _signature(layout):
+            return None
+        views = layout.views(host)
+        if not all(_same_memory(tensor, view) for tensor, view in zip(layout.current(), views, strict=True)):
+            return None
+        if parked.reservation is not None:
+            if self._pinned is None or not self._pinned.adopt(parked.reservation):
+                return None
+        elif parked.pinned and self._pinned is not None:
+            return None  # pinned outside this budget: adopting it would leave the budget short
+        return _StreamedBlock(layout, layout, host, views, host.device, pinned=parked.pinned)
 
     def _unpin(self, state: _StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""

@@ -1,0 +1,238 @@
+"""Parking: a streamer that stops without restoring, and the next one on the same modules adopting its
+host buffers, so a host that hands a model from engine to engine (ComfyUI: a new clone every prompt)
+neither copies nor pins the streamed weights again. Engine tests on the CPU (pinned ones need CUDA),
+then the nodes in-process against the real ComfyUI 0.3.75 (fixtures and helpers from test_patcher)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_engine import run
+from test_patcher import allow_cpu_streaming, async_offload, in_process_comfy, sample, wan  # noqa: F401 (a fixture)
+from transformer_stack import snapshot, transformer_stack
+
+from offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
+
+CPU = torch.device("cpu")
+STREAMED = (1, 2, 3)
+
+
+def host_ptrs(streamer: BlockStreamer) -> dict[int, range]:
+    """Each streamed block's host buffer, as the range of addresses it covers."""
+    ranges = {}
+    for index in streamer.streamed:
+        host = streamer._state[index].host
+        ranges[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
+    return ranges
+
+
+def uses(module: torch.nn.Module, buffer: range) -> bool:
+    return any(p.data_ptr() in buffer for p in module.parameters())
+
+
+def streaming(model, device: torch.device = CPU, **kwargs) -> BlockStreamer:
+    streamer = BlockStreamer(model.blocks, device, STREAMED, root=model, **kwargs)
+    streamer.enable()
+    return streamer
+
+
+def test_parked_blocks_are_adopted_not_packed_again() -> None:
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    first = streaming(model)
+    assert run(model, x)[-1].equal(reference)
+    packed = host_ptrs(first)
+    first.disable(park=True)
+    # Parked: every streamed weight is a view of its block's host buffer, and the model runs from there.
+    for index, buffer in packed.items():
+        assert all(p.data_ptr() in buffer for p in model.blocks[index].parameters())
+    assert run(model, x, steps=1)[0].equal(reference)
+    second = streaming(model)
+    assert host_ptrs(second) == packed  # the same buffers, taken over: no allocation, no pack
+    assert run(model, x)[-1].equal(reference)
+    second.disable()
+    before = snapshot(model)
+    assert not any(uses(model, buffer) for buffer in packed.values())  # restored: memory of their own
+    assert all(torch.equal(value, before[key]) for key, value in snapshot(model).items())
+    assert run(model, x, steps=1)[0].equal(reference)
+
+
+def test_a_block_changed_while_parked_is_packed_again() -> None:
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    first = streaming(model)
+    packed = host_ptrs(first)
+    first.disable(park=True)
+    replaced = model.blocks[2].proj.weight
+    replaced.data = replaced.data * 2  # what a weight patch does: a new tensor, not the parked view
+    (reference,) = run(model, x, steps=1)
+    second = streaming(model)
+    adopted = host_ptrs(second)
+    assert adopted[1] == packed[1] and adopted[3] == packed[3]
+    assert adopted[2] != packed[2]
+    assert run(model, x)[-1].equal(reference)
+    second.disable()
+
+
+def test_storage_dtype_parks_on_the_originals() -> None:
+    """A rounded host copy must never replace the weights: parking points back at the originals, no copy."""
+    model = transformer_stack()
+    originals = {name: p.data for name, p in model.blocks[1].named_parameters()}
+    streamer = streaming(model, storage_dtype=torch.bfloat16)
+    streamer.disable(park=True)
+    for name, p in model.blocks[1].named_parameters():
+        assert p.data_ptr() == originals[name].data_ptr() and p.dtype == originals[name].dtype, name
+    again = streaming(model, storage_dtype=torch.bfloat16)
+    assert again._state[1].host.dtype == torch.uint8 and again._state[1].originals is not None
+    again.disable()
+
+
+def test_a_deleted_model_takes_its_parked_buffers_with_it() -> None:
+    model = transformer_stack()
+    streamer = streaming(model)
+    storage = weakref.ref(streamer._state[1].host.untyped_storage())
+    streamer.disable(park=True)
+    del streamer
+    gc.collect()
+    assert storage() is not None  # the parked block's only storage
+    del model
+    gc.collect()
+    assert storage() is None
+
+
+def test_unpark_gives_the_weights_memory_of_their_own() -> None:
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    streamer = streaming(model)
+    storage = weakref.ref(streamer._state[1].host.untyped_storage())
+    streamer.disable(park=True)
+    del streamer
+    unpark(model.modules())
+    gc.collect()
+    assert storage() is None
+    assert run(model, x, steps=1)[0].equal(reference)
+
+
+def test_sequential_offloader_parks_and_adopts() -> None:
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    first = SequentialOffloader(model, CPU)
+    first.enable()
+    packed = host_ptrs(first.streamer)
+    first.disable(park=True)
+    second = SequentialOffloader(model, CPU)
+    second.enable()
+    assert host_ptrs(second.streamer) == packed
+    assert run(model, x)[-1].equal(reference)
+    second.disable()
+
+
+def test_a_parked_reservation_stays_counted_until_adopted_or_freed() -> None:
+    """The budget's side of parking, on a real storage (the CPU cannot pin; the CUDA test pins)."""
+    budget = PinnedMemoryBudget(100)
+    share = budget.share()
+    assert share.reserve(60)
+    memory = torch.empty(60, dtype=torch.uint8).untyped_storage()
+    parked = share.park(60, memory)
+    del share
+    assert budget.used == 60  # the first holder is gone, its buffer is not
+    adopter = budget.share()
+    assert adopter.adopt(parked) and budget.used == 60 and adopter.nbytes == 60
+    assert not PinnedMemoryBudget().share().adopt(parked)  # taken once only
+    adopter.release(60)
+    other = budget.share()
+    assert other.reserve(40)
+    parked = other.park(40, memory)
+    assert not PinnedMemoryBudget().share().adopt(parked)  # another budget never counted it
+    del memory
+    gc.collect()
+    assert budget.used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
+    cuda = torch.device("cuda")
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    (reference,) = run(model, x, steps=1)
+    model.embed.to(cuda)
+    model.head.to(cuda)
+    for index in (0,):
+        model.blocks[index].to(cuda)
+    budget = PinnedMemoryBudget()
+    first = streaming(model, cuda, pin_budget=budget)
+    used = budget.used
+    assert used == first.host_bytes > 0
+    packed = host_ptrs(first)
+    assert run(model, x.to(cuda))[-1].cpu().equal(reference)
+    first.disable(park=True)
+    del first
+    gc.collect()
+    assert budget.used == used
+    second = streaming(model, cuda, pin_budget=budget)
+    assert host_ptrs(second) == packed and budget.used == used and not second.refused_pinning
+    assert run(model, x.to(cuda))[-1].cpu().equal(reference)
+    second.disable(park=True)
+    del second, model
+    gc.collect()
+    assert budget.used == 0
+
+
+# -- the nodes, in-process against the real ComfyUI ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
+    return in_process_comfy(comfyui_path, tiny_models)
+
+
+def host_buffers(model) -> dict[int, int]:
+    return host_ptrs(model.offload_engine.runner)
+
+
+def test_consecutive_prompts_reuse_the_host_buffers(comfy: SimpleNamespace) -> None:
+    """Each sampling run loads a new clone of the same MODEL; the previous clone's engine parks, the new
+    one adopts: same buffers, bitwise equal results; /free still leaves no engine and nothing pinned."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, patched), reference)
+    engine = patched.offload_engine
+    first = host_buffers(patched)
+    assert torch.equal(sample(comfy, patched), reference)
+    assert patched.offload_engine is not engine  # a new engine, on the same host buffers
+    assert host_buffers(patched) == first
+    comfy.mm.unload_all_models()
+    assert patched.offload_engine is None and comfy.patcher.PINNED_MEMORY.used == 0
+    blocks = patched.model.diffusion_model.blocks
+    assert not any(uses(blocks[index], buffer) for index, buffer in first.items())
+    assert torch.equal(sample(comfy, model), reference)
+    comfy.mm.unload_all_models()
+
+
+def test_lora_plain_lora_across_prompts_on_the_same_weights(comfy: SimpleNamespace) -> None:
+    """A LoRA'd block's weights change between prompts: it is packed again, never adopted stale."""
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    plain_reference = sample(comfy, model)
+    lora_reference = sample(comfy, comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
+    assert not torch.equal(plain_reference, lora_reference)
+    offloaded = async_offload(comfy, model, resident=1)
+    with_lora = comfy.sd.load_lora_for_models(offloaded, None, lora, 1.0, 0)[0]
+    for expected, patched in [(lora_reference, with_lora), (plain_reference, offloaded)] * 2:
+        assert torch.equal(sample(comfy, patched), expected)
+    plain = host_buffers(offloaded)
+    assert torch.equal(sample(comfy, offloaded), plain_reference)
+    assert host_buffers(offloaded) == plain  # plain after plain: adopted
+    comfy.mm.unload_all_models()
+    assert comfy.patcher.PINNED_MEMORY.used == 0
+    assert torch.equal(sample(comfy, model), plain_reference)
+    comfy.mm.unload_all_models()
