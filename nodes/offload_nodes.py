@@ -54,23 +54,35 @@ PIN_INPUT = io.Boolean.Input(
 
 
 def _problems(*problems: str | None) -> bool | str:
-    """``validate_inputs``' answer: True, or every problem found, each saying what to do."""
+    """``validate_inputs``' answer: True, or every problem found, each saying what to do.
+
+    An input fed by another node's output has no value yet when ComfyUI validates the prompt, and
+    is left out of the call: the ``validate_inputs`` parameters default to None, the checks skip it,
+    and ``execute`` (the engine's own checks) catches a bad value when the node runs."""
     found = [problem for problem in problems if problem]
     return " ".join(found) if found else True
 
 
-def _count_problem(name: str, value: int, high: int, advice: str) -> str | None:
-    if 0 <= value <= high:
+def _refuse(answer: bool | str) -> None:
+    """In ``execute``: what ``validate_inputs`` could not see (a value fed by another node) is checked now."""
+    if answer is not True:
+        raise ValueError(answer)
+
+
+def _count_problem(name: str, value: int | None, high: int, advice: str) -> str | None:
+    if value is None or 0 <= value <= high:
         return None
     return f"{name} is {value}; {advice}"
 
 
-def _prefetch_problem(name: str, value: int) -> str | None:
+def _prefetch_problem(name: str, value: int | None) -> str | None:
     return _count_problem(name, value, MAX_PREFETCH, f"use 0 (copy on demand) to {MAX_PREFETCH}.")
 
 
-def _gib_problem(name: str, value: float, zero_means: str) -> str | None:
+def _gib_problem(name: str, value: float | None, zero_means: str) -> str | None:
     """A GiB amount: within the widget's range, and no more than the device ComfyUI runs models on has."""
+    if value is None:
+        return None
     if not 0 <= value <= MAX_GIB:
         return f"{name} is {value}; use 0 ({zero_means}) or a positive number of GiB up to {MAX_GIB:.0f}."
     device = comfy.model_management.get_torch_device()
@@ -85,7 +97,9 @@ def _gib_problem(name: str, value: float, zero_means: str) -> str | None:
     return None
 
 
-def _storage_dtype_problem(name: str) -> str | None:
+def _storage_dtype_problem(name: str | None) -> str | None:
+    if name is None:
+        return None
     if name not in STORAGE_DTYPES:
         return f"storage_dtype is {name!r}; use one of: {', '.join(STORAGE_DTYPES)}."
     dtype = STORAGE_DTYPES[name]
@@ -154,7 +168,7 @@ class AsyncBlockOffload(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, resident_blocks: int, prefetch_blocks: int) -> bool | str:
+    def validate_inputs(cls, resident_blocks: int | None = None, prefetch_blocks: int | None = None) -> bool | str:
         return _problems(
             _count_problem(
                 "resident_blocks",
@@ -167,6 +181,7 @@ class AsyncBlockOffload(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: ModelPatcher, resident_blocks: int, prefetch_blocks: int, pin_memory: bool):
+        _refuse(cls.validate_inputs(resident_blocks, prefetch_blocks))
         request = OffloadRequest(
             "Async Block Offload", resident_blocks=resident_blocks, prefetch=prefetch_blocks, pin_memory=pin_memory
         )
@@ -209,7 +224,7 @@ class PartialGPUResidency(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, vram_budget_gb: float, prefetch_blocks: int) -> bool | str:
+    def validate_inputs(cls, vram_budget_gb: float | None = None, prefetch_blocks: int | None = None) -> bool | str:
         return _problems(
             _gib_problem("vram_budget_gb", vram_budget_gb, "automatic"),
             _prefetch_problem("prefetch_blocks", prefetch_blocks),
@@ -217,6 +232,7 @@ class PartialGPUResidency(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: ModelPatcher, vram_budget_gb: float, policy: str, prefetch_blocks: int, pin_memory: bool):
+        _refuse(cls.validate_inputs(vram_budget_gb, prefetch_blocks))
         auto = policy == AUTO_POLICY
         request = OffloadRequest(
             "Partial GPU Residency",
@@ -265,7 +281,9 @@ class SequentialOffloadWrapper(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, storage_dtype: str, vram_limit_gb: float, prefetch_modules: int) -> bool | str:
+    def validate_inputs(
+        cls, storage_dtype: str | None = None, vram_limit_gb: float | None = None, prefetch_modules: int | None = None
+    ) -> bool | str:
         return _problems(
             _storage_dtype_problem(storage_dtype),
             _gib_problem("vram_limit_gb", vram_limit_gb, "keep no module on the device"),
@@ -276,6 +294,7 @@ class SequentialOffloadWrapper(io.ComfyNode):
     def execute(
         cls, model: ModelPatcher, storage_dtype: str, vram_limit_gb: float, prefetch_modules: int, pin_memory: bool
     ):
+        _refuse(cls.validate_inputs(storage_dtype, vram_limit_gb, prefetch_modules))
         request = OffloadRequest(
             "Sequential Offload Wrapper",
             sequential=True,

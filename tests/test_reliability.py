@@ -209,6 +209,41 @@ def test_bad_widget_values_are_refused_before_any_work(
     run_offload(comfy_host, offload_prompt(node=node, name="after-bad"))  # the next prompt runs
 
 
+LINKED_WIDGETS = [
+    pytest.param(ASYNC, {"resident_blocks": ("PrimitiveInt", 2), "prefetch_blocks": ("PrimitiveInt", 2)}, id="async"),
+    pytest.param(
+        "PartialGPUResidency",
+        {"vram_budget_gb": ("PrimitiveFloat", 0.001), "prefetch_blocks": ("PrimitiveInt", 0)},
+        id="partial",
+    ),
+    pytest.param(
+        "SequentialOffloadWrapper",
+        {"vram_limit_gb": ("PrimitiveFloat", 0.0), "prefetch_modules": ("PrimitiveInt", 2)},
+        id="sequential",
+    ),
+]
+
+
+@pytest.mark.parametrize(("node", "links"), LINKED_WIDGETS)
+def test_widgets_fed_by_other_nodes_are_checked_when_the_node_runs(
+    comfy_host: ComfyHost, node: str, links: dict[str, tuple[str, Any]]
+) -> None:
+    """A widget converted to an input has no value when the prompt is validated: the prompt must be
+    accepted (ComfyUI passes no value for a link to ``validate_inputs``), stream as with widgets, and
+    a bad value must still be refused, when the node runs."""
+    builder = offload_prompt(node=node, name="linked")
+    offload = builder.prompt[sampler_of(builder, "offload")["model"][0]]["inputs"]
+    for name, (primitive, value) in links.items():
+        offload[name] = builder.add(primitive, value=value)
+    run_offload(comfy_host, builder)
+
+    # A bad value through a link fails when the node runs, with the message a widget would get.
+    name = next(name for name in links if name.startswith("prefetch_"))
+    offload[name] = builder.add("PrimitiveInt", value=-1)
+    assert execution_error(comfy_host, builder) == f"{name} is -1; use 0 (copy on demand) to 8."
+    run_offload(comfy_host, offload_prompt(node=node, name="after-linked"))
+
+
 @pytest.fixture(scope="module")
 def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
     return in_process_comfy(comfyui_path, tiny_models)
