@@ -274,6 +274,7 @@ class BlockOffloadPatcher(ModelPatcher):
             # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
             unpark(self.model.modules())
+            self.model.block_offload_streamed = frozenset()  # blocks parked earlier are ordinary weights again
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
@@ -448,7 +449,10 @@ class BlockOffloadPatcher(ModelPatcher):
         self._remember_costs(engine)
         engine.stop(park)
         delattr(self.model, ENGINE)
-        self.model.block_offload_streamed = frozenset()
+        if not park:
+            self.model.block_offload_streamed = frozenset()
+        # Parked blocks stay hidden from ComfyUI's loader: they are on the host, never loaded by it, so a
+        # partial unload between prompts must neither move nor count them (the next load re-plans the set).
         report.engine_stopped(engine)
 
     def _simulated_device_room(self) -> int | None:

@@ -236,3 +236,16 @@ def test_lora_plain_lora_across_prompts_on_the_same_weights(comfy: SimpleNamespa
     assert comfy.patcher.PINNED_MEMORY.used == 0
     assert torch.equal(sample(comfy, model), plain_reference)
     comfy.mm.unload_all_models()
+
+
+def test_comfyui_unloading_a_parked_model_counts_only_what_it_loaded(comfy: SimpleNamespace) -> None:
+    """Between prompts ComfyUI may partially unload the model (to make room for the VAE, say) while its
+    streamed blocks are parked on the host: it must neither move nor count them, since it never loaded them."""
+    patched = async_offload(comfy, wan(comfy), resident=1)
+    sample(comfy, patched)
+    loaded = patched.model.model_loaded_weight_memory
+    assert 0 < loaded < patched.model_size()
+    patched.detach(unpatch_all=False)  # load_models_gpu's hand-over to the next prompt's clone: it parks
+    freed = patched.partially_unload(patched.offload_device, memory_to_free=patched.model_size())
+    assert (freed, patched.model.model_loaded_weight_memory) == (loaded, 0)
+    comfy.mm.unload_all_models()
