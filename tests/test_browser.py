@@ -157,7 +157,16 @@ def test_panel_does_no_work_while_closed_and_survives_reopen_and_reconnect(page:
     toggle_tab(page)  # reopen after the run: the report describes it
     data = wait_for_panel(page, f"d.prompt === '{result.prompt_id}' && d.state === 'idle' && d.blocksDrawn === '5'")
     assert int(data["messages"]) > int(before["messages"]), "messages stopped arriving while the tab was closed"
-    assert int(data["draws"]) <= 3, f"a fresh panel drew {data['draws']} times"
+    # A fresh panel draws on mount, after the report, and for the run's last messages if they land after it
+    # opened (a run's final message may wait out the rate limit): a handful, not one per step. Once the
+    # messages have stopped, so must the drawing.
+    page.wait_for_timeout(1000)
+    settled = panel_data(page)
+    assert int(settled["draws"]) <= 5, f"a fresh panel drew {settled['draws']} times"
+    page.wait_for_timeout(1000)
+    quiet = panel_data(page)
+    assert quiet["messages"] == settled["messages"], "a message arrived long after the run ended"
+    assert quiet["draws"] == settled["draws"], "the panel kept drawing while nothing changed"
     assert int(data["lastStep"]) == STEPS - 1
 
     reports = int(data["reports"])
