@@ -121,14 +121,6 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
             f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
         )
         return io.NodeOutput(model)
-    if any(cls.__name__ == "ModelPatcherDynamic" for cls in type(model).__mro__):
-        # Newer ComfyUI's Dynamic VRAM faults weights in on demand itself; two streamers would fight.
-        logging.warning(
-            f"Block Offload ({node}): this ComfyUI manages the model with Dynamic VRAM, which already streams "
-            "weights on demand; passing the model through unchanged. Start ComfyUI with Dynamic VRAM off "
-            "to use this node's block streaming instead (docs/comfyui-integration.md)."
-        )
-        return io.NodeOutput(model)
     if not request.sequential:
         try:
             _, blocks = find_blocks(model.model.diffusion_model)

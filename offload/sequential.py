@@ -95,6 +95,10 @@ class SequentialOffloader:
             self._promotion_hook = None
         self.streamer.disable(park)
 
+    def close_open_step(self) -> None:
+        """See ``BlockStreamer.close_open_step``."""
+        self.streamer.close_open_step()
+
     def state(self, module: nn.Module) -> ModuleState:
         index = next(i for i, m in enumerate(self.modules) if m is module)
         if index not in self.streamer.streamed:

@@ -482,6 +482,15 @@ class BlockStreamer:
             self.recorder.begin_step(current_stream(self.device))
         self._prefetch()
 
+    def close_open_step(self) -> None:
+        """Ends a step an exception left open; nothing when none is.
+
+        The hooks that close a step run with ``always_call``, which PyTorch honours for ``Exception``
+        only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
+        leaves the block's slot in use and its weights pointing at the device until this is called."""
+        if self._active or self._order:
+            self.end_step()
+
     def end_step(self) -> None:
         self._finish_active()
         if self._order:

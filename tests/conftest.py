@@ -19,7 +19,34 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from comfy_host import HOST_DIR, ComfyHost, ComfyHostError, ensure_tiny_models, resolve_comfyui_path  # noqa: E402
+from comfy_host import CLASSIC_CACHE, HOST_DIR, ComfyHost, ComfyHostError, ensure_tiny_models, resolve_comfyui_path  # noqa: E402
+
+
+def comfyui_version() -> str:
+    """The version of the ComfyUI the suite runs on (its ``comfyui_version.py``)."""
+    try:
+        text = (resolve_comfyui_path() / "comfyui_version.py").read_text()
+    except (ComfyHostError, OSError):  # no host set up: the fixtures that need one say so
+        return "unknown"
+    return text.split("__version__ = ")[1].split()[0].strip("\"'")
+
+
+HOST_VERSION = comfyui_version()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"ComfyUI host: {HOST_VERSION} ({os.environ.get('COMFYUI_PATH') or 'the set-up default'})"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test id names the ComfyUI it ran on (``[comfyui-0.33.0]``): the suite runs once per host."""
+    if "comfyui_host" in metafunc.fixturenames:
+        metafunc.parametrize("comfyui_host", [HOST_VERSION], ids=[f"comfyui-{HOST_VERSION}"], scope="session")
+
+
+@pytest.fixture(autouse=True)
+def _host_in_test_id(comfyui_host: str) -> None:
+    """Pulls ``comfyui_host`` into every test, so ``pytest_generate_tests`` puts the host in its id."""
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -57,7 +84,8 @@ def comfy_host() -> Iterator[ComfyHost]:
         ensure_tiny_models(HOST_DIR / "models")
     except ComfyHostError as exc:
         sys.stderr.write(f"conftest: {exc}\n")
-    host = ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"})  # the nodes stream on the CPU too
+    # BLOCK_OFFLOAD_ALLOW_CPU: the nodes stream on the CPU too.
+    host = ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}, extra_args=CLASSIC_CACHE)
     host.start()
     try:
         yield host

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfy_host import REPO, ComfyHost
+from comfy_host import CLASSIC_CACHE, REPO, ComfyHost
 from test_panel import BLOCKS, NODE_NAME, check_status, wan_prompt
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
@@ -180,7 +180,7 @@ def test_panel_does_no_work_while_closed_and_survives_reopen_and_reconnect(page:
 def test_panel_empty_state_on_a_fresh_server(browser: Any) -> None:
     """Before anything streamed (a server of its own: the session's has run models by now) the routes
     answer an empty run and the panel says what it is for; this CPU-only server has no CUDA device."""
-    with ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}) as fresh:
+    with ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}, extra_args=CLASSIC_CACHE) as fresh:
         report = fresh.get_json("/block_offload/report")
         check_status(report)
         assert report["node"] is None and report["timeline"] is None and report["models"] == [], report

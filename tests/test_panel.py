@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import websocket
-from comfy_host import REPO, ComfyHost, RunResult
+from comfy_host import CLASSIC_CACHE, REPO, ComfyHost, RunResult
 from test_patcher import comfy  # noqa: F401 - the fixture: ComfyUI imported in-process, on the CPU
 from transformer_stack import transformer_stack
 
@@ -233,7 +233,7 @@ def test_routes_return_the_last_run(comfy_host: ComfyHost, long_run) -> None:
 def test_gpu_figures_on_a_cuda_device() -> None:
     """ComfyUI on the GPU (a server of its own: the session's runs with --cpu): device memory in every
     message, and the last step's copies timed by CUDA events."""
-    with ComfyHost(cpu=False) as host:
+    with ComfyHost(cpu=False, extra_args=CLASSIC_CACHE) as host:
         listener = StatusListener(host)
         try:
             result = host.run(wan_prompt(LONG_RUN_STEPS), timeout=300)

@@ -36,7 +36,7 @@ import psutil
 import pytest
 import tiny_models as tm
 import torch
-from comfy_host import HOST_DIR, ComfyHost, PromptValidationError, WsEvent
+from comfy_host import CLASSIC_CACHE, HOST_DIR, ComfyHost, PromptValidationError, WsEvent
 from test_nodes_e2e import ARCHS, NODES, PromptBuilder, _differs, evict_cached_models, run
 from test_patcher import in_process_comfy
 from workflows import STEPS
@@ -62,7 +62,7 @@ def server_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cuda_host() -> Iterator[ComfyHost]:
-    with ComfyHost(cpu=False, env=server_env()) as host:
+    with ComfyHost(cpu=False, env=server_env(), extra_args=CLASSIC_CACHE) as host:
         yield host
 
 
@@ -304,7 +304,7 @@ def test_execution_time_errors_reach_the_websocket_and_history(comfy_host: Comfy
 def cpu_only_host() -> Iterator[ComfyHost]:
     """ComfyUI with --cpu and without BLOCK_OFFLOAD_ALLOW_CPU, as a user without a GPU runs it."""
     env = {k: v for k, v in os.environ.items() if k != "BLOCK_OFFLOAD_ALLOW_CPU"}
-    with ComfyHost(env=env) as host:
+    with ComfyHost(env=env, extra_args=CLASSIC_CACHE) as host:
         yield host
 
 
@@ -374,7 +374,7 @@ def limited_host(request: pytest.FixtureRequest, comfy_host: ComfyHost) -> Itera
         loaded[resident] = loaded_bytes(log, "WAN21")
     block = loaded[2] - loaded[1]
     limit = loaded[1] + 2 * block + block // 2
-    with ComfyHost(cpu=cpu, env=server_env(**{LIMIT_ENV: str(limit)})) as host:
+    with ComfyHost(cpu=cpu, env=server_env(**{LIMIT_ENV: str(limit)}), extra_args=CLASSIC_CACHE) as host:
         yield host
 
 

@@ -1,0 +1,18 @@
+# Sourced by the scripts: the ComfyUI hosts scripts/setup.sh prepared (.host/hosts.tsv, default first).
+#   host_names                 the prepared hosts' names, one a line
+#   use_host NAME              sets HOST_NAME, HOST_PYTHON and COMFYUI_PATH for that host ("" = the default)
+hosts_file="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.host/hosts.tsv"
+
+host_names() { cut -f1 "$hosts_file"; }
+
+use_host() {
+  local wanted="$1" name venv dir
+  while IFS=$'\t' read -r name venv dir; do
+    if [[ -z "$wanted" || "$wanted" == "$name" ]]; then
+      HOST_NAME="$name"; HOST_PYTHON="$venv/bin/python"; export COMFYUI_PATH="$dir"
+      return 0
+    fi
+  done < "$hosts_file"
+  echo "no ComfyUI host named '$wanted'; prepared: $(host_names | paste -sd' ')" >&2
+  return 1
+}
