@@ -17,10 +17,20 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
 
 
-def new_stream(device: torch.device) -> torch.Stream | None:
+# One copy stream per device, shared by every engine on it: a new stream per engine would come from
+# torch's round-robin pool, which ComfyUI's own offload streams share (and they wait on the compute stream).
+_COPY_STREAMS: dict[torch.device, torch.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.Stream | None:
+    """The dedicated host-to-device copy stream of ``device`` (None on the CPU, where copies run inline)."""
     if not is_accelerator(device):
         return None
-    return torch.Stream(device=device)
+    if device.index is None:
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.Stream(device=device)
+    return _COPY_STREAMS[device]
 
 
 def current_stream(device: torch.device) -> torch.Stream | None:
@@ -45,6 +55,12 @@ def can_pin_memory() -> bool:
 def synchronize(device: torch.device) -> None:
     if is_accelerator(device):
         torch.accelerator.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak of allocated device memory (the allocator keeps one per process otherwise)."""
+    if is_accelerator(device):
+        torch.accelerator.reset_peak_memory_stats(device)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .device import can_pin_memory, current_stream, is_accelerator, new_stream, synchronize
+from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, synchronize
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
@@ -218,7 +218,7 @@ class BlockStreamer:
         self.recurse = recurse
         # Nested streamed modules (a wrapped module inside another) each hold a slot.
         self.num_slots = prefetch + nesting
-        self.copy_stream = new_stream(self.device)
+        self.copy_stream = copy_stream(self.device)
         self._state: dict[int, _StreamedBlock] = {}
         self._slots: list[_Slot] = []
         self._handles: list[RemovableHandle] = []
@@ -337,7 +337,8 @@ class BlockStreamer:
         host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=pinned)
         storage.pack_into(host)
         host_views = storage.views(host)
-        originals = layout.current() if self._casts else None
+        # Kept on the host: originals left on the device would keep the whole block there.
+        originals = tuple(t.to("cpu") for t in layout.current()) if self._casts else None
         # Without a storage dtype, the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
         return _StreamedBlock(layout, storage, host, host_views, origin, originals, pinned=pinned)
@@ -420,6 +421,11 @@ class BlockStreamer:
                     released=torch.Event(device=self.device) if on_device else None,
                 )
             )
+        if self.copy_stream is not None:
+            # The allocator hands out memory on the compute stream: its last reader there may still be
+            # queued. The first copy into a fresh slot has no released event to wait on, so order the
+            # copy stream after everything the compute stream has issued so far.
+            self.copy_stream.wait_stream(current_stream(self.device))
 
     def _views(self, slot: _Slot, index: int) -> tuple[torch.Tensor, ...]:
         views = slot.views.get(index)

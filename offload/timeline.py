@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .device import Clock, memory_snapshot
+from .device import Clock, memory_snapshot, reset_peak_memory
 
 Marker = torch.Event | list[float]
 
@@ -125,6 +125,7 @@ class TimelineRecorder:
         if not self.enabled:
             return
         self._resolve(wait=False)
+        reset_peak_memory(self.device)  # the step's own peak, not the process's
         self._step_start = self._marker()
         self.clock.mark(self._step_start, stream)
         self._calls = []

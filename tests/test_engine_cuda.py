@@ -114,3 +114,50 @@ def test_disable_restores_bitwise_on_cuda() -> None:
     model.cpu()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]) and not value.is_pinned()
+
+
+def test_a_fresh_slot_is_not_written_before_the_compute_stream_is_done_with_its_memory() -> None:
+    """The caching allocator hands a new slot memory whose last reader may still be queued on the compute
+    stream; the first copy into it must wait for that reader (1 s of queued work, then the read)."""
+    model = transformer_stack(num_blocks=4, dim=512, heads=8)
+    nbytes = module_bytes(model.blocks[0])
+    model.embed.to(CUDA), model.head.to(CUDA)
+    streamer = BlockStreamer(model.blocks, CUDA, range(4), prefetch=1, root=model)
+    streamer.enable()
+    corrupted = 0
+    for _ in range(3):
+        streamer.release_device_buffers()
+        ones = torch.ones(nbytes, dtype=torch.uint8, device=CUDA)
+        torch.cuda._sleep(2_000_000_000)  # compute-stream work queued ahead of the read
+        total = ones.sum(dtype=torch.int64)
+        del ones  # back to the allocator, reusable on the compute stream at once
+        streamer.allocate_device_buffers()
+        streamer.begin_step()  # prefetch: a copy-stream write into the fresh slot
+        streamer.end_step()
+        corrupted += int(total.item() != nbytes)
+    streamer.disable()
+    assert corrupted == 0, f"{corrupted}/3 reads saw a streamed block's bytes"
+
+
+def test_one_copy_stream_per_device() -> None:
+    """Each engine on a device copies on the same dedicated stream, not on one more pooled stream
+    (the pool is round-robin and shared with ComfyUI's offload streams)."""
+    model = transformer_stack(num_blocks=2)
+    first = BlockStreamer(model.blocks, CUDA, [0])
+    second = BlockStreamer(model.blocks, CUDA, [1])
+    assert first.copy_stream is second.copy_stream is not None
+    assert first.copy_stream != torch.cuda.current_stream(CUDA)
+
+
+def test_each_step_reports_its_own_peak() -> None:
+    """The recorder's peak is the step's, not the process's: a big allocation before the step is not in it."""
+    model = transformer_stack(num_blocks=3, dim=64).to(CUDA)
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=CUDA)
+    del big
+    recorder = TimelineRecorder(CUDA)
+    streamer = BlockStreamer(model.blocks, CUDA, [1], recorder=recorder, root=model)
+    streamer.enable()
+    forward(model, torch.randn(1, 8, 64, device=CUDA))
+    streamer.disable()
+    step = recorder.latest()
+    assert step is not None and step.peak_allocated < 256 * 2**20, step.peak_allocated

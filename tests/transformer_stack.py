@@ -23,8 +23,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        # Reads its own weight's device, as some model code does.
-        x = x.to(self.qkv.weight.device) + self.phase
+        # Reads its own parameter's device, as some model code does. Its own: in sequential mode a child's
+        # (self.qkv.weight) is still a host view until that child runs.
+        x = x.to(self.phase.device) + self.phase
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
         x = x + self.gate * self.proj(attn)
