@@ -41,11 +41,13 @@ from ..offload import (
     StackCosts,
     TimelineRecorder,
     best_plan,
+    buffer_bytes,
     cache_key,
     can_pin_memory,
     device_name,
     module_bytes,
     place_falling_back,
+    streamed_modules,
     unpark,
 )
 from . import report
@@ -296,7 +298,7 @@ class BlockOffloadPatcher(ModelPatcher):
     ) -> None:
         """ComfyUI loads all but the streamed blocks, its budget less our stream buffers; the engine streams them."""
         self.model.block_offload_streamed = streamed
-        slot_bytes = plan.slot_bytes if plan else 0
+        slot_bytes = plan.slot_bytes if plan else self._sequential_buffer_bytes(request)
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - slot_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not streamed:
@@ -305,6 +307,11 @@ class BlockOffloadPatcher(ModelPatcher):
             self._start_streaming(request, plan, streamed, summary, device_to)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += slot_bytes
+
+    def _sequential_buffer_bytes(self, request: OffloadRequest) -> int:
+        """The sequential wrapper's slot pool, which ComfyUI must count like any offload buffer: on Wan 14B
+        the largest module (time_projection) alone is 315 MB, times the prefetch and nesting depth."""
+        return buffer_bytes(self.model.diffusion_model, request.prefetch, request.storage_dtype)
 
     def _undo_placement(self) -> None:
         """Back to where ``load`` started: no engine, nothing on the device, weight patches undone.
@@ -355,8 +362,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if request.sequential:
             names = frozenset(
                 f"diffusion_model.{name}" if name else "diffusion_model"
-                for name, module in diffusion_model.named_modules()
-                if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(False))
+                for name, _ in streamed_modules(diffusion_model)
             )
             limit = request.vram_limit_bytes / 2**30
             dtype = request.storage_dtype or "the model's dtype"
@@ -479,12 +485,11 @@ class BlockOffloadPatcher(ModelPatcher):
                 device_limit_bytes=self._simulated_device_room(),
             )
         runner.enable()
-        if plan is not None:
-            try:
-                runner.allocate_device_buffers()
-            except torch.OutOfMemoryError:
-                runner.disable()
-                raise
+        try:
+            runner.allocate_device_buffers()  # now, where ComfyUI counted them, not at the first call
+        except torch.OutOfMemoryError:
+            runner.disable()
+            raise
         engine = _Engine(request, plan, streamed, runner, recorder, summary, notices=_pinning_notices(request, runner))
         setattr(self.model, ENGINE, engine)
         report.engine_started(engine)

@@ -15,7 +15,7 @@ from .pinning import PinnedMemoryBudget
 from .plan import OffloadPlan, module_bytes, place_falling_back
 from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lower_bound_ms, simulate
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
-from .sequential import ModuleState, SequentialOffloader
+from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .streamer import BlockStreamer, unpark
 from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
@@ -35,6 +35,7 @@ __all__ = [
     "StepTimeline",
     "TimelineRecorder",
     "best_plan",
+    "buffer_bytes",
     "cache_key",
     "can_pin_memory",
     "device_name",
@@ -45,5 +46,6 @@ __all__ = [
     "resident_for_budget",
     "resident_indices",
     "simulate",
+    "streamed_modules",
     "unpark",
 ]

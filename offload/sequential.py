@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
 from .streamer import BlockStreamer
 from .timeline import TimelineRecorder
@@ -34,6 +35,26 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def _own_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in _own_tensors(module))
+
+
+def streamed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a ``SequentialOffloader`` of ``root`` streams, with their names: those that own tensors.
+    Whoever hides them from another loader must ask here, so both always mean the same set."""
+    return [(name, module) for name, module in root.named_modules() if _own_tensors(module)]
+
+
+def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | None = None) -> int:
+    """Device bytes of the slot pool a ``SequentialOffloader`` of ``root`` allocates (before any module is
+    kept on the device): one slot per prefetched module and per level of nesting, each as large as the
+    largest module, plus as large again in the storage dtype to copy into before the cast."""
+    modules = [module for _, module in streamed_modules(root)]
+    if not modules:
+        return 0
+    largest = max(_own_bytes(module) for module in modules)
+    staging = 0
+    if storage_dtype is not None:
+        staging = max(BlockLayout.of(module, storage_dtype, recurse=False).nbytes for module in modules)
+    return (prefetch + _nesting(modules)) * (largest + staging)
 
 
 def _nesting(modules: list[nn.Module]) -> int:
@@ -66,7 +87,7 @@ class SequentialOffloader:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books."""
         self.root = root
         self.on_promote = on_promote
-        self.modules = [m for m in root.modules() if _own_tensors(m)]
+        self.modules = [module for _, module in streamed_modules(root)]
         self.vram_limit_bytes = vram_limit_bytes
         self.streamer = BlockStreamer(
             self.modules,
@@ -95,6 +116,10 @@ class SequentialOffloader:
             self._promotion_hook = None
         self.streamer.disable(park)
 
+    def allocate_device_buffers(self) -> None:
+        """See ``BlockStreamer.allocate_device_buffers``."""
+        self.streamer.allocate_device_buffers()
+
     def close_open_step(self) -> None:
         """See ``BlockStreamer.close_open_step``."""
         self.streamer.close_open_step()
@@ -113,10 +138,11 @@ class SequentialOffloader:
         calls = Counter(self.streamer.last_order)
         # Most calls first; among equals the smaller module, so more of them fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
+        limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the slots too
         kept, used = [], 0
         for index in ranked:
             size = _own_bytes(self.modules[index])
-            if used + size <= self.vram_limit_bytes:
+            if used + size <= limit:
                 kept.append(index)
                 used += size
         self.streamer.make_resident(kept)

@@ -19,6 +19,7 @@ from offload import (
     ResidencyPolicy,
     SequentialOffloader,
     TimelineRecorder,
+    buffer_bytes,
     module_bytes,
 )
 
@@ -138,14 +139,16 @@ def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None
     model = transformer_stack(schedule=[0, 1, 1, 1, 2, 3])
     x = torch.randn(1, 3, 32)
     (reference,) = run(model, x, steps=1)
-    limit = module_bytes(model.blocks[1])
+    slots = buffer_bytes(model, prefetch=1)
+    limit = module_bytes(model.blocks[1]) + slots  # the limit counts the slot pool too
     wrapper = SequentialOffloader(model, CPU, vram_limit_bytes=limit)
     wrapper.enable()
     assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
     kept = [m for m in wrapper.modules if wrapper.state(m) is ModuleState.KEPT]
     assert kept, "nothing was promoted"
     own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-    assert sum(t.numel() * t.element_size() for t in own) <= limit
+    assert wrapper.streamer.device_buffer_bytes == slots
+    assert sum(t.numel() * t.element_size() for t in own) <= limit - slots
     # Block 1 runs three times per pass, so its modules are promoted before any other.
     assert all(any(m is k for k in model.blocks[1].modules()) for m in kept)
     wrapper.disable()

@@ -194,3 +194,19 @@ def test_cpu_without_opt_in_passes_the_model_through(
         out = async_offload(comfy, model)
     assert out is model
     assert any("no GPU memory to save" in r.getMessage() for r in caplog.records)
+
+
+def test_the_sequential_wrappers_buffers_are_in_comfyuis_books(comfy: SimpleNamespace) -> None:
+    """ComfyUI counts the wrapper's slot pool as offload buffer memory, as it counts its own cast buffers,
+    and the pool is what the engine really allocates."""
+    model = wan(comfy)
+    wrapped = comfy.nodes.SequentialOffloadWrapper.execute(
+        model, storage_dtype="bf16", vram_limit_gb=0.0, prefetch_modules=2, pin_memory=True
+    ).result[0]
+    comfy.mm.load_models_gpu([wrapped])
+    pool = wrapped.offload_engine.runner.streamer.device_buffer_bytes
+    assert pool > 0 and wrapped.model.model_offload_buffer_memory == pool
+    sample(comfy, wrapped)
+    assert wrapped.offload_engine.runner.streamer.device_buffer_bytes == pool
+    comfy.mm.unload_all_models()
+    assert wrapped.model.model_offload_buffer_memory == 0
