@@ -333,13 +333,16 @@ def measure(comfy: Comfy, base, config: Config, inputs: dict, steps: int, warmup
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         placement, streamed, overlap, predicted = _placement(patcher)
         rss = psutil.Process().memory_info().rss
+        pinned = comfy.offload.pinned_bytes()
     finally:
         patcher.detach(unpatch_all=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     progress(f"{config.method}: {ms / 1000:.3f} s/step; {placement}")
-    return Measurement(config.method, config.budget_bytes, ms, peak, rss, streamed, overlap, predicted, placement)
+    return Measurement(
+        config.method, config.budget_bytes, ms, peak, rss, streamed, overlap, predicted, placement, pinned
+    )
 
 
 def run_model(comfy: Comfy, spec: ModelSpec, args: argparse.Namespace, device: torch.device, bandwidth: float):

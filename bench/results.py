@@ -33,6 +33,7 @@ class Measurement:
     overlap: float | None = None  # share of copy time hidden behind compute (the pack's recorder)
     predicted_ms: float | None = None  # the planner's prediction (automatic placement)
     placement: str = ""
+    pinned_host_bytes: int = 0  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
 
 
 @dataclass
@@ -163,8 +164,8 @@ def markdown(run: ModelRun) -> str:
         f"fully resident {run.resident_ms / 1000:.3f} s per step.",
         "",
         "| method | budget | s/step | x resident | x lower bound | x ComfyUI | peak VRAM GiB | host RAM GiB "
-        "| streamed GiB/step | overlap | predicted s | prediction error |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| pinned GiB | streamed GiB/step | overlap | predicted s | prediction error |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in run.rows():
         budget = (
@@ -181,6 +182,7 @@ def markdown(run: ModelRun) -> str:
             _cell(row["x_comfyui"], ".2f"),
             _cell(peak, ".2f"),
             f"{row['host_rss_bytes'] / GIB:.1f}",
+            f"{row['pinned_host_bytes'] / GIB:.2f}",
             f"{row['streamed_bytes'] / GIB:.2f}",
             _cell(row["overlap"], ".0%"),
             _cell(predicted, ".3f"),

@@ -456,6 +456,11 @@ class BlockOffloadPatcher(ModelPatcher):
         summary: str,
         device: torch.device,
     ) -> None:
+        # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
+        # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
+        # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
+        for key in [key for key in self.pinned if _inside(key, streamed)]:
+            self.unpin_weight(key)
         self._patch_streamed_weights(streamed, device)
         diffusion_model = self.model.diffusion_model
         recorder = TimelineRecorder(device)

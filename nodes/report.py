@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
-from ..offload import memory_snapshot
+from ..offload import memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
 from ..offload.timeline import StepTimeline
 
@@ -161,6 +161,7 @@ def _memory(device: torch.device, resident_weights: int | None, streaming_buffer
         "streaming_buffers": streaming_buffers,
         "other": other,  # activations, other models, the allocator's cache: what is left of allocated
         "process_rss": _PROCESS.memory_info().rss,
+        "pinned_host": pinned_bytes(),  # page-locked by the pack, exactly (no allocator rounding)
         "host_total": _HOST_TOTAL,
     }
 

@@ -9,7 +9,7 @@
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
-from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot
+from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot, pinned_bytes
 from .offloader import BlockOffloader
 from .pinning import PinnedMemoryBudget
 from .plan import OffloadPlan, module_bytes, place_falling_back
@@ -42,6 +42,7 @@ __all__ = [
     "lower_bound_ms",
     "memory_snapshot",
     "module_bytes",
+    "pinned_bytes",
     "place_falling_back",
     "resident_for_budget",
     "resident_indices",

@@ -8,6 +8,7 @@ read from the host. Every caller handles ``None`` streams that way.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,45 @@ def device_name(device: torch.device) -> str:
 def can_pin_memory() -> bool:
     """Page-locked host memory needs a driver; without an accelerator there is nothing to pin for."""
     return torch.accelerator.is_available()
+
+
+# Bytes of host memory the engine has page-locked itself and not yet given back (see pinned_host_buffer).
+_registered_bytes = 0
+
+
+def pinned_bytes() -> int:
+    """Host bytes page-locked by ``pinned_host_buffer`` and still alive: what this process really pins for
+    the engine (torch's caching host allocator, used by others, is not in it)."""
+    return _registered_bytes
+
+
+def pinned_host_buffer(nbytes: int) -> torch.Tensor | None:
+    """Exactly ``nbytes`` of page-locked host memory, or None when the driver refuses it.
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
+    every request up to a power of two (a 702 MB block pins 1 GiB) and keeps freed blocks pinned until
+    its cache is emptied. On CUDA the buffer is ordinary memory registered with the driver instead, as
+    ComfyUI pins its weights, and unregistered just before it is freed: when the last tensor viewing it
+    goes, torch finalizes the storage's weak references before it releases the memory.
+    """
+    global _registered_bytes
+    if not torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # other accelerators: torch's way
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0:
+        return host
+    pointer = host.data_ptr()
+    if torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0) != 0:
+        return None
+    _registered_bytes += nbytes
+    weakref.finalize(host.untyped_storage(), _unregister, pointer, nbytes)
+    return host
+
+
+def _unregister(pointer: int, nbytes: int) -> None:
+    global _registered_bytes
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+    _registered_bytes -= nbytes
 
 
 def synchronize(device: torch.device) -> None:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, synchronize
+from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, pinned_host_buffer, synchronize
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
@@ -334,7 +334,12 @@ class BlockStreamer:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
         origin = layout.slots[0].tensor().device if layout.slots else self.device
         pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(storage.nbytes))
-        host = torch.empty(storage.nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host = pinned_host_buffer(storage.nbytes) if pinned else None
+        if host is None:
+            if pinned and self._pinned is not None:
+                self._pinned.release(storage.nbytes)  # the driver refused: stream it from pageable memory
+            pinned = False
+            host = torch.empty(storage.nbytes, dtype=torch.uint8)
         storage.pack_into(host)
         host_views = storage.views(host)
         # Kept on the host: originals left on the device would keep the whole block there.

@@ -5,6 +5,7 @@ Skipped without CUDA; run on the GPU machine before resolving (see docs/benchmar
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -15,7 +16,15 @@ from transformer_stack import snapshot, transformer_stack
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from engine_microbench import time_forward  # noqa: E402
 
-from offload import BlockOffloader, BlockStreamer, OffloadPlan, SequentialOffloader, TimelineRecorder, module_bytes
+from offload import (
+    BlockOffloader,
+    BlockStreamer,
+    OffloadPlan,
+    SequentialOffloader,
+    TimelineRecorder,
+    module_bytes,
+    pinned_bytes,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -161,3 +170,18 @@ def test_each_step_reports_its_own_peak() -> None:
     streamer.disable()
     step = recorder.latest()
     assert step is not None and step.peak_allocated < 256 * 2**20, step.peak_allocated
+
+
+def test_streamed_blocks_pin_exactly_their_bytes_and_give_them_back() -> None:
+    """Pinned by registering the engine's own buffers: exactly the blocks' bytes (torch's caching host
+    allocator would round each up to a power of two and keep it pinned after it is freed)."""
+    model = transformer_stack(num_blocks=3, dim=96)
+    before = pinned_bytes()
+    streamer = BlockStreamer(model.blocks, CUDA, range(3))
+    streamer.enable()
+    assert streamer.host_bytes & (streamer.host_bytes - 1), "a power of two would not show the rounding"
+    assert pinned_bytes() - before == streamer.host_bytes and not streamer.refused_pinning
+    assert all(p.is_pinned() for p in model.blocks.parameters())
+    streamer.disable()
+    gc.collect()
+    assert pinned_bytes() == before

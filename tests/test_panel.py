@@ -43,7 +43,7 @@ MIN_INTERVAL_S = 0.25
 SPAN_FIELDS = ["block", "copy_start", "copy_end", "compute_start", "compute_end", "stall", "bytes_copied"]
 MEMORY_FIELDS = {
     "allocated", "reserved", "peak_allocated", "free", "total",
-    "resident_weights", "streaming_buffers", "other", "process_rss", "host_total",
+    "resident_weights", "streaming_buffers", "other", "process_rss", "host_total", "pinned_host",
 }  # fmt: skip
 STATUS_FIELDS = {
     "v": int, "seq": int, "time": float, "running": bool, "prompt_id": (str, type(None)),

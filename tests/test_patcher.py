@@ -210,3 +210,16 @@ def test_the_sequential_wrappers_buffers_are_in_comfyuis_books(comfy: SimpleName
     assert wrapped.offload_engine.runner.streamer.device_buffer_bytes == pool
     comfy.mm.unload_all_models()
     assert wrapped.model.model_offload_buffer_memory == 0
+
+
+def test_weights_comfyui_pinned_are_unpinned_through_comfyui_before_packing(comfy: SimpleNamespace) -> None:
+    """ComfyUI's partial unload registers the weights it moves to the host (``pin_weight_to_device``); when a
+    later placement streams their block, ComfyUI must unpin them itself before the engine packs (frees) them.
+    On the CPU ComfyUI pins nothing, so its set is seeded as its partial unload would leave it."""
+    model = async_offload(comfy, wan(comfy), resident=1)
+    streamed_key = "diffusion_model.blocks.3.ffn.0.weight"  # ComfyUI's loader never sees streamed blocks
+    model.pinned.add(streamed_key)
+    comfy.mm.load_models_gpu([model])
+    assert any(streamed_key.startswith(block + ".") for block in model.offload_engine.streamed)
+    assert streamed_key not in model.pinned, "a streamed weight is still registered with ComfyUI"
+    comfy.mm.unload_all_models()

@@ -299,7 +299,7 @@ class PanelView {
       const outside = Math.max(0, total - (memory.free ?? 0) - (memory.reserved ?? 0));
       this.memoryTitle.textContent =
         `${status.device}: ${bytes(memory.allocated)} allocated, ${bytes(memory.reserved)} reserved, ` +
-        `${bytes(memory.free)} free of ${bytes(total)}`;
+        `${bytes(memory.free)} free of ${bytes(total)}; ${bytes(memory.pinned_host)} of RAM pinned for streaming`;
       parts = [
         ["resident weights", memory.resident_weights, COLORS.resident],
         ["streaming buffers", memory.streaming_buffers, COLORS.streaming],
