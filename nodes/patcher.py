@@ -305,8 +305,30 @@ class BlockOffloadPatcher(ModelPatcher):
             return
         if self.offload_engine is None:
             self._start_streaming(request, plan, streamed, summary, device_to)
+            self._check_resident_loaded(request)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += slot_bytes
+
+    def _loader_headroom(self) -> int:
+        """What ComfyUI's loader keeps free beyond the weights it loads: it loads a module only while the
+        bytes loaded so far, the module and its cast buffers for (offload streams + 1) modules fit the budget
+        (``load()`` in comfy/model_patcher.py). A plan that left no such room would see its last resident
+        modules cast per layer by ComfyUI instead, on ComfyUI's streams, competing for the copy engine."""
+        largest = max((entry[0] for entry in super()._load_list()), default=0)
+        return (comfy.model_management.NUM_STREAMS + 1) * largest
+
+    def _check_resident_loaded(self, request: OffloadRequest) -> None:
+        """Whether ComfyUI loaded all it was offered (the planned resident part); says so when it did not."""
+        offered = sum(entry[1] for entry in self._load_list())
+        loaded = self.model.model_loaded_weight_memory
+        if loaded >= offered:
+            return
+        notice = (
+            f"ComfyUI loaded {loaded / GIB:.2f} of the {offered / GIB:.2f} GiB planned resident; the rest is cast "
+            "per layer by ComfyUI, more slowly. Keep fewer blocks resident (or a smaller budget)."
+        )
+        logging.warning(f"Block Offload ({request.node}): {notice}")
+        self.offload_engine.notices.append(notice)
 
     def _sequential_buffer_bytes(self, request: OffloadRequest) -> int:
         """The sequential wrapper's slot pool, which ComfyUI must count like any offload buffer: on Wan 14B
@@ -373,7 +395,7 @@ class BlockOffloadPatcher(ModelPatcher):
         outside = self.model_size() - sum(sizes)
         count, budget_bytes = request.resident_blocks, None
         if count is None:
-            room = budget - outside
+            room = budget - outside - self._loader_headroom()
             if request.budget_bytes:
                 room = min(room, request.budget_bytes - outside)
             if math.isinf(room):

@@ -223,3 +223,33 @@ def test_weights_comfyui_pinned_are_unpinned_through_comfyui_before_packing(comf
     assert any(streamed_key.startswith(block + ".") for block in model.offload_engine.streamed)
     assert streamed_key not in model.pinned, "a streamed weight is still registered with ComfyUI"
     comfy.mm.unload_all_models()
+
+
+def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(comfy: SimpleNamespace) -> None:
+    """ComfyUI's loader keeps a module only while (offload streams + 1) x its cast size still fits after it;
+    the plan leaves that room, so every module ComfyUI is offered gets loaded, none falls to its per-layer
+    cast. A fixed placement that cannot fit says so (log and panel notice) instead of silently slowing."""
+    model = wan(comfy)
+    sizing = async_offload(comfy, model, resident=0)
+    comfy.mm.load_models_gpu([sizing])
+    block, slots = sizing.offload_engine.plan.block_bytes[0], sizing.offload_engine.plan.slot_bytes
+    outside = sizing.model_size() - sum(sizing.offload_engine.plan.block_bytes)
+    comfy.mm.unload_all_models()
+    tight = outside + 2 * block + slots + 1  # two resident blocks fit, with no room for ComfyUI's lookahead
+
+    partial = comfy.nodes.PartialGPUResidency.execute(
+        model, vram_budget_gb=0.0, policy="leading", prefetch_blocks=1, pin_memory=True
+    ).result[0]
+    partial.partially_load(torch.device("cpu"), tight)
+    offered = sum(entry[1] for entry in partial._load_list())
+    assert partial.loaded_size() == offered and not partial.offload_engine.notices
+    assert len(partial.offload_engine.plan.resident) < 2  # the headroom cost a resident block
+    comfy.mm.unload_all_models()
+    partial.detach()
+
+    forced = async_offload(comfy, model, resident=4)
+    forced.partially_load(torch.device("cpu"), tight)
+    assert forced.loaded_size() < sum(entry[1] for entry in forced._load_list())
+    (notice,) = forced.offload_engine.notices
+    assert "planned resident; the rest is cast per layer by ComfyUI" in notice
+    forced.detach()
