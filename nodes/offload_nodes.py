@@ -11,7 +11,7 @@ from comfy_api.latest import io
 
 from ..offload import ResidencyPolicy
 from .architectures import UnsupportedModelError, find_blocks
-from .patcher import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed, with_offload
+from .patcher import ALLOW_CPU_ENV, OffloadRequest, refuse_cudagraphs, streaming_allowed, with_offload
 
 GIB = 1024**3
 CATEGORY = "offload"
@@ -121,6 +121,7 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
             f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
         )
         return io.NodeOutput(model)
+    refuse_cudagraphs(model, node)
     if not request.sequential:
         try:
             _, blocks = find_blocks(model.model.diffusion_model)

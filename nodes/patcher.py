@@ -30,6 +30,7 @@ import folder_paths
 import torch
 from comfy.cli_args import args
 from comfy.model_patcher import ModelPatcher
+from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..offload import (
     BlockStreamer,
@@ -156,6 +157,19 @@ class DynamicVramError(ValueError):
     """A Dynamic VRAM model that ComfyUI cannot give a classic twin of (no reload recipe)."""
 
 
+def refuse_cudagraphs(model: ModelPatcher, node: str) -> None:
+    """A model compiled by ComfyUI's TorchCompileModel with the cudagraphs backend cannot stream: a CUDA
+    graph replays the memory addresses it captured, while the engine points each streamed block at
+    whichever slot holds it and fills the slots from another stream, outside any graph."""
+    backend = model.model_options.get(TORCH_COMPILE_KWARGS, {}).get("backend")
+    if backend == "cudagraphs":
+        raise ValueError(
+            f"{node}: this MODEL is compiled with the cudagraphs backend, which cannot replay streamed "
+            "weights (they live in a different buffer at each call). Use the inductor backend in "
+            "TorchCompileModel, or no compilation, with block offloading."
+        )
+
+
 def uses_dynamic_vram(model: ModelPatcher) -> bool:
     """Whether ComfyUI (0.33 and later) manages this model with Dynamic VRAM (comfy-aimdo)."""
     is_dynamic = getattr(model, "is_dynamic", None)  # absent before Dynamic VRAM (0.3.75)
@@ -253,6 +267,7 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         request = self.offload_request
+        refuse_cudagraphs(self, request.node)  # TorchCompileModel may come after the node
         engine = self.offload_engine
         if engine is not None:
             self._remember_costs(engine)  # before planning, so this load can plan from them

@@ -19,7 +19,7 @@ from torch import nn
 
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
-from .streamer import BlockStreamer
+from .streamer import BlockStreamer, eager
 from .timeline import TimelineRecorder
 
 
@@ -107,7 +107,7 @@ class SequentialOffloader:
     def enable(self) -> None:
         self.streamer.enable()
         if self.vram_limit_bytes > 0:
-            self._promotion_hook = self.root.register_forward_hook(self._promote_after_first_pass)
+            self._promotion_hook = self.root.register_forward_hook(eager(self._promote_after_first_pass))
 
     def disable(self, park: bool = False) -> None:
         """``park``: see ``BlockStreamer.disable``."""

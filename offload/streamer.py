@@ -30,7 +30,7 @@ every prompt) neither copies nor pins the streamed weights again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -64,6 +64,13 @@ def pick_slot(slots: Sequence[SlotState], protected: Container[int]) -> int | No
         if best is None or slot.last_used < slots[best].last_used:
             best = number
     return best
+
+
+def eager(hook: Callable) -> Callable:
+    """``hook``, run as plain Python under ``torch.compile``: the engine's hooks issue copies, record events
+    and repoint parameters, which a traced graph would bake in once; the compiler breaks the graph around
+    them instead, and compiles the blocks' own code between them."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> list[int]:
@@ -237,12 +244,13 @@ class BlockStreamer:
         for index in sorted(self.streamed):
             self._state[index] = self._offload(self.blocks[index])
         for index, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(block.register_forward_hook(self._post_hook(index), always_call=True))
+            self._handles.append(block.register_forward_pre_hook(eager(self._pre_hook(index))))
+            self._handles.append(block.register_forward_hook(eager(self._post_hook(index)), always_call=True))
         if self.root is not None:
             # The step brackets every block call, the root's own included when it is a block too.
-            self._handles.append(self.root.register_forward_pre_hook(lambda *_: self.begin_step(), prepend=True))
-            self._handles.append(self.root.register_forward_hook(lambda *_: self.end_step(), always_call=True))
+            begin, end = eager(lambda *_: self.begin_step()), eager(lambda *_: self.end_step())
+            self._handles.append(self.root.register_forward_pre_hook(begin, prepend=True))
+            self._handles.append(self.root.register_forward_hook(end, always_call=True))
         self.enabled = True
 
     def disable(self, park: bool = False) -> None:
