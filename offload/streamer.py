@@ -233,6 +233,7 @@ class BlockStreamer:
         self._expected: list[int] = list(range(len(self.blocks)))
         self._order: list[int] = []
         self._tick = 0
+        self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
         self.enabled = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -251,6 +252,7 @@ class BlockStreamer:
             begin, end = eager(lambda *_: self.begin_step()), eager(lambda *_: self.end_step())
             self._handles.append(self.root.register_forward_pre_hook(begin, prepend=True))
             self._handles.append(self.root.register_forward_hook(end, always_call=True))
+        self._pageable_deferred = any(self._deferred(state) for state in self._state.values())
         self.enabled = True
 
     def disable(self, park: bool = False) -> None:
@@ -484,12 +486,24 @@ class BlockStreamer:
     def _upcoming(self) -> list[int]:
         return look_ahead(self._expected, len(self._order), self._state, self.prefetch)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, defer_pageable: bool = False) -> None:
+        """Issues the copies of the next ``prefetch`` streamed blocks into free slots.
+
+        ``defer_pageable``: skip blocks in pageable memory. A copy from pageable memory holds the host
+        thread until it is done (the driver stages it), so issued before a block's kernels are launched
+        it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
+        just launched computing meanwhile."""
         ahead = self._upcoming()
         protected = set(ahead)
         for index in ahead:
-            if self._state[index].slot is None and self._load(index, protected) is None:
+            state = self._state[index]
+            if state.slot is not None or (defer_pageable and self._deferred(state)):
+                continue
+            if self._load(index, protected) is None:
                 return
+
+    def _deferred(self, state: _StreamedBlock) -> bool:
+        return self.copy_stream is not None and not state.pinned
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -527,6 +541,8 @@ class BlockStreamer:
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             self._call_ends(index)
+            if self._pageable_deferred:
+                self._prefetch()
 
         return hook
 
@@ -558,7 +574,7 @@ class BlockStreamer:
         self._active.append(_ActiveCall(index, number, record))
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
-        self._prefetch()
+        self._prefetch(defer_pageable=True)
 
     def _call_ends(self, index: int) -> None:
         while self._active:

@@ -1,5 +1,6 @@
 """The ComfyUI benchmark (bench/comfy_bench.py) without a GPU: it refuses, its smoke mode runs the
-whole script on tiny shapes, and its table, targets and plot come out right from known figures."""
+whole script on tiny shapes, and its table, targets and plot come out right from known figures.
+The GPU check (scripts/gpu_check.sh) refuses without CUDA too."""
 
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ def test_without_cuda_it_refuses_with_status_2() -> None:
     done = bench("--models", "wan14b", env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2, done.stderr
     assert "no CUDA device" in done.stderr and "--smoke" in done.stderr
+
+
+def test_the_gpu_check_refuses_without_cuda_and_runs_nothing(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "all", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable},
+        cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "sees no CUDA device" in done.stderr and "nothing was run" in done.stderr
+    assert not any(tmp_path.iterdir()), "it wrote a report without running anything"
 
 
 def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> None:

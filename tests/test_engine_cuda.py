@@ -185,3 +185,35 @@ def test_streamed_blocks_pin_exactly_their_bytes_and_give_them_back() -> None:
     streamer.disable()
     gc.collect()
     assert pinned_bytes() == before
+
+
+def test_pageable_blocks_still_overlap_their_copies() -> None:
+    """Without pinned memory a copy holds the host thread; issued from the previous block's post-hook, with
+    that block's kernels already queued, it still runs while the device computes (unlike prefetch 0)."""
+    model = transformer_stack(num_blocks=8, dim=1024, heads=8)
+    x = torch.randn(1, 4096, 1024, device=CUDA)
+    model.embed.to(CUDA), model.head.to(CUDA)
+    timings = {}
+    for name, prefetch in (("async", 1), ("sync", 0)):
+        streamer = BlockStreamer(model.blocks, CUDA, range(8), prefetch=prefetch, pin_memory=False, root=model)
+        streamer.enable()
+        assert streamer.refused_pinning == {} and not any(p.is_pinned() for p in model.blocks.parameters())
+        timings[name] = time_forward(model, x)
+        streamer.disable()
+    print(f"pageable: prefetch 1 {timings['async']:.2f} ms, synchronous {timings['sync']:.2f} ms")
+    assert timings["async"] < 0.85 * timings["sync"]
+
+
+def test_slots_are_not_overwritten_while_heavy_compute_still_reads_them() -> None:
+    """Tiny weights and heavy compute: copies finish long before the blocks that read the slots do, so
+    any copy that skipped its wait on the slot's released event would change the output."""
+    model = transformer_stack(num_blocks=6, dim=256, heads=4).to(CUDA)
+    x = torch.randn(1, 16384, 256, device=CUDA)
+    reference = forward(model, x)
+    model.cpu()
+    model.embed.to(CUDA), model.head.to(CUDA)
+    for prefetch in (1, 2, 3):
+        streamer = BlockStreamer(model.blocks, CUDA, range(6), prefetch=prefetch, root=model)
+        streamer.enable()
+        assert all(torch.equal(forward(model, x), reference) for _ in range(10)), prefetch
+        streamer.disable()
