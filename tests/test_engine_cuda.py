@@ -217,3 +217,19 @@ def test_slots_are_not_overwritten_while_heavy_compute_still_reads_them() -> Non
         streamer.enable()
         assert all(torch.equal(forward(model, x), reference) for _ in range(10)), prefetch
         streamer.disable()
+
+
+def test_a_storage_dtype_keeps_no_original_on_the_device() -> None:
+    """A block that was on the GPU when streaming starts, streamed in bf16: its float32 originals (kept to
+    restore it exactly) wait on the host, so its device memory is given back."""
+    model = transformer_stack(num_blocks=3, dim=256, heads=4).to(CUDA)
+    expected = snapshot(model)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(CUDA)
+    streamer = BlockStreamer(model.blocks, CUDA, [1], storage_dtype=torch.bfloat16)
+    streamer.enable()
+    torch.cuda.synchronize()
+    assert before - torch.cuda.memory_allocated(CUDA) >= module_bytes(model.blocks[1])
+    streamer.disable()
+    for key, value in snapshot(model).items():
+        assert torch.equal(value, expected[key].to(value.device)), key
