@@ -101,3 +101,71 @@ def line_chart(
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path
+
+
+# The panel's colours (web/block_offload_panel.js), so the picture reads the same in both places.
+TIMELINE_COLOURS = {
+    "copy": "#d6a23f",
+    "compute": "#4f8fd6",
+    "compute_streamed": "#3fb68b",
+    "stall": "#e5533d",
+}
+
+
+def timeline_chart(step: dict, placement: str, path: Path, *, title: str, size: tuple[int, int] = (1280, 260)) -> Path:
+    """One step of the engine's timeline as the live panel draws it: a copy lane and a compute lane, one
+    box per block call labelled with the block, streamed blocks' compute in green, stalls (compute waiting
+    for its copy) as a red bar before the compute they delayed. ``step`` is a recorder step as the pack's
+    report gives it (``StepTimeline.as_dict``, times in ms from the step's start); ``placement`` has one
+    letter per block, R resident or S streamed."""
+    width, height = size
+    font = ImageFont.load_default(size=14)
+    small = ImageFont.load_default(size=12)
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    left, right, lane = 90, width - 20, 56
+    lanes = {"copy": 50, "compute": 50 + lane + 10}
+    spans = step["spans"]
+    end = max([s["compute_end"] for s in spans] + [s["copy_end"] or 0 for s in spans] + [1e-9])
+    ticks = _ticks(end, count=8)
+
+    def x(t: float) -> float:
+        return left + (right - left) * max(0.0, t) / ticks[-1]
+
+    draw.text((left, 15), title, fill="black", font=font)
+    for name, top in lanes.items():
+        draw.text((10, top + lane / 2), name, fill="black", font=font, anchor="lm")
+    for span in spans:
+        if span["copy_start"] is not None and span["copy_end"] > 0:
+            x0, x1 = x(span["copy_start"]), x(span["copy_end"])
+            _box(draw, x0, max(x0 + 1, x1), lanes["copy"], lane, TIMELINE_COLOURS["copy"], str(span["block"]), small)
+        streamed = span["block"] < len(placement) and placement[span["block"]] != "R"
+        colour = TIMELINE_COLOURS["compute_streamed" if streamed else "compute"]
+        x0, x1 = x(span["compute_start"]), x(span["compute_end"])
+        _box(draw, x0, max(x0 + 1, x1), lanes["compute"], lane, colour, str(span["block"]), small)
+        if span["stall"] > 0:
+            s0 = x(span["compute_start"] - span["stall"])
+            bottom = lanes["compute"] + lane
+            draw.rectangle([s0, bottom - 5, max(s0 + 2, x0), bottom], fill=TIMELINE_COLOURS["stall"])
+    axis = lanes["compute"] + lane + 8
+    draw.line([(left, axis), (right, axis)], fill="black")
+    for t in ticks:
+        draw.line([(x(t), axis), (x(t), axis + 4)], fill="black")
+        draw.text((x(t), axis + 6), f"{t:g} ms", fill="black", font=small, anchor="mt")
+    legend = [("copy", "copy"), ("resident block", "compute"), ("streamed block", "compute_streamed"),
+              ("stall: compute waits for its copy", "stall")]  # fmt: skip
+    lx = left
+    for label, key in legend:
+        draw.rectangle([lx, height - 24, lx + 14, height - 10], fill=TIMELINE_COLOURS[key])
+        draw.text((lx + 20, height - 17), label, fill="black", font=small, anchor="lm")
+        lx += 30 + draw.textlength(label, font=small)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def _box(draw: ImageDraw.ImageDraw, x0: float, x1: float, top: float, height: float, colour: str, label: str,
+         font: ImageFont.ImageFont) -> None:  # fmt: skip
+    draw.rectangle([x0, top, x1, top + height], fill=colour, outline="white")
+    if x1 - x0 >= 14:
+        draw.text(((x0 + x1) / 2, top + height / 2), label, fill="white", font=font, anchor="mm")

@@ -2,8 +2,10 @@
 
 Writes the tiny checkpoints into .host/models (scripts/tiny_models.py), starts ComfyUI
 (scripts/comfy_host.py), queues example_workflows/api/<name>.json unchanged, follows it
-over the websocket, prints status, wall time, output files and the pack's offload
-report (GET /block_offload/report, if the pack serves one), then stops the server.
+over the websocket, prints status, wall time, output files and a summary of what the pack
+did (placement, step time, copy time hidden, bandwidth, memory; from GET /block_offload/report)
+with the last step's timeline drawn to a PNG (``--json``: the whole report instead), then stops
+the server.
 Use scripts/demo.sh, which runs scripts/setup.sh first.
 """
 
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
+
+sys.path.insert(0, str(REPO))  # the bench package: the timeline is drawn as the benchmark draws its plots
+from bench.plot import timeline_chart  # noqa: E402
 
 WORKFLOWS = REPO / "example_workflows" / "api"
 # The workflow run when none is named; when it is absent, the first by name.
@@ -75,21 +80,46 @@ def print_result(result: RunResult, startup_s: float, total_s: float) -> None:
         print(f"error:\n{result.error_text() or json.dumps(result.history.get('status'), indent=2)}")
 
 
-def print_report(host: ComfyHost) -> None:
+def fetch_report(host: ComfyHost) -> dict[str, Any] | None:
     resp = host.get(REPORT_PATH)
-    if resp.status_code == 404:
-        print(f"offload report: none (the pack does not serve GET {REPORT_PATH} yet)")
-        return
     if resp.status_code != 200:
         print(f"offload report: GET {REPORT_PATH} answered {resp.status_code}: {resp.text[:500]}")
-        return
-    try:
-        report: Any = resp.json()
-    except ValueError:
-        print(f"offload report:\n{resp.text}")
-        return
-    print("offload report:")
-    print(json.dumps(report, indent=2))
+        return None
+    return dict(resp.json())
+
+
+def _mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def print_summary(report: dict[str, Any], timeline_png: Path) -> Path | None:
+    """What the pack did, in a dozen lines; the last step's timeline drawn to ``timeline_png``."""
+    if not report.get("plan"):
+        print("offload:       nothing streamed in this run (the server log says why)")
+        return None
+    print(f"offload:       {report['node']}: {report['plan']}")
+    print(f"placement:     {report['placement']}  (R resident, S streamed), prefetch {report['prefetch']}")
+    memory, step = report["memory"], report.get("timeline")
+    if step is not None:
+        bandwidth = step["bandwidth_gbps"]
+        print(f"last step:     {step['duration_ms']:.2f} ms, {len(step['spans'])} block calls "
+              f"(step {report['steps_done']} of the run)")  # fmt: skip
+        print(f"copies:        {_mib(step['bytes_copied'])} in {step['copy_ms']:.2f} ms, "
+              f"{step['overlap']:.0%} hidden behind compute (stall {step['stall_ms']:.2f} ms)")  # fmt: skip
+        print("bandwidth:     " + ("none copied" if bandwidth is None else f"{bandwidth:.1f} GB/s host to device"))
+    if report["accelerator"]:
+        print(f"device memory: {_mib(memory['allocated'])} allocated: resident weights "
+              f"{_mib(memory['resident_weights'])}, stream buffers {_mib(memory['streaming_buffers'])}; "
+              f"pinned RAM {_mib(memory['pinned_host'])}")  # fmt: skip
+    else:
+        print(f"memory:        no accelerator: process RSS {_mib(memory['process_rss'])}; streamed blocks "
+              f"{_mib(report['streamed_host_bytes'])} in RAM (copies and times are the CPU's)")  # fmt: skip
+    for notice in report["notices"]:
+        print(f"notice:        {notice}")
+    if step is None:
+        return None
+    title = f"{report['node']}: last step, {step['duration_ms']:.2f} ms ({report['device']})"
+    return timeline_chart(step, report["placement"], timeline_png, title=title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the workflow may run (default 600)")
     parser.add_argument("--gpu", action="store_true", help="run without --cpu (ComfyUI picks the CUDA device)")
     parser.add_argument("--list", action="store_true", help="list the workflows and exit")
+    parser.add_argument("--json", action="store_true", help="print the pack's whole report as JSON instead")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(available()))
@@ -122,7 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ComfyUI:       {host.url} ({host.comfyui_path}), log {host.log_path}")
             result = host.run(prompt, timeout=args.timeout)
             print_result(result, host.startup_s or 0.0, time.monotonic() - t0)
-            print_report(host)
+            report = fetch_report(host)
+            if report is not None and args.json:
+                print(json.dumps(report, indent=2))
+            elif report is not None:
+                png = host.output_dir / "block_offload" / f"timeline-{result.prompt_id[:8]}.png"
+                drawn = print_summary(report, png)
+                if drawn is not None:
+                    print(f"timeline:      {drawn}")
     except ComfyHostError as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1

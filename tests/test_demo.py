@@ -1,0 +1,50 @@
+"""The demo's summary (scripts/demo.py): what a newcomer reads after the first run, and the timeline PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from comfy_host import REPO, ComfyHost
+from demo import fetch_report, print_summary
+from PIL import Image
+
+from bench.plot import TIMELINE_COLOURS
+
+WORKFLOW = REPO / "example_workflows" / "api" / "async_block_offload_wan21_t2v.json"
+
+
+def _colour_pixels(image: Image.Image, colour: str) -> int:
+    rgb = tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    return sum(count for count, pixel in image.getcolors(maxcolors=1 << 16) if pixel == rgb)
+
+
+@pytest.mark.usefixtures("tiny_models")
+def test_the_summary_says_what_streamed_in_a_dozen_lines_and_draws_the_step(
+    comfy_host: ComfyHost, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = comfy_host.run(json.loads(WORKFLOW.read_text()), timeout=300)
+    assert result.ok, result.error_text()
+    report = fetch_report(comfy_host)
+    assert report is not None and report["prompt_id"] == result.prompt_id
+    png = print_summary(report, tmp_path / "timeline.png")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 12, lines
+    text = "\n".join(lines)
+    assert "offload:       Async Block Offload: Wan 2.1/2.2: 1/5 blocks resident" in text
+    assert "placement:     RSSSS  (R resident, S streamed), prefetch 1" in text
+    assert "hidden behind compute" in text and "last step:" in text and "process RSS" in text
+
+    full = Image.open(png).convert("RGB")
+    image = full.crop((0, 0, full.width, full.height - 32))  # the lanes, without the legend
+    assert _colour_pixels(image, TIMELINE_COLOURS["compute"]) > 0, "no resident block drawn"
+    assert _colour_pixels(image, TIMELINE_COLOURS["compute_streamed"]) > 0, "no streamed block drawn"
+    # Four streamed boxes for one resident one, in proportion to their compute time.
+    spans = report["timeline"]["spans"]
+    streamed_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] > 0)
+    resident_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] == 0)
+    ratio = _colour_pixels(image, TIMELINE_COLOURS["compute_streamed"]) / _colour_pixels(
+        image, TIMELINE_COLOURS["compute"]
+    )
+    assert ratio == pytest.approx(streamed_ms / resident_ms, rel=0.25)
