@@ -1,6 +1,6 @@
 """This pack against ComfyUI's own offloading, side by side in one process, on real-shaped models.
 
-    .venv/bin/python bench/comfy_bench.py [--models wan14b flux12b] [--budgets 0.25 0.5 0.75]
+    .venv/bin/python -m bench.comfy_bench [--models wan14b flux12b] [--budgets 0.25 0.5 0.75]
                                          [--steps 3] [--warmup 1] [--out docs/results]
 
 Each model is built by ComfyUI's own classes (``comfy.supported_models`` config ->
@@ -32,7 +32,6 @@ import gc
 import importlib.util
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -46,15 +45,14 @@ from typing import Any
 import psutil
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+from harness.comfy_host import REPO, resolve_comfyui_path
+from harness.pack import PACK
 
-from bench.plot import line_chart  # noqa: E402
-from bench.results import ALL_STREAMED, AUTO, COMFYUI, GIB, RESIDENT, Measurement, ModelRun, markdown, series, write  # noqa: E402
-from bench.timing import h2d_bandwidth_gbps, ms_per_call  # noqa: E402
+from bench.plot import line_chart
+from bench.results import ALL_STREAMED, AUTO, COMFYUI, GIB, RESIDENT, Measurement, ModelRun, markdown, series, write
+from bench.timing import h2d_bandwidth_gbps, ms_per_call
 
 NO_CUDA_EXIT = 2
-PACK = "block_offload"  # the name ComfyUI imports this pack under
 
 
 @dataclass(frozen=True)
@@ -161,14 +159,11 @@ class Comfy:
     patcher: ModuleType
     nodes: ModuleType  # this pack's nodes
     offload: ModuleType  # this pack's engine, as the nodes see it
-    measuring: str  # what an automatic placement's measuring run says in its plan line
     find_blocks: Callable[[torch.nn.Module], tuple[Any, list[tuple[str, torch.nn.Module]]]]
 
 
 def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
-    """ComfyUI from $COMFYUI_PATH or the set-up one, and this pack under the name ComfyUI gives it."""
-    from comfy_host import resolve_comfyui_path
-
+    """ComfyUI from $COMFYUI_PATH or the set-up one, and this pack's nodes (``harness/pack.py``)."""
     sys.path.insert(0, str(resolve_comfyui_path()))
     from comfy.cli_args import args
 
@@ -182,24 +177,15 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
 
     # A fresh measurement cache: the automatic placement must measure, as on a first run.
     folder_paths.set_user_directory(str(user_dir))
-    if PACK not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            PACK, REPO / "__init__.py", submodule_search_locations=[str(REPO)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[PACK] = module
-        spec.loader.exec_module(module)
     nodes = importlib.import_module(f"{PACK}.nodes.offload_nodes")
     offload = importlib.import_module(f"{PACK}.offload")
     architectures = importlib.import_module(f"{PACK}.nodes.architectures")
-    measuring = importlib.import_module(f"{PACK}.nodes.patcher").MEASURING
     return Comfy(
         comfy.model_management,
         comfy.model_detection,
         comfy.model_patcher,
         nodes,
         offload,
-        measuring,
         architectures.find_blocks,
     )
 
@@ -306,18 +292,19 @@ def configs(comfy: Comfy, base, budgets: list[int], prefetch_choices: tuple[int,
 # -- measuring -----------------------------------------------------------------------------------
 
 
-def _placement(patcher) -> tuple[str, int, float | None, float | None]:
-    """What the loaded patcher placed: a summary, bytes streamed per step, overlap, predicted ms."""
+def _placement(patcher) -> tuple[str, int, float | None, float | None, bool]:
+    """What the loaded patcher placed: a summary, bytes streamed per step, overlap, predicted ms, and
+    whether it was an automatic placement's measuring run."""
     engine = getattr(patcher, "offload_engine", None)
     if engine is None:
         loaded = patcher.loaded_size()
         cast = patcher.model_size() - loaded
-        return f"{loaded / GIB:.2f} GiB loaded, {cast / GIB:.2f} GiB cast on demand", cast, None, None
+        return f"{loaded / GIB:.2f} GiB loaded, {cast / GIB:.2f} GiB cast on demand", cast, None, None, False
     step = engine.recorder.latest()
     overlap = step.overlap if step is not None else None
     streamed = engine.plan.streamed_bytes if engine.plan is not None else (step.bytes_copied if step else 0)
-    predicted = re.search(r"predicted ([\d.]+) ms per step", engine.summary)
-    return engine.summary, streamed, overlap, float(predicted[1]) if predicted else None
+    placement = engine.placement
+    return placement.summary, streamed, overlap, placement.predicted_ms, placement.measuring
 
 
 def measure(comfy: Comfy, base, config: Config, inputs: dict, steps: int, warmup: int) -> Measurement:
@@ -331,7 +318,7 @@ def measure(comfy: Comfy, base, config: Config, inputs: dict, steps: int, warmup
             torch.cuda.reset_peak_memory_stats(device)
         ms = ms_per_call(lambda: forward(patcher, inputs), device, steps, warmup)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        placement, streamed, overlap, predicted = _placement(patcher)
+        placement, streamed, overlap, predicted, measuring = _placement(patcher)
         rss = psutil.Process().memory_info().rss
         pinned = comfy.offload.pinned_bytes()
     finally:
@@ -341,7 +328,7 @@ def measure(comfy: Comfy, base, config: Config, inputs: dict, steps: int, warmup
             torch.cuda.empty_cache()
     progress(f"{config.method}: {ms / 1000:.3f} s/step; {placement}")
     return Measurement(
-        config.method, config.budget_bytes, ms, peak, rss, streamed, overlap, predicted, placement, pinned
+        config.method, config.budget_bytes, ms, peak, rss, streamed, overlap, predicted, placement, pinned, measuring
     )
 
 
@@ -356,7 +343,7 @@ def run_model(comfy: Comfy, spec: ModelSpec, args: argparse.Namespace, device: t
     for config in configs(comfy, base, budgets):
         try:
             measured = measure(comfy, base, config, inputs, args.steps, args.warmup)
-            if config.method == AUTO and comfy.measuring in measured.placement:
+            if config.method == AUTO and measured.measuring:
                 # No measurements yet: this run was placed strided and measured; the next one is planned.
                 measurements.append(replace(measured, method=f"{AUTO} (first run: strided, measuring)"))
                 measured = measure(comfy, base, config, inputs, args.steps, args.warmup)
@@ -393,7 +380,7 @@ def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
         else "",
         "torch": torch.__version__,
         "commit": output("git", "rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else ""),
-        "command": " ".join(["bench/comfy_bench.py", *args.argv]),
+        "command": " ".join(["python -m bench.comfy_bench", *args.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "steps": f"{args.warmup} warm-up + {args.steps} timed",
     }

@@ -1,6 +1,6 @@
 """Engine micro-benchmark: one process, one model, side by side.
 
-    python bench/engine_microbench.py [--blocks 16 --dim 2048 --tokens 4096]
+    python -m bench.engine_microbench [--blocks 16 --dim 2048 --tokens 4096]
 
 Prints the step time of: fully resident, synchronous offload (prefetch 0), async
 streaming with prefetch 1 and 2, each as a ratio to resident, with the overlap the
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+from harness.transformer_stack import transformer_stack
 
-from transformer_stack import transformer_stack  # noqa: E402
-
-from bench.timing import h2d_bandwidth_gbps, ms_per_call  # noqa: E402
-from offload import BlockStreamer, TimelineRecorder  # noqa: E402
+from bench.timing import h2d_bandwidth_gbps, ms_per_call
+from block_offload.offload import BlockStreamer, TimelineRecorder
 
 
 def time_forward(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:

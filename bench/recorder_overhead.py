@@ -1,7 +1,7 @@
 """Host cost of the timeline recorder, and of the live panel's listener on top of it: the same
 streamed model without either, with the recorder, and with the recorder feeding the panel.
 
-    python bench/recorder_overhead.py
+    python -m bench.recorder_overhead          # from the repository root
 
 16 tiny blocks, so the per-call overhead is as visible as it can be; the best of three
 rounds of 200 steps each. Runs wherever torch runs (the CPU by default, CUDA if present).
@@ -15,19 +15,15 @@ import importlib
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
+from harness.comfy_host import ComfyHostError, resolve_comfyui_path
+from harness.transformer_stack import transformer_stack
 
-from comfy_host import HOST_DIR, ComfyHostError, resolve_comfyui_path  # noqa: E402
-from transformer_stack import transformer_stack  # noqa: E402
-
-from offload import BlockStreamer, OffloadPlan, TimelineRecorder, module_bytes  # noqa: E402
-from offload.device import synchronize  # noqa: E402
+from block_offload.offload import BlockStreamer, OffloadPlan, TimelineRecorder, module_bytes
+from block_offload.offload.device import synchronize
 
 BLOCKS, STEPS = 16, 200
 
@@ -54,27 +50,27 @@ def seconds_per_step(
     return elapsed
 
 
-def import_pack(device: torch.device) -> tuple[ModuleType, ModuleType] | None:
-    """The pack's patcher and report modules, imported as ComfyUI imports them; None without ComfyUI."""
+def import_panel(device: torch.device) -> tuple[ModuleType, ModuleType] | None:
+    """The pack's engine and report modules (they need ComfyUI importable); None without ComfyUI."""
     try:
         comfyui = resolve_comfyui_path()
     except ComfyHostError as exc:
         print(f"no panel figures: {exc}")
         return None
-    sys.path[1:1] = [str(comfyui), str(HOST_DIR / "custom_nodes")]
+    sys.path.insert(0, str(comfyui))
     from comfy.cli_args import args
 
     args.cpu = device.type == "cpu"
-    return importlib.import_module("block_offload.nodes.patcher"), importlib.import_module("block_offload.nodes.report")
+    return importlib.import_module("block_offload.nodes.engine"), importlib.import_module("block_offload.nodes.report")
 
 
-def panel_attach(patcher: ModuleType, report: ModuleType, model: torch.nn.Module) -> Attach:
+def panel_attach(engines: ModuleType, report: ModuleType, model: torch.nn.Module) -> Attach:
     """Starts the panel's publisher on the streamer's recorder, as the patcher does for a sampling run."""
 
     def attach(streamer: BlockStreamer, recorder: TimelineRecorder) -> None:
         plan = OffloadPlan.build([module_bytes(b) for b in model.blocks], resident_count=0)
-        request = patcher.OffloadRequest(node="bench")
-        engine = patcher._Engine(request, plan, frozenset(), streamer, recorder, plan.describe())
+        request = engines.OffloadRequest(node="bench")
+        engine = engines.Engine(request, engines.Placement.of_plan(plan), streamer, recorder)
         report.engine_started(engine)
         report.run_started(engine, resident_weights=0)
 
@@ -87,7 +83,7 @@ def main() -> None:
     model.embed.to(device)
     model.head.to(device)
     x = torch.randn(1, 16, 64, device=device)
-    pack = import_pack(device)
+    pack = import_panel(device)
     attach = panel_attach(*pack, model) if pack is not None else None
     # Rounds interleave the variants, so a machine that slows down or speeds up meanwhile biases none of them.
     rounds: dict[str, list[float]] = {"off": [], "recorder": [], "panel": []}

@@ -7,7 +7,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-GIB = 1024**3
+import harness  # noqa: F401 - makes the pack importable as block_offload
+
+from block_offload.offload import GIB
+
 #: Method names of ComfyUI's own partial loading start with this; everything else is this pack.
 COMFYUI = "ComfyUI"
 RESIDENT = "fully resident"
@@ -34,6 +37,7 @@ class Measurement:
     predicted_ms: float | None = None  # the planner's prediction (automatic placement)
     placement: str = ""
     pinned_host_bytes: int = 0  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
+    measuring: bool = False  # an automatic placement's first run, placed by its policy to measure the costs
 
 
 @dataclass

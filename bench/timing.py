@@ -1,7 +1,7 @@
 """Timing helpers the benchmarks share: milliseconds per call, and pinned host-to-device bandwidth.
 
 Times come from the engine's ``Clock``: device events on an accelerator, the host clock on the CPU
-(smoke runs only: the figures mean nothing there). Needs the repository root on ``sys.path``.
+(smoke runs only: the figures mean nothing there).
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from offload.device import Clock, pinned_host_buffer, synchronize
+import harness  # noqa: F401 - makes the pack importable as block_offload
+
+from block_offload.offload.device import Clock, pinned_host_buffer, synchronize
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, steps: int, warmup: int) -> float:

@@ -9,11 +9,11 @@ import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
-from ..offload import ResidencyPolicy
+from ..offload import GIB, ResidencyPolicy
 from .architectures import UnsupportedModelError, find_blocks
-from .patcher import ALLOW_CPU_ENV, OffloadRequest, refuse_cudagraphs, streaming_allowed, with_offload
+from .patcher import refuse_cudagraphs, with_offload
+from .request import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed
 
-GIB = 1024**3
 CATEGORY = "offload"
 # Partial GPU Residency's default policy: the planner picks the resident blocks and the prefetch depth.
 AUTO_POLICY = "auto"
@@ -121,7 +121,6 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
             f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
         )
         return io.NodeOutput(model)
-    refuse_cudagraphs(model, node)
     if not request.sequential:
         try:
             _, blocks = find_blocks(model.model.diffusion_model)
@@ -132,6 +131,7 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
                 f"resident_blocks is {request.resident_blocks} but this model has {len(blocks)} blocks; "
                 f"use 0 to {len(blocks)}."
             )
+    refuse_cudagraphs(model, node)
     return io.NodeOutput(with_offload(model, request))
 
 

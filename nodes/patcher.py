@@ -11,146 +11,30 @@ budget reduced by our device slots, and the engine streams the hidden part.
 The class is a mixin over whatever patcher class the incoming MODEL has.
 ``ModelPatcher.clone()`` builds ``self.__class__``, so every later clone (LoRA
 loaders, other patch nodes) keeps the streaming behaviour and the request,
-which travels as an attachment.
+which travels as an attachment. This file holds the ModelPatcher overrides and
+how a node's MODEL becomes a streaming clone; the placement, the engine and the
+state they share have files of their own.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
 import weakref
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import comfy.model_management
-import comfy.utils
-import folder_paths
 import torch
-from comfy.cli_args import args
 from comfy.model_patcher import ModelPatcher
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
-from ..offload import (
-    BlockStreamer,
-    CostCache,
-    OffloadPlan,
-    PinnedMemoryBudget,
-    ResidencyPolicy,
-    SequentialOffloader,
-    StackCosts,
-    TimelineRecorder,
-    best_plan,
-    buffer_bytes,
-    cache_key,
-    can_pin_memory,
-    device_name,
-    module_bytes,
-    place_falling_back,
-    streamed_modules,
-    unpark,
-)
+from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
-from .architectures import find_blocks
+from .engine import Engine, inside, start_engine
+from .placement import Fallback, Placement, describe, place, remember_costs
+from .request import OffloadRequest
+from .state import state_of
 
 ATTACHMENT = "block_offload"
-ENGINE = "block_offload_engine"
-FALLBACK = "block_offload_fallback"
-# Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
-ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
-# A cap, in GiB, on the page-locked RAM the pack takes (below ComfyUI's own pinned-memory budget).
-PINNED_LIMIT_ENV = "BLOCK_OFFLOAD_MAX_PINNED_GB"
-# Tests and demos: pretend the device has only this many bytes for a streaming model's placement,
-# so the out-of-memory fallback runs on any device (the stream buffers' allocation raises beyond it).
-SIMULATED_DEVICE_LIMIT_ENV = "BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES"
-GIB = 1024**3
-# What the plan line of an automatic placement's first, measuring run says (the benchmark looks for it).
-MEASURING = "not measured on this device yet"
-
-
-def _pinned_limit() -> int | None:
-    """How many bytes all streaming models together may pin now; None: no cap known.
-
-    Where ComfyUI pins (NVIDIA, AMD) it has a budget, MAX_PINNED_MEMORY, for the weights of the
-    modules it casts on demand; the pack takes only what ComfyUI has left of it. It keeps its own
-    count instead of adding to ComfyUI's TOTAL_PINNED_MEMORY, because ComfyUI sets that total to 0
-    whenever its own list of pinned tensors empties, which would silently drop the pack's share.
-    ``--disable-pinned-memory`` means none; ``BLOCK_OFFLOAD_MAX_PINNED_GB`` caps it further.
-    """
-    if args.disable_pinned_memory:
-        return 0
-    limits = []
-    comfy_max = getattr(comfy.model_management, "MAX_PINNED_MEMORY", -1)
-    if comfy_max > 0:
-        limits.append(int(comfy_max - comfy.model_management.TOTAL_PINNED_MEMORY))
-    setting = os.environ.get(PINNED_LIMIT_ENV)
-    if setting:
-        limits.append(int(float(setting) * GIB))
-    return min(limits, default=None)
-
-
-PINNED_MEMORY = PinnedMemoryBudget(_pinned_limit)
-
-
-# ComfyUI loads the model again for every prompt: the same costs and budget give the same answer (a search
-# of a 57-block Flux takes a second or two), so it is kept rather than searched again.
-_best_plan = functools.lru_cache(maxsize=16)(best_plan)
-
-
-def _cost_cache() -> CostCache:
-    """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts)."""
-    return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")
-
-
-@dataclass(frozen=True)
-class OffloadRequest:
-    """What a node asked for. It becomes an ``OffloadPlan`` when ComfyUI loads the model,
-    because only then are the budget and the device known."""
-
-    node: str
-    resident_blocks: int | None = None
-    budget_bytes: int | None = None  # 0: whatever ComfyUI's budget leaves after the rest of the model
-    policy: ResidencyPolicy = ResidencyPolicy.LEADING
-    prefetch: int = 1
-    pin_memory: bool = True
-    sequential: bool = False
-    storage_dtype: torch.dtype | None = None
-    vram_limit_bytes: int = 0
-    # Resident blocks and prefetch chosen by offload.planner from measured costs (``policy`` until measured).
-    auto_placement: bool = False
-
-
-@dataclass
-class _Engine:
-    """The streaming state of one loaded model; it lives on the model, which clones share."""
-
-    request: OffloadRequest
-    plan: OffloadPlan | None
-    streamed: frozenset[str]
-    runner: BlockStreamer | SequentialOffloader
-    recorder: TimelineRecorder
-    summary: str
-    # Things the user should know about this run (a fallback taken, a cap reached): logged once, shown by the panel.
-    notices: list[str] = field(default_factory=list)
-
-    def stop(self, park: bool = False) -> None:
-        self.runner.disable(park)
-
-
-@dataclass(frozen=True)
-class _Fallback:
-    """A placement that ran out of device memory and the smaller one that fit. Kept on the model,
-    so its later loads (each sampling run loads a new clone) start from the one that fit."""
-
-    request: OffloadRequest
-    asked: OffloadPlan
-    placed: OffloadPlan
-    notice: str
-
-
-def streaming_allowed(device: torch.device) -> bool:
-    return device.type != "cpu" or os.environ.get(ALLOW_CPU_ENV) == "1"
 
 
 class DynamicVramError(ValueError):
@@ -234,10 +118,6 @@ def _offload_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def _inside(name: str, prefixes: frozenset[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
 class BlockOffloadPatcher(ModelPatcher):
     """Mixin: must come before the patcher class in the MRO (see ``_offload_class``)."""
 
@@ -246,16 +126,16 @@ class BlockOffloadPatcher(ModelPatcher):
         return self.get_attachment(ATTACHMENT)
 
     @property
-    def offload_engine(self) -> _Engine | None:
-        return getattr(self.model, ENGINE, None)
+    def offload_engine(self) -> Engine | None:
+        return state_of(self.model).engine
 
     # -- what ComfyUI's loader may touch -----------------------------------------------------
 
     def _load_list(self, *args, **kwargs):
         entries = super()._load_list(*args, **kwargs)
-        hidden = getattr(self.model, "block_offload_streamed", frozenset())
-        # Entry layout in ComfyUI 0.3.75: (offload_mem, module_mem, name, module, params).
-        return [entry for entry in entries if not _inside(entry[2], hidden)]
+        hidden = state_of(self.model).hidden
+        # Entry layout in ComfyUI 0.3.75 and 0.33's classic loader: (offload_mem, module_mem, name, module, params).
+        return [entry for entry in entries if not inside(entry[2], hidden)]
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         if self.offload_engine is None and self.model.model_loaded_weight_memory > 0:
@@ -268,69 +148,71 @@ class BlockOffloadPatcher(ModelPatcher):
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         request = self.offload_request
         refuse_cudagraphs(self, request.node)  # TorchCompileModel may come after the node
-        engine = self.offload_engine
-        if engine is not None:
-            self._remember_costs(engine)  # before planning, so this load can plan from them
+        state = state_of(self.model)
+        engine = state.engine
+        if engine is not None:  # before planning, so this load can plan from them
+            remember_costs(request, engine.plan, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
-        asked, streamed, summary = self._plan(request, budget)
-        plan = asked
-        fallback = getattr(self.model, FALLBACK, None)
-        if fallback is not None and (fallback.request, fallback.asked) == (request, asked):
-            plan = fallback.placed  # this placement ran out of memory before: start from the one that fit
-            streamed, summary = self._describe(plan)
-        if engine is not None and (engine.request, engine.plan, engine.streamed) != (request, plan, streamed):
+        asked = place(request, self, budget, self._loader_need)
+        placement = asked
+        fallback = state.fallback
+        if fallback is not None and (fallback.request, fallback.asked) == (request, asked.plan):
+            placement = describe(fallback.placed, self)  # it ran out of memory before: start from the one that fit
+        if engine is not None and (engine.request, engine.placement) != (request, placement):
             self._stop_streaming()
             engine = None
-        if engine is not None or plan is None:
-            self._place(request, plan, streamed, summary, device_to, budget, force_patch_weights)
+        if engine is not None or placement.plan is None:
+            self._place(request, placement, device_to, budget, force_patch_weights)
             return
 
-        def place(candidate: OffloadPlan) -> None:
-            described = (streamed, summary) if candidate is plan else self._describe(candidate)
-            self._place(request, candidate, *described, device_to, budget, force_patch_weights)
+        def place_plan(candidate: OffloadPlan) -> None:
+            chosen = placement if candidate == placement.plan else describe(candidate, self)
+            self._place(request, chosen, device_to, budget, force_patch_weights)
 
-        placed, failed = place_falling_back(plan, place, self._undo_placement)
+        placed, failed = place_falling_back(placement.plan, place_plan, self._undo_placement)
         if failed:
             notice = (
-                f"Out of memory placing {len(asked.resident)} resident blocks with prefetch {asked.prefetch}; "
-                f"fell back to {len(placed.resident)} with prefetch {placed.prefetch}."
+                f"Out of memory placing {len(asked.plan.resident)} resident blocks with prefetch "
+                f"{asked.plan.prefetch}; fell back to {len(placed.resident)} with prefetch {placed.prefetch}."
             )
             logging.warning(f"Block Offload ({request.node}): {notice}")
-            fallback = _Fallback(request, asked, placed, notice)
-            setattr(self.model, FALLBACK, fallback)
-        if placed != asked and self.offload_engine is not None:
-            self.offload_engine.notices.append(fallback.notice)  # each new engine shows it; the log has it once
+            state.fallback = Fallback(request, asked.plan, placed, notice)
+        if placed != asked.plan and self.offload_engine is not None:
+            self.offload_engine.notices.append(state.fallback.notice)  # each new engine shows it; the log once
 
     def _place(
         self,
         request: OffloadRequest,
-        plan: OffloadPlan | None,
-        streamed: frozenset[str],
-        summary: str,
+        placement: Placement,
         device_to: torch.device,
         budget: float,
         force_patch_weights: bool,
     ) -> None:
         """ComfyUI loads all but the streamed blocks, its budget less our stream buffers; the engine streams them."""
-        self.model.block_offload_streamed = streamed
-        slot_bytes = plan.slot_bytes if plan else self._sequential_buffer_bytes(request)
-        weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - slot_bytes)
+        state = state_of(self.model)
+        state.hidden = placement.streamed
+        weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
-        if not streamed:
+        if not placement.streamed:
             return
-        if self.offload_engine is None:
-            self._start_streaming(request, plan, streamed, summary, device_to)
+        if state.engine is None:
+            state.engine = start_engine(self, request, placement, device_to)
             self._check_resident_loaded(request)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
-        self.model.model_offload_buffer_memory += slot_bytes
+        self.model.model_offload_buffer_memory += placement.buffer_bytes
 
-    def _loader_headroom(self) -> int:
-        """What ComfyUI's loader keeps free beyond the weights it loads: it loads a module only while the
-        bytes loaded so far, the module and its cast buffers for (offload streams + 1) modules fit the budget
-        (``load()`` in comfy/model_patcher.py). A plan that left no such room would see its last resident
-        modules cast per layer by ComfyUI instead, on ComfyUI's streams, competing for the copy engine."""
-        largest = max((entry[0] for entry in super()._load_list()), default=0)
-        return (comfy.model_management.NUM_STREAMS + 1) * largest
+    def _loader_need(self, streamed: frozenset[str]) -> int:
+        """The budget ComfyUI's loader needs to load every module outside ``streamed``. It takes modules
+        largest first, each only while the bytes loaded so far, the module and cast buffers for it and
+        the next ``NUM_STREAMS`` modules fit (``load()`` in comfy/model_patcher.py; 0.3.75 counts this
+        module's cast size for each of those, 0.33 the next modules' sizes, which are no larger)."""
+        entries = sorted((e for e in super()._load_list() if not inside(e[2], streamed)), key=lambda e: -e[0])
+        buffers = comfy.model_management.NUM_STREAMS + 1
+        need = loaded = 0
+        for offload_size, size, *_ in entries:
+            need = max(need, loaded + size + buffers * offload_size)
+            loaded += size
+        return need + 1  # ComfyUI's test is strict (<)
 
     def _check_resident_loaded(self, request: OffloadRequest) -> None:
         """Whether ComfyUI loaded all it was offered (the planned resident part); says so when it did not."""
@@ -344,11 +226,6 @@ class BlockOffloadPatcher(ModelPatcher):
         )
         logging.warning(f"Block Offload ({request.node}): {notice}")
         self.offload_engine.notices.append(notice)
-
-    def _sequential_buffer_bytes(self, request: OffloadRequest) -> int:
-        """The sequential wrapper's slot pool, which ComfyUI must count like any offload buffer: on Wan 14B
-        the largest module (time_projection) alone is 315 MB, times the prefetch and nesting depth."""
-        return buffer_bytes(self.model.diffusion_model, request.prefetch, request.storage_dtype)
 
     def _undo_placement(self) -> None:
         """Back to where ``load`` started: no engine, nothing on the device, weight patches undone.
@@ -364,7 +241,7 @@ class BlockOffloadPatcher(ModelPatcher):
             # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
             unpark(self.model.modules())
-            self.model.block_offload_streamed = frozenset()  # blocks parked earlier are ordinary weights again
+            state_of(self.model).hidden = frozenset()  # blocks parked earlier are ordinary weights again
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
@@ -373,6 +250,18 @@ class BlockOffloadPatcher(ModelPatcher):
         # them again. They are valid CPU tensors, so a clone that does not stream can take them over too.
         self._stop_streaming(park=not unpatch_all)
         return super().detach(unpatch_all)
+
+    def _stop_streaming(self, park: bool = False) -> None:
+        state = state_of(self.model)
+        engine = state.engine
+        if engine is None:
+            return
+        remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
+        engine.stop(park)
+        state.engine = None
+        if not park:
+            state.hidden = frozenset()
+        # Parked blocks stay hidden from ComfyUI's loader (see ModelState.hidden); the next load re-plans the set.
 
     # -- sampling runs, for the live panel (report) ------------------------------------------
 
@@ -391,216 +280,3 @@ class BlockOffloadPatcher(ModelPatcher):
                 report.run_finished(engine)
         finally:
             super().cleanup()
-
-    # -- planning ----------------------------------------------------------------------------
-
-    def _plan(self, request: OffloadRequest, budget: float) -> tuple[OffloadPlan | None, frozenset[str], str]:
-        diffusion_model = self.model.diffusion_model
-        if request.sequential:
-            names = frozenset(
-                f"diffusion_model.{name}" if name else "diffusion_model"
-                for name, _ in streamed_modules(diffusion_model)
-            )
-            limit = request.vram_limit_bytes / 2**30
-            dtype = request.storage_dtype or "the model's dtype"
-            summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
-            return None, names, summary
-        arch, blocks = find_blocks(diffusion_model)
-        sizes = [module_bytes(block) for _, block in blocks]
-        outside = self.model_size() - sum(sizes)
-        count, budget_bytes = request.resident_blocks, None
-        if count is None:
-            room = budget - outside - self._loader_headroom()
-            if request.budget_bytes:
-                room = min(room, request.budget_bytes - outside)
-            if math.isinf(room):
-                count = len(sizes)
-            else:
-                budget_bytes = int(max(0, room))
-        pin_memory = request.pin_memory and can_pin_memory()
-        unplanned = ""  # why an automatic placement fell back to the request's policy
-        if request.auto_placement and budget_bytes is not None:
-            planned, unplanned = self._planned(arch.name, sizes, budget_bytes, pin_memory)
-            if planned is not None:
-                return planned
-        plan = OffloadPlan.build(
-            sizes,
-            resident_count=count,
-            budget_bytes=budget_bytes,
-            policy=request.policy,
-            prefetch=request.prefetch,
-            pin_memory=pin_memory,
-        )
-        streamed, summary = self._describe(plan)
-        return plan, streamed, summary + unplanned
-
-    def _planned(
-        self, arch: str, sizes: list[int], budget_bytes: int, pin_memory: bool
-    ) -> tuple[tuple[OffloadPlan, frozenset[str], str] | None, str]:
-        """The planner's fastest placement within ``budget_bytes`` from this model's measured costs on
-        this device, or None and why not: not measured yet, or not even the stream buffers fit (then
-        the request's policy places it, and the out-of-memory fallback decides)."""
-        costs = _cost_cache().get(cache_key(device_name(self.load_device), arch, sizes))
-        if costs is None or costs.block_bytes != tuple(sizes):
-            return None, f"; {MEASURING}, so this run measures it and the next one is planned"
-        try:
-            predicted = _best_plan(costs, budget_bytes, pin_memory=pin_memory, inline_copies=self._inline)
-        except ValueError as error:
-            return None, f"; the planner found no placement: {error}"
-        streamed, summary = self._describe(predicted.plan)
-        return (predicted.plan, streamed, f"{summary}; chosen by the planner, {predicted.describe(costs)}"), ""
-
-    @property
-    def _inline(self) -> bool:
-        """Without an accelerator the engine copies inline, on the host, between two computes."""
-        return self.load_device.type == "cpu"
-
-    def _remember_costs(self, engine: _Engine) -> None:
-        """Keeps what an automatic placement's last step cost, when this model has no measurements on
-        this device yet: every block's compute time, the gaps between them, and the copy bandwidth."""
-        plan = engine.plan
-        if not engine.request.auto_placement or plan is None:
-            return
-        arch, _ = find_blocks(self.model.diffusion_model)
-        cache = _cost_cache()
-        key = cache_key(device_name(self.load_device), arch.name, plan.block_bytes)
-        step = engine.recorder.latest()
-        if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
-            return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
-        if len({span.block for span in step.spans}) < len(plan.block_bytes):
-            return  # a step cut short (an interrupted prompt) would make every later plan wrong
-        costs = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=self._inline)
-        cache.put(key, costs)
-        logging.info(
-            f"Block Offload ({engine.request.node}): measured {arch.name} on {device_name(self.load_device)}: "
-            f"{sum(costs.compute_ms):.1f} ms of block compute per step, {costs.bandwidth_gbps:.2f} GB/s "
-            f"host to device; the next load plans the placement from them ({cache.path})"
-        )
-
-    def _describe(self, plan: OffloadPlan) -> tuple[frozenset[str], str]:
-        """The streamed blocks' module names, and the summary line the log shows for ``plan``."""
-        arch, blocks = find_blocks(self.model.diffusion_model)
-        streamed = frozenset(f"diffusion_model.{blocks[i][0]}" for i in plan.streamed)
-        return streamed, f"{arch.name}: {plan.describe(self.model_size() - sum(plan.block_bytes))}"
-
-    # -- streaming ---------------------------------------------------------------------------
-
-    def _start_streaming(
-        self,
-        request: OffloadRequest,
-        plan: OffloadPlan | None,
-        streamed: frozenset[str],
-        summary: str,
-        device: torch.device,
-    ) -> None:
-        # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
-        # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
-        # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
-        for key in [key for key in self.pinned if _inside(key, streamed)]:
-            self.unpin_weight(key)
-        self._patch_streamed_weights(streamed, device)
-        diffusion_model = self.model.diffusion_model
-        recorder = TimelineRecorder(device)
-        if plan is None:
-            runner = SequentialOffloader(
-                diffusion_model,
-                device,
-                storage_dtype=request.storage_dtype,
-                vram_limit_bytes=request.vram_limit_bytes,
-                prefetch=request.prefetch,
-                pin_memory=request.pin_memory,
-                recorder=recorder,
-                on_promote=functools.partial(_count_promoted, self.model),
-                pin_budget=PINNED_MEMORY,
-            )
-        else:
-            _, blocks = find_blocks(diffusion_model)
-            runner = BlockStreamer(
-                [block for _, block in blocks],
-                device,
-                plan.streamed,
-                prefetch=plan.prefetch,
-                pin_memory=plan.pin_memory,
-                recorder=recorder,
-                root=diffusion_model,
-                pin_budget=PINNED_MEMORY,
-                device_limit_bytes=self._simulated_device_room(),
-            )
-        runner.enable()
-        try:
-            runner.allocate_device_buffers()  # now, where ComfyUI counted them, not at the first call
-        except torch.OutOfMemoryError:
-            runner.disable()
-            raise
-        engine = _Engine(request, plan, streamed, runner, recorder, summary, notices=_pinning_notices(request, runner))
-        setattr(self.model, ENGINE, engine)
-        report.engine_started(engine)
-        logging.info(f"Block Offload ({request.node}): {summary}")
-
-    def _stop_streaming(self, park: bool = False) -> None:
-        engine = self.offload_engine
-        if engine is None:
-            return
-        self._remember_costs(engine)
-        engine.stop(park)
-        delattr(self.model, ENGINE)
-        if not park:
-            self.model.block_offload_streamed = frozenset()
-        # Parked blocks stay hidden from ComfyUI's loader: they are on the host, never loaded by it, so a
-        # partial unload between prompts must neither move nor count them (the next load re-plans the set).
-        report.engine_stopped(engine)
-
-    def _simulated_device_room(self) -> int | None:
-        """What BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES leaves for the stream buffers after what ComfyUI
-        loaded; None when it is not set."""
-        limit = os.environ.get(SIMULATED_DEVICE_LIMIT_ENV)
-        return None if not limit else int(limit) - self.model.model_loaded_weight_memory
-
-    def _patch_streamed_weights(self, streamed: frozenset[str], device: torch.device) -> None:
-        """Applies weight patches (LoRA, ...) to the streamed weights once, before they are packed.
-
-        Each weight is patched on the device, as ComfyUI patches a loaded weight,
-        then comes straight back to the host, so the device holds one weight at a time.
-        Modules are flagged ``comfy_patched_weights`` as ComfyUI flags loaded ones, so a
-        clone that takes these weights over does not patch them a second time.
-        """
-        for name, module in self.model.named_modules():
-            if not _inside(name, streamed) or getattr(module, "comfy_patched_weights", False):
-                continue
-            keys = [f"{name}.{param}" for param, _ in module.named_parameters(recurse=False)]
-            if not keys:
-                continue
-            for key in keys:
-                if key in self.patches:
-                    weight = comfy.utils.get_attr(self.model, key)
-                    if weight.untyped_storage().nbytes() > weight.nbytes:
-                        # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold
-                        # the whole block's (pinned) buffer alive for as long as the patch is on.
-                        weight.data = weight.data.clone()
-                    self.patch_weight_to_device(key, device_to=device)
-                    weight = comfy.utils.get_attr(self.model, key)
-                    weight.data = weight.data.to(self.offload_device)
-            module.comfy_patched_weights = True
-
-
-def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
-    """ComfyUI counts the modules the sequential wrapper keeps on the device. A function of the model,
-    not a method of the patcher: the engine lives on the model, and a patcher it referred to could not
-    be freed (nor stop the engine as it goes) until Python's cycle collector came by."""
-    model.model_loaded_weight_memory += nbytes
-
-
-def _pinning_notices(request: OffloadRequest, runner: BlockStreamer | SequentialOffloader) -> list[str]:
-    """A notice (logged once) when the pinned-memory cap sent some streamed weights to pageable RAM."""
-    streamer = runner if isinstance(runner, BlockStreamer) else runner.streamer
-    refused = streamer.refused_pinning
-    if not refused:
-        return []
-    notice = (
-        f"Pinned memory cap reached ({PINNED_MEMORY.limit / GIB:.2f} GiB): {len(refused)} of "
-        f"{len(streamer.streamed)} streamed {'blocks' if streamer.recurse else 'modules'} "
-        f"({sum(refused.values()) / GIB:.2f} GiB) stream from pageable RAM, which copies more slowly. "
-        f"Unloading other models frees pinned memory; {PINNED_LIMIT_ENV} sets the pack's own cap."
-    )
-    logging.warning(f"Block Offload ({request.node}): {notice}")
-    return [notice]

@@ -35,7 +35,7 @@ from ..offload.device import is_accelerator
 from ..offload.timeline import StepTimeline
 
 if TYPE_CHECKING:
-    from .patcher import _Engine
+    from .engine import Engine
 
 STATUS_EVENT = "block_offload.status"
 SCHEMA_VERSION = 1
@@ -212,15 +212,15 @@ class _Publisher:
     model without ComfyUI's ``pre_run``, everything since the engine started.
     """
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)  # the engine holds the recorder that holds us: no cycle
         self.node = engine.request.node
-        self.plan = engine.summary
+        self.plan = engine.placement.summary
         self.device = engine.recorder.device
         self.notices = engine.notices  # the engine's own list: notices added later show too
         self.prefetch = engine.plan.prefetch if engine.plan else engine.request.prefetch
         self.pinned = engine.plan.pin_memory if engine.plan else engine.request.pin_memory
-        self.streaming_buffers = engine.plan.slot_bytes if engine.plan else None
+        self.streaming_buffers = engine.placement.buffer_bytes
         self.streamed_host_bytes = engine.plan.streamed_bytes if engine.plan else None
         self.placement = self._placement(engine)
         self.resident_weights: int | None = None
@@ -237,11 +237,10 @@ class _Publisher:
         self._unsent: StepTimeline | None = None
 
     @staticmethod
-    def _placement(engine: _Engine) -> str:
+    def _placement(engine: Engine) -> str:
         """One letter per block (per module for the sequential wrapper): resident or streamed."""
-        streamer = getattr(engine.runner, "streamer", engine.runner)  # the sequential wrapper's, or the runner
-        streamed = streamer.streamed
-        return "".join(STREAMED if i in streamed else RESIDENT for i in range(len(streamer.blocks)))
+        streamed = engine.runner.streamed
+        return "".join(STREAMED if i in streamed else RESIDENT for i in range(engine.runner.units))
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -368,7 +367,7 @@ def _set_live(add: _Publisher | None = None, drop: _Publisher | None = None) -> 
     _live = kept + ((weakref.ref(add),) if add is not None else ())
 
 
-def engine_started(engine: _Engine) -> None:
+def engine_started(engine: Engine) -> None:
     global _current
     publisher = _Publisher(engine)
     engine.recorder.listener = publisher
@@ -376,7 +375,7 @@ def engine_started(engine: _Engine) -> None:
     _set_live(add=publisher)
 
 
-def engine_stopped(engine: _Engine) -> None:
+def engine_stopped(engine: Engine) -> None:
     """The report goes on describing the stopped engine's last run."""
     publisher = engine.recorder.listener
     if isinstance(publisher, _Publisher):
@@ -386,7 +385,7 @@ def engine_stopped(engine: _Engine) -> None:
         engine.recorder.listener = None
 
 
-def run_started(engine: _Engine, resident_weights: int) -> None:
+def run_started(engine: Engine, resident_weights: int) -> None:
     """A sampling run begins on ``engine``; ``resident_weights``: the bytes ComfyUI loaded of the model."""
     global _current
     publisher = engine.recorder.listener
@@ -396,7 +395,7 @@ def run_started(engine: _Engine, resident_weights: int) -> None:
         publisher.publish(force=True)
 
 
-def run_finished(engine: _Engine) -> None:
+def run_finished(engine: Engine) -> None:
     publisher = engine.recorder.listener
     if isinstance(publisher, _Publisher):
         publisher.finish_run()

@@ -2,25 +2,25 @@
 
 * ``BlockStreamer`` streams chosen blocks of a stack through reusable device slots.
 * ``OffloadPlan`` says which blocks stay resident (count, byte budget, policy).
-* ``BlockOffloader`` applies a plan to a whole model.
 * ``SequentialOffloader`` streams every tensor-owning module of any model.
+* ``Runner`` is what a host uses of either.
 * ``TimelineRecorder`` times each block's copy and compute on the device.
 * ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
 from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot, pinned_bytes
-from .offloader import BlockOffloader
 from .pinning import PinnedMemoryBudget
-from .plan import OffloadPlan, module_bytes, place_falling_back
+from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lower_bound_ms, simulate
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
+from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .streamer import BlockStreamer, unpark
 from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
-    "BlockOffloader",
+    "GIB",
     "BlockSpan",
     "BlockStreamer",
     "CostCache",
@@ -30,6 +30,7 @@ __all__ = [
     "PinnedMemoryBudget",
     "Prediction",
     "ResidencyPolicy",
+    "Runner",
     "SequentialOffloader",
     "StackCosts",
     "StepTimeline",

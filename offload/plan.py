@@ -13,6 +13,18 @@ from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 GIB = 1024**3
 
 
+def slot_count(prefetch: int, nesting: int = 1) -> int:
+    """Device slots a stream needs: one per block copied ahead (``prefetch``) and one per block running
+    (``nesting``: more than one where streamed modules run inside each other)."""
+    return prefetch + nesting
+
+
+def slot_pool_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int = 0) -> int:
+    """Device bytes of that slot pool: each slot as large as the largest streamed block, plus, with a
+    storage dtype, a staging copy of it in that dtype (copied into before the cast)."""
+    return slot_count(prefetch, nesting) * (largest + staging)
+
+
 def module_bytes(module: nn.Module) -> int:
     """Bytes of all parameters and buffers of ``module``, counted once each."""
     return sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
@@ -50,7 +62,7 @@ class OffloadPlan:
             resident = resident_indices(len(sizes), resident_count, policy)
         else:
             # The slot pool comes out of the same budget as the resident blocks.
-            slots = (prefetch + 1) * max(sizes, default=0)
+            slots = slot_pool_bytes(max(sizes, default=0), prefetch)
             resident = resident_for_budget(sizes, max(0, budget_bytes - slots), policy)
         return cls(sizes, resident, prefetch, pin_memory, policy)
 
@@ -71,7 +83,7 @@ class OffloadPlan:
         """Device bytes of the reusable buffers the streamed blocks pass through."""
         if not self.streamed:
             return 0
-        return (self.prefetch + 1) * max(self.block_bytes[i] for i in self.streamed)
+        return slot_pool_bytes(max(self.block_bytes[i] for i in self.streamed), self.prefetch)
 
     def device_bytes(self, outside_blocks: int = 0) -> int:
         """Weights on the device at the peak: resident blocks, slots, and what lies outside the blocks."""

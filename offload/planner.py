@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .plan import OffloadPlan
+from .plan import OffloadPlan, slot_count, slot_pool_bytes
 from .residency import ResidencyPolicy
 from .streamer import look_ahead, pick_slot
 from .timeline import StepTimeline
@@ -195,7 +195,7 @@ class _Pipeline:
         self.streamed = plan.streamed
         self.prefetch = plan.prefetch
         self.inline = inline_copies
-        self.slots = [_Slot() for _ in range(plan.prefetch + 1)]
+        self.slots = [_Slot() for _ in range(slot_count(plan.prefetch))]
         self.slot_of: dict[int, int] = {}
         self.expected = list(range(len(costs.block_bytes)))  # the first step assumes list order
         self.order: list[int] = []
@@ -280,8 +280,7 @@ def simulate(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = Fals
 
 def _fits(sizes: Sequence[int], resident: Iterable[int], prefetch: int, budget_bytes: int) -> bool:
     """The engine's own budget rule (``OffloadPlan.build``): slots as large as the largest block."""
-    slots = (prefetch + 1) * max(sizes, default=0)
-    return sum(sizes[i] for i in resident) + slots <= budget_bytes
+    return sum(sizes[i] for i in resident) + slot_pool_bytes(max(sizes, default=0), prefetch) <= budget_bytes
 
 
 def _greedy(

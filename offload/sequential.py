@@ -19,6 +19,7 @@ from torch import nn
 
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
+from .plan import slot_pool_bytes
 from .streamer import BlockStreamer, eager
 from .timeline import TimelineRecorder
 
@@ -54,7 +55,7 @@ def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | No
     staging = 0
     if storage_dtype is not None:
         staging = max(BlockLayout.of(module, storage_dtype, recurse=False).nbytes for module in modules)
-    return (prefetch + _nesting(modules)) * (largest + staging)
+    return slot_pool_bytes(largest, prefetch, _nesting(modules), staging)
 
 
 def _nesting(modules: list[nn.Module]) -> int:
@@ -115,6 +116,36 @@ class SequentialOffloader:
             self._promotion_hook.remove()
             self._promotion_hook = None
         self.streamer.disable(park)
+
+    # -- the Runner interface (offload/runner.py): the streamer's, per module ------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.streamer.enabled
+
+    @property
+    def unit(self) -> str:
+        return self.streamer.unit
+
+    @property
+    def units(self) -> int:
+        return self.streamer.units
+
+    @property
+    def streamed(self) -> frozenset[int]:
+        return self.streamer.streamed
+
+    @property
+    def refused_pinning(self) -> dict[int, int]:
+        return self.streamer.refused_pinning
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        return self.streamer.device_buffer_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.streamer.host_bytes
 
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""

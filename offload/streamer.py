@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, pinned_host_buffer, synchronize
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
+from .plan import slot_count
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
 
 
@@ -186,9 +187,6 @@ class BlockStreamer:
     the copy are ordered on one stream. It shrinks what each step copies; the
     originals are kept too, because a rounded copy must never replace them.
     ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
-    ``device_limit_bytes`` simulates a device that has only that many bytes left for the slot
-    pool: allocating more raises ``torch.OutOfMemoryError`` as the allocator would, so the
-    out-of-memory fallback can be exercised on any device.
     """
 
     def __init__(
@@ -205,7 +203,6 @@ class BlockStreamer:
         recurse: bool = True,
         nesting: int = 1,
         pin_budget: PinnedMemoryBudget | None = None,
-        device_limit_bytes: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -218,13 +215,12 @@ class BlockStreamer:
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
         self._pinned = pin_budget.share() if pin_budget is not None else None
-        self.device_limit_bytes = device_limit_bytes
         self.storage_dtype = storage_dtype
         self.recorder = recorder
         self.root = root
         self.recurse = recurse
         # Nested streamed modules (a wrapped module inside another) each hold a slot.
-        self.num_slots = prefetch + nesting
+        self.num_slots = slot_count(prefetch, nesting)
         self.copy_stream = copy_stream(self.device)
         self._state: dict[int, _StreamedBlock] = {}
         self._slots: list[_Slot] = []
@@ -310,6 +306,14 @@ class BlockStreamer:
         """The slot holding streamed block ``index`` on the device, or None while it is only on the host."""
         state = self._state.get(index)
         return None if state is None else state.slot
+
+    @property
+    def unit(self) -> str:
+        return "block" if self.recurse else "module"
+
+    @property
+    def units(self) -> int:
+        return len(self.blocks)
 
     @property
     def host_bytes(self) -> int:
@@ -410,22 +414,12 @@ class BlockStreamer:
     def allocate_device_buffers(self) -> None:
         """Allocates the slot pool now rather than at the first block call, so running out of device
         memory shows while the model is being placed, where the caller can still fall back."""
-        if not self._state:
-            self._check_device_limit(0)  # nothing streams, but what is resident may already be too much
-        elif not self._slots:
+        if self._state and not self._slots:
             self._allocate_slots()
-
-    def _check_device_limit(self, needed: int) -> None:
-        if self.device_limit_bytes is not None and needed > self.device_limit_bytes:
-            raise torch.OutOfMemoryError(
-                f"simulated device limit: the stream buffers need {needed} bytes, "
-                f"{self.device_limit_bytes} are left after the resident weights"
-            )
 
     def _allocate_slots(self) -> None:
         largest = max(state.layout.nbytes for state in self._state.values())
         staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
-        self._check_device_limit(self.num_slots * (largest + staging))
         on_device = is_accelerator(self.device)
         for _ in range(self.num_slots):
             self._slots.append(

@@ -6,7 +6,7 @@ over the websocket, prints status, wall time, output files and a summary of what
 did (placement, step time, copy time hidden, bandwidth, memory; from GET /block_offload/report)
 with the last step's timeline drawn to a PNG (``--json``: the whole report instead), then stops
 the server.
-Use scripts/demo.sh, which runs scripts/setup.sh first.
+Use scripts/demo.sh, which runs scripts/setup.sh first (and this as ``python -m scripts.demo``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
+from harness.comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
 
-sys.path.insert(0, str(REPO))  # the bench package: the timeline is drawn as the benchmark draws its plots
-from bench.plot import timeline_chart  # noqa: E402
+from bench.plot import timeline_chart  # the timeline is drawn as the benchmark draws its plots
 
 WORKFLOWS = REPO / "example_workflows" / "api"
 # The workflow run when none is named; when it is absent, the first by name.

@@ -11,4 +11,4 @@ source scripts/hosts.sh
 host=""
 if [[ "${1:-}" == "--host" ]]; then host="${2:-}"; shift 2; fi
 use_host "$host"
-exec "$HOST_PYTHON" scripts/demo.py "$@"
+exec "$HOST_PYTHON" -m scripts.demo "$@"

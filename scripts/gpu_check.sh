@@ -68,8 +68,8 @@ pytest=("$python" -m pytest -p no:cacheprovider -rA -s -v)
 if [[ "$part" == engine || "$part" == all ]]; then
   step "engine CUDA tests" "${pytest[@]}" tests/test_engine_cuda.py tests/test_reliability_engine.py \
     "tests/test_parking.py::test_pinned_buffers_are_adopted_without_a_second_reservation"
-  step "engine micro-benchmark" "$python" bench/engine_microbench.py
-  step "recorder overhead" "$python" bench/recorder_overhead.py
+  step "engine micro-benchmark" "$python" -m bench.engine_microbench
+  step "recorder overhead" "$python" -m bench.recorder_overhead
 fi
 if [[ "$part" == comfy || "$part" == all ]]; then
   step "ComfyUI CUDA tests" "${pytest[@]}" tests/test_dynamic_vram.py tests/test_reliability.py tests/test_panel.py \

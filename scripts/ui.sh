@@ -9,4 +9,4 @@ source scripts/hosts.sh
 host=""
 if [[ "${1:-}" == "--host" ]]; then host="${2:-}"; shift 2; fi
 use_host "$host"
-exec "$HOST_PYTHON" scripts/comfy_host.py ui "$@"
+exec "$HOST_PYTHON" -m harness.comfy_host ui "$@"

@@ -5,6 +5,12 @@
 * ``tiny_models``: the tiny random-weight checkpoints, written into ``.host/models`` once.
 * ``comfyui_path``: the ComfyUI folder, put on ``sys.path`` so a test can import
   ``comfy``/``nodes`` in-process. Nothing here imports comfy at module level.
+* ``comfy``: ComfyUI and this pack in the test process (``harness/inprocess.py``);
+  ``allow_cpu_streaming``: the nodes stream on the CPU too.
+
+The helpers the tests share live in ``harness/``, which the tests import like any package (the
+repository root is on ``sys.path``, pyproject's ``pythonpath``); importing it makes the pack
+importable as ``block_offload``, the one name the tests use for it.
 """
 
 from __future__ import annotations
@@ -13,13 +19,20 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-
-from comfy_host import CLASSIC_CACHE, HOST_DIR, ComfyHost, ComfyHostError, ensure_tiny_models, resolve_comfyui_path  # noqa: E402
+from harness.comfy_host import (
+    CLASSIC_CACHE,
+    HOST_DIR,
+    REPO,
+    ComfyHost,
+    ComfyHostError,
+    ensure_tiny_models,
+    resolve_comfyui_path,
+)
+from harness.inprocess import in_process_comfy
 
 
 def comfyui_version() -> str:
@@ -91,3 +104,15 @@ def comfy_host() -> Iterator[ComfyHost]:
         yield host
     finally:
         host.stop()
+
+
+@pytest.fixture(scope="session")
+def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
+    """ComfyUI and this pack in the test process, on the CPU (``harness/inprocess.py``)."""
+    return in_process_comfy(tiny_models)
+
+
+@pytest.fixture
+def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes stream on the CPU (without it they pass the model through: no GPU memory to save)."""
+    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")

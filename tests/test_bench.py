@@ -17,12 +17,11 @@ from bench.plot import line_chart
 from bench.results import ALL_STREAMED, AUTO, COMFYUI, GIB, RESIDENT, Measurement, ModelRun, markdown, series
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "bench" / "comfy_bench.py"
 
 
 def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, "-m", "bench.comfy_bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfy_host import CLASSIC_CACHE, REPO, ComfyHost
-from test_panel import BLOCKS, NODE_NAME, check_status, wan_prompt
+
+from harness.comfy_host import CLASSIC_CACHE, REPO, ComfyHost
+from harness.panel import BLOCKS, NODE_NAME, check_status, wan_prompt
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
 

@@ -8,22 +8,14 @@ On the CPU inductor compiles C++ kernels: the first compilation takes a minute o
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_patcher import async_offload, in_process_comfy, sample, wan
 
+from harness.inprocess import async_offload, sample, wan
 
-@pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
-
-
-@pytest.fixture(autouse=True)
-def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
 
 def compiled(model, backend: str):

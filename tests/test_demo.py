@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from comfy_host import REPO, ComfyHost
-from demo import fetch_report, print_summary
 from PIL import Image
 
+from harness.comfy_host import REPO, ComfyHost
+
 from bench.plot import TIMELINE_COLOURS
+from scripts.demo import fetch_report, print_summary
 
 WORKFLOW = REPO / "example_workflows" / "api" / "async_block_offload_wan21_t2v.json"
 

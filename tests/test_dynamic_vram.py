@@ -16,31 +16,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import tiny_models as tm
 import torch
-from comfy_host import CLASSIC_CACHE, ComfyHost
 from conftest import HOST_VERSION
-from test_nodes_e2e import ARCHS, NODES, PromptBuilder, _differs, run
-from test_patcher import async_offload, in_process_comfy, sample, wan
-from test_reliability import evict_cached_models, offload_prompt, server_env
 
-pytestmark = pytest.mark.skipif(
-    HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM (it came in 0.4)"
-)
+from harness import tiny_models as tm
+from harness.comfy_host import CLASSIC_CACHE, ComfyHost
+from harness.inprocess import async_offload, sample, wan
+from harness.prompts import ARCHS, NODES, PromptBuilder, differs, evict_cached_models, offload_prompt, run, server_env
 
-
-@pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
-
-
-@pytest.fixture(autouse=True)
-def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
+pytestmark = [
+    pytest.mark.skipif(
+        HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM (it came in 0.4)"
+    ),
+    pytest.mark.usefixtures("allow_cpu_streaming"),
+]
 
 
 def dynamic(comfy: SimpleNamespace):
@@ -143,7 +135,7 @@ def test_on_a_gpu_every_node_streams_and_comfyui_keeps_true_books(gpu_host: Comf
     log_start = len(gpu_host.log_text())
     builder = offload_prompt(node=node)
     latents, log, result = run(gpu_host, builder)
-    assert torch.equal(latents["offload"], latents["plain"]), _differs(latents["offload"], latents["plain"])
+    assert torch.equal(latents["offload"], latents["plain"]), differs(latents["offload"], latents["plain"])
 
     report = gpu_host.get_json("/block_offload/report")
     assert report["prompt_id"] == result.prompt_id and report["accelerator"], report
@@ -165,7 +157,7 @@ def test_on_a_gpu_the_parking_hand_over_works_under_dynamic_vram(gpu_host: Comfy
     """Two prompts on the same offload node: the second adopts the parked host buffers, same latent."""
     first, _ = _latent_of(gpu_host, seed=7)
     second, log = _latent_of(gpu_host, seed=7, no_ops=1)
-    assert torch.equal(first, second), _differs(first, second)
+    assert torch.equal(first, second), differs(first, second)
 
 
 def _latent_of(host: ComfyHost, seed: int, no_ops: int = 0) -> tuple[torch.Tensor, str]:

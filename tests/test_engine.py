@@ -9,10 +9,11 @@ import json
 import psutil
 import pytest
 import torch
-from transformer_stack import assert_same_tensors, fp8_stack, snapshot, transformer_stack
 
-from offload import (
-    BlockOffloader,
+from harness.stack_offloader import BlockOffloader
+from harness.transformer_stack import assert_same_tensors, forward_steps, fp8_stack, snapshot, transformer_stack
+
+from block_offload.offload import (
     BlockStreamer,
     ModuleState,
     OffloadPlan,
@@ -26,22 +27,17 @@ from offload import (
 CPU = torch.device("cpu")
 
 
-def run(model: torch.nn.Module, x: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
-    with torch.inference_mode():
-        return [model(x) for _ in range(steps)]
-
-
 @pytest.mark.parametrize("dim", [32, 64])
 def test_every_plan_gives_bitwise_identical_output(dim: int) -> None:
     model = transformer_stack(num_blocks=4, dim=dim)
     x = torch.randn(2, 9, dim)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     offloader = BlockOffloader(model, model.blocks, CPU)
     sizes = offloader.block_bytes()
     for prefetch, resident, policy in itertools.product(range(0, 4), range(0, 5), ResidencyPolicy):
         plan = OffloadPlan.build(sizes, resident_count=resident, policy=policy, prefetch=prefetch)
         offloader.apply(plan)
-        for out in run(model, x, steps=3):
+        for out in forward_steps(model, x, steps=3):
             assert torch.equal(out, reference), (prefetch, resident, policy)
     offloader.remove()
 
@@ -51,7 +47,7 @@ def test_remove_restores_every_tensor_bitwise() -> None:
     before = snapshot(model)
     offloader = BlockOffloader(model, model.blocks, CPU)
     offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=1, prefetch=2))
-    run(model, torch.randn(1, 5, 32))
+    forward_steps(model, torch.randn(1, 5, 32))
     offloader.remove()
     assert_same_tensors(model, before, CPU)
 
@@ -59,7 +55,7 @@ def test_remove_restores_every_tensor_bitwise() -> None:
 def test_replan_with_other_settings() -> None:
     model = transformer_stack()
     x = torch.randn(1, 5, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     offloader = BlockOffloader(model, model.blocks, CPU)
     sizes = offloader.block_bytes()
     offloader.apply(OffloadPlan.build(sizes, resident_count=0, prefetch=1))
@@ -67,18 +63,18 @@ def test_replan_with_other_settings() -> None:
     offloader.apply(OffloadPlan.build(sizes, budget_bytes=sizes[0] * 4, prefetch=1))
     # Two slots of one block each come out of the budget, leaving room for two resident blocks.
     assert offloader.streamer.streamed == {2, 3}
-    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
 
 
 def test_blocks_called_twice_out_of_order_or_skipped() -> None:
     schedule = [0, 2, 2, 1, 3, 0]  # block 0 twice, block 2 twice in a row, order changes
     model = transformer_stack(num_blocks=5, schedule=schedule)  # block 4 never runs
     x = torch.randn(2, 6, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     recorder = TimelineRecorder(CPU)
     streamer = BlockStreamer(model.blocks, CPU, range(5), prefetch=2, recorder=recorder, root=model)
     streamer.enable()
-    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     assert streamer.last_order == tuple(schedule)
     assert [span.block for span in recorder.latest().spans] == schedule
     streamer.disable()
@@ -87,12 +83,12 @@ def test_blocks_called_twice_out_of_order_or_skipped() -> None:
 def test_fp8_weights_with_a_scale_stream_exactly() -> None:
     model = fp8_stack()
     x = torch.randn(2, 4, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     before = snapshot(model)
     streamer = BlockStreamer(model.blocks, CPU, [0, 1, 2], prefetch=1, root=model)
     streamer.enable()
     assert model.blocks[1].linear.weight.dtype == torch.float8_e4m3fn
-    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     streamer.disable()
     assert_same_tensors(model, before, CPU)
 
@@ -100,7 +96,7 @@ def test_fp8_weights_with_a_scale_stream_exactly() -> None:
 def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     model = transformer_stack()
     x = torch.randn(1, 5, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model)
     streamer.enable()
 
@@ -109,15 +105,15 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
 
     handle = model.blocks[3].mlp.register_forward_pre_hook(explode)
     with pytest.raises(RuntimeError, match="boom inside block 3"):
-        run(model, x, steps=1)
+        forward_steps(model, x, steps=1)
     handle.remove()
     # Block 3's parameters went back to the host although its call never returned.
     assert all(not slot.in_use for slot in streamer._slots)
-    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
     assert not streamer._slots and all(streamer.slot_of(i) is None for i in (1, 2, 3))
-    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     assert len(streamer._slots) == streamer.num_slots
     streamer.disable()
 
@@ -125,12 +121,12 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
 def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
     model = transformer_stack()
     x = torch.randn(2, 7, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     before = snapshot(model)
     wrapper = SequentialOffloader(model, CPU, prefetch=2)
     wrapper.enable()
     assert {wrapper.state(m) for m in wrapper.modules} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
-    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     wrapper.disable()
     assert_same_tensors(model, before, CPU)
 
@@ -138,12 +134,12 @@ def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
 def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None:
     model = transformer_stack(schedule=[0, 1, 1, 1, 2, 3])
     x = torch.randn(1, 3, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     slots = buffer_bytes(model, prefetch=1)
     limit = module_bytes(model.blocks[1]) + slots  # the limit counts the slot pool too
     wrapper = SequentialOffloader(model, CPU, vram_limit_bytes=limit)
     wrapper.enable()
-    assert all(torch.equal(out, reference) for out in run(model, x, steps=3))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     kept = [m for m in wrapper.modules if wrapper.state(m) is ModuleState.KEPT]
     assert kept, "nothing was promoted"
     own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
@@ -161,12 +157,12 @@ def test_sequential_storage_dtype_matches_a_model_rounded_to_it() -> None:
     with torch.no_grad():
         for p in rounded.parameters():
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    (reference,) = run(rounded, x, steps=1)
+    (reference,) = forward_steps(rounded, x, steps=1)
     before = snapshot(model)
     wrapper = SequentialOffloader(model, CPU, storage_dtype=torch.bfloat16)
     wrapper.enable()
     assert model.blocks[0].qkv.weight.dtype == torch.bfloat16  # stored small while offloaded
-    assert all(torch.equal(out, reference) for out in run(model, x))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     wrapper.disable()
     # The rounded copy never replaces the weights: disabling gives back the originals, bit for bit.
     assert_same_tensors(model, before, CPU)
@@ -177,7 +173,7 @@ def test_recorder_times_every_call_and_exports_json() -> None:
     recorder = TimelineRecorder(CPU, keep=3)
     streamer = BlockStreamer(model.blocks, CPU, [1, 3], prefetch=1, recorder=recorder, root=model)
     streamer.enable()
-    run(model, torch.randn(1, 5, 32), steps=3)
+    forward_steps(model, torch.randn(1, 5, 32), steps=3)
     last = recorder.latest()
     first = recorder.steps[0]
     assert len(recorder.steps) == 3 and last.step == 2

@@ -6,18 +6,15 @@ Skipped without CUDA; run on the GPU machine before resolving (see docs/benchmar
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from transformer_stack import snapshot, transformer_stack
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from engine_microbench import time_forward  # noqa: E402
+from harness.stack_offloader import BlockOffloader
+from harness.transformer_stack import snapshot, transformer_stack
 
-from offload import (
-    BlockOffloader,
+from bench.engine_microbench import time_forward
+from block_offload.offload import (
     BlockStreamer,
     OffloadPlan,
     SequentialOffloader,

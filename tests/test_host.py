@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from comfy_host import (
+
+from harness.comfy_host import (
     REPO,
     ComfyHost,
     ComfyPathError,
@@ -19,7 +20,8 @@ from comfy_host import (
     StartupError,
     resolve_comfyui_path,
 )
-from demo import resolve_workflow
+
+from scripts.demo import resolve_workflow
 
 PACK_NODE_IDS = ("AsyncBlockOffload", "PartialGPUResidency", "SequentialOffloadWrapper")
 
@@ -149,7 +151,7 @@ def test_failed_start_shows_the_log_tail(tmp_path: Path) -> None:
 
 def test_run_result_helpers() -> None:
     """RunResult helpers on a hand-made result (no server)."""
-    from comfy_host import RunResult, WsEvent
+    from harness.comfy_host import RunResult, WsEvent
 
     base = Path("/tmp/base")
     result = RunResult(

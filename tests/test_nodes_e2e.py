@@ -24,99 +24,27 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
-import tiny_models as tm
 import torch
-from comfy_host import ComfyHost, RunResult
-from safetensors.torch import load_file
-from workflows import SAMPLER, SCHEDULER, SEED, STEPS
+
+from harness import tiny_models as tm
+from harness.comfy_host import ComfyHost
+from harness.prompts import (
+    ARCHS,
+    ASYNC,
+    NODES,
+    SEQUENTIAL,
+    Arch,
+    PromptBuilder,
+    cached_nodes,
+    differs,
+    evict_cached_models,
+    plan_lines,
+    run,
+)
 
 pytestmark = pytest.mark.usefixtures("tiny_models")
-
-ASYNC, PARTIAL, SEQUENTIAL = "async", "partial", "sequential"
-#: node key -> (class_type, widget inputs, the node name its log line carries)
-NODES: dict[str, tuple[str, dict[str, Any], str]] = {
-    ASYNC: (
-        "AsyncBlockOffload",
-        {"resident_blocks": 1, "prefetch_blocks": 1, "pin_memory": True},
-        "Async Block Offload",
-    ),
-    PARTIAL: (
-        "PartialGPUResidency",
-        {"vram_budget_gb": 0.001, "policy": "strided", "prefetch_blocks": 1, "pin_memory": True},
-        "Partial GPU Residency",
-    ),
-    SEQUENTIAL: (
-        "SequentialOffloadWrapper",
-        {"storage_dtype": "as loaded", "vram_limit_gb": 0.0, "prefetch_modules": 1, "pin_memory": True},
-        "Sequential Offload Wrapper",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Arch:
-    name: str
-    latent: dict[str, Any]  # inputs of tm.EMPTY_LATENT_NODE[name]
-    cfg: float
-    blocks: int  # what find_blocks counts: the plan line says "<resident>/<blocks> blocks resident"
-    nodes: tuple[str, ...] = (ASYNC, PARTIAL, SEQUENTIAL)
-
-
-ARCHS = {
-    tm.WAN21: Arch(tm.WAN21, {"width": 32, "height": 32, "length": 5, "batch_size": 1}, 6.0, tm.WAN21_LAYERS),
-    tm.FLUX: Arch(
-        tm.FLUX, {"width": 32, "height": 32, "batch_size": 1}, 1.0, tm.FLUX_DOUBLE_BLOCKS + tm.FLUX_SINGLE_BLOCKS
-    ),
-    tm.SD3: Arch(tm.SD3, {"width": 64, "height": 64, "batch_size": 1}, 4.0, tm.SD3_DEPTH),
-}
-
-
-class PromptBuilder:
-    """Grows an API-format prompt around shared loader / conditioning / latent nodes."""
-
-    def __init__(self, arch: Arch, prefix: str) -> None:
-        self.arch, self.prefix = arch, prefix
-        self.prompt: dict[str, dict[str, Any]] = {}
-        self.saves: dict[str, str] = {}  # branch -> SaveLatent node id
-        self.model = self.add("UNETLoader", unet_name=tm.FILES[arch.name], weight_dtype="default")
-        clip = self.add("CLIPLoader", clip_name=tm.CLIP_L_FILE, type=tm.CLIP_TYPE[arch.name], device="default")
-        self.positive = self.add("CLIPTextEncode", text="a lighthouse on a cliff at dusk", clip=clip)
-        self.negative = self.add("CLIPTextEncode", text="", clip=clip)
-        self.latent = self.add(tm.EMPTY_LATENT_NODE[arch.name], **arch.latent)
-
-    def add(self, class_type: str, **inputs: Any) -> list[Any]:
-        node_id = str(len(self.prompt) + 1)
-        self.prompt[node_id] = {"class_type": class_type, "inputs": inputs}
-        return [node_id, 0]
-
-    def offload(self, model: list[Any], node: str) -> list[Any]:
-        class_type, widgets, _ = NODES[node]
-        return self.add(class_type, model=model, **widgets)
-
-    def lora(self, model: list[Any]) -> list[Any]:
-        lora = tm.FILES[tm.LORA_FOR[self.arch.name]]
-        return self.add("LoraLoaderModelOnly", model=model, lora_name=lora, strength_model=1.0)
-
-    def sample(self, branch: str, model: list[Any], latent: list[Any] | None = None) -> None:
-        samples = self.add(
-            "KSampler",
-            model=model,
-            seed=SEED,
-            steps=STEPS,
-            cfg=self.arch.cfg,
-            sampler_name=SAMPLER,
-            scheduler=SCHEDULER,
-            positive=self.positive,
-            negative=self.negative,
-            latent_image=latent or self.latent,
-            denoise=1.0,
-        )
-        save = self.add("SaveLatent", samples=samples, filename_prefix=f"{self.prefix}/{branch}")
-        self.saves[branch] = save[0]
 
 
 def full_prompt(arch: Arch, prefix: str) -> PromptBuilder:
@@ -143,44 +71,6 @@ def plain_prompt(arch: Arch, prefix: str, no_ops: int) -> PromptBuilder:
     return b
 
 
-def run(
-    host: ComfyHost, builder: PromptBuilder, timeout: float = 300
-) -> tuple[dict[str, torch.Tensor], str, RunResult]:
-    """Runs the prompt; returns each branch's latent, what the server logged meanwhile, and the result."""
-    log_start = len(host.log_text())
-    result = host.run(builder.prompt, timeout=timeout)
-    log = host.log_text()[log_start:]
-    assert result.ok, result.error_text() + "\n" + host.log_tail(60)
-    sampled = _executed_nodes(result)
-    latents = {}
-    for branch, save_id in builder.saves.items():
-        (item,) = result.outputs()[save_id]["latents"]
-        path = result.output_dir / item["subfolder"] / item["filename"]
-        latents[branch] = load_file(str(path))["latent_tensor"]
-        ksampler = builder.prompt[save_id]["inputs"]["samples"][0]
-        assert ksampler in sampled, f"{branch}: KSampler {ksampler} was answered from the cache, not sampled"
-    return latents, log, result
-
-
-def _executed_nodes(result: RunResult) -> list[str]:
-    return [e.data["node"] for e in result.events_of("executing") if e.data.get("node") is not None]
-
-
-def _cached_nodes(result: RunResult) -> list[str]:
-    return [node for e in result.events_of("execution_cached") for node in e.data.get("nodes", [])]
-
-
-def plan_lines(log: str, node: str) -> list[str]:
-    return [line for line in log.splitlines() if line.startswith(f"Block Offload ({NODES[node][2]}): ")]
-
-
-def _differs(a: torch.Tensor, b: torch.Tensor) -> str:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"{tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
-    diff = (a.double() - b.double()).abs()
-    return f"max |diff| {diff.max().item():.3g}, {int((diff > 0).sum())}/{diff.numel()} elements differ"
-
-
 def sample_around(
     host: ComfyHost, arch: Arch, prefix: str, big: PromptBuilder
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], str, torch.Tensor, str]:
@@ -192,7 +82,7 @@ def sample_around(
     after, after_log, after_result = run(host, after_prompt)
     # The "after" prompt sampled the very MODEL object the big prompt's nodes were given.
     assert after_prompt.prompt[after_prompt.model[0]] == big.prompt[big.model[0]]
-    assert after_prompt.model[0] in _cached_nodes(after_result), "the loader ran again: not the same MODEL"
+    assert after_prompt.model[0] in cached_nodes(after_result), "the loader ran again: not the same MODEL"
     return before["ref"], latents, log, after["ref"], before_log + after_log
 
 
@@ -207,16 +97,16 @@ def test_streamed_latents_equal_the_reference(comfy_host: ComfyHost, arch_name: 
     lora_changes = not torch.equal(ref, lora_ref)
     assert lora_changes, "the LoRA does not change the result: the LoRA branches prove nothing"
     same_alone = torch.equal(before, ref)
-    assert same_alone, "the plain branch alone vs in the big prompt: " + _differs(before, ref)
+    assert same_alone, "the plain branch alone vs in the big prompt: " + differs(before, ref)
     same_after = torch.equal(after, ref)
-    assert same_after, "the loader's MODEL, sampled again after the nodes ran, changed: " + _differs(after, ref)
+    assert same_after, "the loader's MODEL, sampled again after the nodes ran, changed: " + differs(after, ref)
     assert "Block Offload (" not in plain_log, "the plain branch streamed:\n" + plain_log
 
     mismatches = []
     for branch, latent in latents.items():
         expected = lora_ref if "lora" in branch else ref
         if not torch.equal(latent, expected):
-            mismatches.append(f"{branch}: {_differs(latent, expected)}")
+            mismatches.append(f"{branch}: {differs(latent, expected)}")
     assert not mismatches, "streamed latents differ from their reference:\n" + "\n".join(mismatches)
 
     # Each node's branches (plain, LoRA -> node, node -> LoRA) loaded a streaming model.
@@ -254,17 +144,4 @@ def test_lossy_storage_dtype_leaves_the_input_model_unchanged(comfy_host: ComfyH
     assert len(plan_lines(log, SEQUENTIAL)) == 1, log
     rounded = not torch.equal(latents["fp8"], before)
     assert rounded, "fp8 storage should change the streamed model's result"
-    assert torch.equal(after, before), _differs(after, before)
-
-
-def evict_cached_models(host: ComfyHost) -> None:
-    """ComfyUI's (classic) cache drops every node output the next prompt does not use: run one
-    that uses no model."""
-    result = host.run(
-        {
-            "1": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
-            "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "tests/e2e/evict"}},
-        },
-        timeout=60,
-    )
-    assert result.ok, result.error_text()
+    assert torch.equal(after, before), differs(after, before)

@@ -25,44 +25,15 @@ from typing import Any
 import pytest
 import torch
 import websocket
-from comfy_host import CLASSIC_CACHE, REPO, ComfyHost, RunResult
-from test_patcher import comfy  # noqa: F401 - the fixture: ComfyUI imported in-process, on the CPU
-from transformer_stack import transformer_stack
+
+from harness.comfy_host import CLASSIC_CACHE, ComfyHost, RunResult
+from harness.panel import BLOCKS, MIN_INTERVAL_S, NODE_NAME, PLACEMENT, STATUS_EVENT, check_status, wan_prompt
+from harness.transformer_stack import transformer_stack
 
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
-WORKFLOW = REPO / "example_workflows" / "api" / "async_block_offload_wan21_t2v.json"
-NODE_NAME = "Async Block Offload"
-BLOCKS = 5  # tiny Wan 2.1's blocks; the workflow keeps 1 resident (leading)
-PLACEMENT = "RSSSS"
 # Each tiny Wan step takes ~12 ms on two idle CPU cores: 150 steps outlast several intervals.
 LONG_RUN_STEPS = 150
-
-STATUS_EVENT = "block_offload.status"
-MIN_INTERVAL_S = 0.25
-SPAN_FIELDS = ["block", "copy_start", "copy_end", "compute_start", "compute_end", "stall", "bytes_copied"]
-MEMORY_FIELDS = {
-    "allocated", "reserved", "peak_allocated", "free", "total",
-    "resident_weights", "streaming_buffers", "other", "process_rss", "host_total", "pinned_host",
-}  # fmt: skip
-STATUS_FIELDS = {
-    "v": int, "seq": int, "time": float, "running": bool, "prompt_id": (str, type(None)),
-    "node": (str, type(None)), "plan": (str, type(None)), "device": str, "accelerator": bool,
-    "step": (int, type(None)), "steps_done": int, "block": (int, type(None)), "blocks": int, "placement": str,
-    "prefetch": (int, type(None)), "pinned": (bool, type(None)), "streamed_host_bytes": (int, type(None)),
-    "notices": list, "memory": dict, "models": list,
-}  # fmt: skip
-OPTIONAL_NUMBER = (int, float, type(None))
-
-
-def wan_prompt(steps: int) -> dict[str, Any]:
-    """The example workflow as shipped (scripts/demo.py runs it unchanged) with ``steps`` sampler steps,
-    and a seed and output prefix of its own, so ComfyUI's cache cannot skip the sampler."""
-    tag = uuid.uuid4().hex
-    prompt = json.loads(WORKFLOW.read_text())
-    prompt["7"]["inputs"].update(steps=steps, seed=int(tag[:8], 16))
-    prompt["8"]["inputs"]["filename_prefix"] = f"tests/panel/{tag}"
-    return prompt
 
 
 class StatusListener:
@@ -106,46 +77,6 @@ class StatusListener:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ws.close()
-
-
-def check_status(status: dict[str, Any]) -> None:
-    """The schema every message and the report share (nodes/report.py)."""
-    for name, kind in STATUS_FIELDS.items():
-        assert isinstance(status.get(name), kind), f"{name}={status.get(name)!r} is not {kind}"
-    assert status["v"] == 1
-    assert set(status["memory"]) == MEMORY_FIELDS, status["memory"]
-    assert all(isinstance(text, str) for text in status["notices"])
-    assert len(status["placement"]) == status["blocks"] and set(status["placement"]) <= {"R", "S"}
-    memory = status["memory"]
-    assert memory["process_rss"] > 0 and memory["host_total"] >= memory["process_rss"]
-    if status["accelerator"]:
-        assert all(isinstance(memory[k], int) for k in ("allocated", "reserved", "free", "total")), memory
-        assert 0 <= memory["free"] <= memory["total"] and memory["allocated"] <= memory["reserved"], memory
-    else:
-        assert all(memory[k] is None for k in ("allocated", "reserved", "free", "total", "other")), memory
-    for model in status["models"]:  # every model streaming now, one per node
-        assert set(model) == {"node", "placement", "prefetch", "pinned", "running"}, model
-        assert set(model["placement"]) <= {"R", "S"}
-    if "last_step" in status:
-        check_step(status["last_step"], status["placement"])
-
-
-def check_step(step: dict[str, Any], placement: str) -> None:
-    """A compact step: one row per block call; streamed blocks were copied, resident ones not."""
-    assert list(step["span_fields"]) == SPAN_FIELDS
-    assert isinstance(step["step"], int) and step["step"] >= 0
-    assert step["duration_ms"] > 0 and 0.0 <= step["overlap"] <= 1.0
-    for name in ("copy_ms", "stall_ms", "bandwidth_gbps"):
-        assert isinstance(step[name], OPTIONAL_NUMBER), (name, step[name])
-    assert [row[0] for row in step["spans"]] == list(range(len(placement))), step["spans"]
-    for block, copy_start, copy_end, compute_start, compute_end, stall, copied in step["spans"]:
-        assert 0 <= compute_start <= compute_end <= step["duration_ms"], step
-        assert stall >= 0
-        if placement[block] == "S":
-            assert copy_start is not None and copy_start <= copy_end and copied > 0, (block, step)
-        else:
-            assert copy_start is None and copied == 0, (block, step)
-    assert step["bytes_copied"] == sum(row[6] for row in step["spans"])
 
 
 @pytest.fixture(scope="module")
@@ -275,8 +206,8 @@ def streaming_engine(pack: SimpleNamespace, num_blocks: int, resident: int, dim:
     plan = off.OffloadPlan.build([off.module_bytes(b) for b in model.blocks], resident_count=resident)
     recorder = off.TimelineRecorder(torch.device("cpu"))
     runner = off.BlockStreamer(model.blocks, "cpu", plan.streamed, recorder=recorder, root=model)
-    request = pack.patcher.OffloadRequest(node="panel test")
-    engine = pack.patcher._Engine(request, plan, frozenset(), runner, recorder, plan.describe())
+    request = pack.engine.OffloadRequest(node="panel test")
+    engine = pack.engine.Engine(request, pack.engine.Placement.of_plan(plan), runner, recorder)
     return model, engine
 
 

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import gc
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine import run
-from test_patcher import allow_cpu_streaming, async_offload, in_process_comfy, sample, wan  # noqa: F401 (a fixture)
-from transformer_stack import snapshot, transformer_stack
 
-from offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
+from harness.inprocess import async_offload, sample, wan
+from harness.transformer_stack import forward_steps, snapshot, transformer_stack
+
+from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
+
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
 CPU = torch.device("cpu")
 STREAMED = (1, 2, 3)
@@ -44,23 +45,23 @@ def streaming(model, device: torch.device = CPU, **kwargs) -> BlockStreamer:
 def test_parked_blocks_are_adopted_not_packed_again() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     first = streaming(model)
-    assert run(model, x)[-1].equal(reference)
+    assert forward_steps(model, x)[-1].equal(reference)
     packed = host_ptrs(first)
     first.disable(park=True)
     # Parked: every streamed weight is a view of its block's host buffer, and the model runs from there.
     for index, buffer in packed.items():
         assert all(p.data_ptr() in buffer for p in model.blocks[index].parameters())
-    assert run(model, x, steps=1)[0].equal(reference)
+    assert forward_steps(model, x, steps=1)[0].equal(reference)
     second = streaming(model)
     assert host_ptrs(second) == packed  # the same buffers, taken over: no allocation, no pack
-    assert run(model, x)[-1].equal(reference)
+    assert forward_steps(model, x)[-1].equal(reference)
     second.disable()
     before = snapshot(model)
     assert not any(uses(model, buffer) for buffer in packed.values())  # restored: memory of their own
     assert all(torch.equal(value, before[key]) for key, value in snapshot(model).items())
-    assert run(model, x, steps=1)[0].equal(reference)
+    assert forward_steps(model, x, steps=1)[0].equal(reference)
 
 
 def test_a_block_changed_while_parked_is_packed_again() -> None:
@@ -71,12 +72,12 @@ def test_a_block_changed_while_parked_is_packed_again() -> None:
     first.disable(park=True)
     replaced = model.blocks[2].proj.weight
     replaced.data = replaced.data * 2  # what a weight patch does: a new tensor, not the parked view
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     second = streaming(model)
     adopted = host_ptrs(second)
     assert adopted[1] == packed[1] and adopted[3] == packed[3]
     assert adopted[2] != packed[2]
-    assert run(model, x)[-1].equal(reference)
+    assert forward_steps(model, x)[-1].equal(reference)
     second.disable()
 
 
@@ -109,7 +110,7 @@ def test_a_deleted_model_takes_its_parked_buffers_with_it() -> None:
 def test_unpark_gives_the_weights_memory_of_their_own() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     streamer = streaming(model)
     storage = weakref.ref(streamer._state[1].host.untyped_storage())
     streamer.disable(park=True)
@@ -117,13 +118,13 @@ def test_unpark_gives_the_weights_memory_of_their_own() -> None:
     unpark(model.modules())
     gc.collect()
     assert storage() is None
-    assert run(model, x, steps=1)[0].equal(reference)
+    assert forward_steps(model, x, steps=1)[0].equal(reference)
 
 
 def test_sequential_offloader_parks_and_adopts() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
-    (reference,) = run(model, x, steps=1)
+    (reference,) = forward_steps(model, x, steps=1)
     first = SequentialOffloader(model, CPU)
     first.enable()
     packed = host_ptrs(first.streamer)
@@ -131,7 +132,7 @@ def test_sequential_offloader_parks_and_adopts() -> None:
     second = SequentialOffloader(model, CPU)
     second.enable()
     assert host_ptrs(second.streamer) == packed
-    assert run(model, x)[-1].equal(reference)
+    assert forward_steps(model, x)[-1].equal(reference)
     second.disable()
 
 
@@ -163,7 +164,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
     # The reference on the same device: CUDA kernels need not match the CPU's bit for bit.
-    (reference,) = run(model.to(cuda), x.to(cuda), steps=1)
+    (reference,) = forward_steps(model.to(cuda), x.to(cuda), steps=1)
     reference = reference.cpu()
     model.cpu()
     model.embed.to(cuda)
@@ -175,14 +176,14 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     used = budget.used
     assert used == first.host_bytes > 0
     packed = host_ptrs(first)
-    assert run(model, x.to(cuda))[-1].cpu().equal(reference)
+    assert forward_steps(model, x.to(cuda))[-1].cpu().equal(reference)
     first.disable(park=True)
     del first
     gc.collect()
     assert budget.used == used
     second = streaming(model, cuda, pin_budget=budget)
     assert host_ptrs(second) == packed and budget.used == used and not second.refused_pinning
-    assert run(model, x.to(cuda))[-1].cpu().equal(reference)
+    assert forward_steps(model, x.to(cuda))[-1].cpu().equal(reference)
     second.disable(park=True)
     del second, model
     gc.collect()
@@ -190,11 +191,6 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
 
 
 # -- the nodes, in-process against the real ComfyUI ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
 
 
 def host_buffers(model) -> dict[int, int]:
@@ -214,7 +210,7 @@ def test_consecutive_prompts_reuse_the_host_buffers(comfy: SimpleNamespace) -> N
     assert patched.offload_engine is not engine  # a new engine, on the same host buffers
     assert host_buffers(patched) == first
     comfy.mm.unload_all_models()
-    assert patched.offload_engine is None and comfy.patcher.PINNED_MEMORY.used == 0
+    assert patched.offload_engine is None and comfy.pinned.PINNED_MEMORY.used == 0
     blocks = patched.model.diffusion_model.blocks
     assert not any(uses(blocks[index], buffer) for index, buffer in first.items())
     assert torch.equal(sample(comfy, model), reference)
@@ -236,7 +232,7 @@ def test_lora_plain_lora_across_prompts_on_the_same_weights(comfy: SimpleNamespa
     assert torch.equal(sample(comfy, offloaded), plain_reference)
     assert host_buffers(offloaded) == plain  # plain after plain: adopted
     comfy.mm.unload_all_models()
-    assert comfy.patcher.PINNED_MEMORY.used == 0
+    assert comfy.pinned.PINNED_MEMORY.used == 0
     assert torch.equal(sample(comfy, model), plain_reference)
     comfy.mm.unload_all_models()
 

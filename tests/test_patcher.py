@@ -6,69 +6,15 @@ Real loader, real ModelPatcher, real ``load_models_gpu`` and sampler, on the CPU
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-STEPS = 2
+from harness.inprocess import async_offload, sample, wan
 
-
-@pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
-
-
-def in_process_comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    """ComfyUI's modules and this pack, imported the way ComfyUI imports it (as ``block_offload``)."""
-    from comfy.cli_args import args
-
-    args.cpu = True
-    custom_nodes = str(comfyui_path.parent / ".host" / "custom_nodes")
-    if (comfyui_path.parent / ".host").exists() is False:
-        custom_nodes = str(Path(__file__).resolve().parents[1] / ".host" / "custom_nodes")
-    sys.path.insert(1, custom_nodes)
-    mods = SimpleNamespace(
-        mm=importlib.import_module("comfy.model_management"),
-        sd=importlib.import_module("comfy.sd"),
-        sample=importlib.import_module("comfy.sample"),
-        utils=importlib.import_module("comfy.utils"),
-        nodes=importlib.import_module("block_offload.nodes.offload_nodes"),
-        patcher=importlib.import_module("block_offload.nodes.patcher"),
-        models=tiny_models,
-    )
-    return mods
-
-
-@pytest.fixture(autouse=True)
-def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
-
-
-def wan(comfy: SimpleNamespace):
-    return comfy.sd.load_diffusion_model(str(comfy.models["wan21"]))
-
-
-def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
-    latent = torch.zeros(1, 16, 1, 8, 8)
-    context = torch.randn(
-        1, 7, model.model.diffusion_model.text_embedding[0].in_features, generator=torch.Generator().manual_seed(1)
-    )
-    cond = [[context, {}]]
-    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
-    return comfy.sample.sample(
-        model, noise, STEPS, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
-    )
-
-
-def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: int = 1):
-    return comfy.nodes.AsyncBlockOffload.execute(
-        model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True
-    ).result[0]
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
 
 def streamed_bytes(model) -> int:
@@ -90,7 +36,7 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
         sum(
             t.nbytes
             for n, t in patched.model.state_dict().items()
-            if not any(n.startswith(p + ".") for p in patched.model.block_offload_streamed)
+            if not any(n.startswith(p + ".") for p in comfy.state.state_of(patched.model).hidden)
         )
         - listed
     )
@@ -204,10 +150,10 @@ def test_the_sequential_wrappers_buffers_are_in_comfyuis_books(comfy: SimpleName
         model, storage_dtype="bf16", vram_limit_gb=0.0, prefetch_modules=2, pin_memory=True
     ).result[0]
     comfy.mm.load_models_gpu([wrapped])
-    pool = wrapped.offload_engine.runner.streamer.device_buffer_bytes
+    pool = wrapped.offload_engine.runner.device_buffer_bytes
     assert pool > 0 and wrapped.model.model_offload_buffer_memory == pool
     sample(comfy, wrapped)
-    assert wrapped.offload_engine.runner.streamer.device_buffer_bytes == pool
+    assert wrapped.offload_engine.runner.device_buffer_bytes == pool
     comfy.mm.unload_all_models()
     assert wrapped.model.model_offload_buffer_memory == 0
 
@@ -220,7 +166,7 @@ def test_weights_comfyui_pinned_are_unpinned_through_comfyui_before_packing(comf
     streamed_key = "diffusion_model.blocks.3.ffn.0.weight"  # ComfyUI's loader never sees streamed blocks
     model.pinned.add(streamed_key)
     comfy.mm.load_models_gpu([model])
-    assert any(streamed_key.startswith(block + ".") for block in model.offload_engine.streamed)
+    assert any(streamed_key.startswith(block + ".") for block in model.offload_engine.placement.streamed)
     assert streamed_key not in model.pinned, "a streamed weight is still registered with ComfyUI"
     comfy.mm.unload_all_models()
 

@@ -13,14 +13,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-import tiny_models as tm
 import torch
-from comfy_host import ComfyHost
-from test_nodes_e2e import ARCHS, PromptBuilder, plan_lines, run
-from transformer_stack import transformer_stack
 
-from offload import BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
-from offload.planner import (
+from harness import tiny_models as tm
+from harness.comfy_host import ComfyHost
+from harness.prompts import ARCHS, PromptBuilder, plan_lines, run
+from harness.transformer_stack import transformer_stack
+
+from block_offload.offload import BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
+from block_offload.offload.planner import (
     PREFETCH_CHOICES,
     CostCache,
     StackCosts,

@@ -7,8 +7,9 @@
   BLOCK_OFFLOAD_ALLOW_CPU a ``--cpu`` server passes the model through with a warning.
 * Interrupts: POST /interrupt while a prompt samples (ComfyUI checks before every op, so it lands
   inside a block); the same model then samples what a clean run does.
-* Out of memory: a server whose device is limited by BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES to
-  what 1 resident block and the stream buffers need; a node asking for 4 falls back and says so.
+* Out of memory: a server whose device is limited (harness/device_limit.py, loaded as a custom node
+  from tests/support) to what 1 resident block and the stream buffers need; a node asking for 4 falls
+  back and says so.
 * Long queue: 24 prompts through the API, alternating Wan and SD3, LoRA strengths, node settings
   and seeds, each with the same loader output sampled with and without offload. Every result equals
   its clean reference (the plain branch, and the first result of that model, LoRA and seed); the
@@ -21,43 +22,45 @@ Items 2-4 and the unloading test run on the CPU server and, with CUDA, on a seco
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import statistics
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import psutil
 import pytest
-import tiny_models as tm
 import torch
-from comfy_host import CLASSIC_CACHE, HOST_DIR, ComfyHost, PromptValidationError, WsEvent
-from test_nodes_e2e import ARCHS, NODES, PromptBuilder, _differs, evict_cached_models, run
-from test_patcher import in_process_comfy
-from workflows import STEPS
+
+from harness import tiny_models as tm
+from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost, PromptValidationError, WsEvent
+from harness.device_limit import LIMIT_ENV
+from harness.prompts import (
+    ARCHS,
+    NODES,
+    PromptBuilder,
+    differs,
+    evict_cached_models,
+    offload_prompt,
+    run_offload,
+    sampler_of,
+    server_env,
+)
 
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
 #: How far memory after the last prompts may be from after the first ones (about 5 % of the CPU server's RSS).
+LIMIT_NODE = "block_offload_device_limit"  # tests/support: the simulated device limit, as a custom node
 MEMORY_BOUND = 64 * 2**20
 CUDA = pytest.param(
     "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), id="cuda"
 )
 DEVICES = ["cpu", CUDA]
-LIMIT_ENV = "BLOCK_OFFLOAD_SIMULATED_DEVICE_LIMIT_BYTES"
 WAN = ARCHS[tm.WAN21]
 ASYNC = "AsyncBlockOffload"
 UNSUPPORTED_FILE = "block_offload_test_cosmos_predict2.safetensors"
-FRESH_SEEDS = itertools.count(10_000)
-
-
-def server_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1", **extra}
 
 
 @pytest.fixture(scope="module")
@@ -73,57 +76,6 @@ def host(request: pytest.FixtureRequest, comfy_host: ComfyHost) -> ComfyHost:
 
 
 # -- prompts --------------------------------------------------------------------------------------
-
-
-def prefix(name: str) -> str:
-    return f"tests/reliability/{uuid.uuid4().hex[:8]}/{name}"
-
-
-def sampler_of(builder: PromptBuilder, branch: str) -> dict[str, Any]:
-    """The inputs of the KSampler whose latent ``branch`` saves."""
-    save = builder.prompt[builder.saves[branch]]
-    return builder.prompt[save["inputs"]["samples"][0]]["inputs"]
-
-
-def offload_prompt(
-    arch: Any = WAN,
-    node: str = ASYNC,
-    seed: int | None = None,
-    steps: int = STEPS,
-    lora: float = 0.0,
-    name: str = "p",
-    plain: bool = True,
-    **widgets: Any,
-) -> PromptBuilder:
-    """The loader's MODEL (through a LoRA if ``lora``) sampled as it is (``plain``) and through ``node``
-    with ``widgets`` over the e2e test's defaults (``offload``), same seed, steps and conditioning.
-    ``plain=False`` leaves the first branch out (ComfyUI would run it even when the other fails).
-    Without a ``seed``, one no other prompt used: ComfyUI would answer a repeated sampler from its cache."""
-    seed = next(FRESH_SEEDS) if seed is None else seed
-    b = PromptBuilder(arch, prefix(name))
-    model = b.model
-    if lora:
-        model = b.add(
-            "LoraLoaderModelOnly", model=model, lora_name=tm.FILES[tm.LORA_FOR[arch.name]], strength_model=lora
-        )
-    if plain:
-        b.sample("plain", model)
-    b.sample("offload", b.add(node, model=model, **{**defaults(node), **widgets}))
-    for branch in b.saves:
-        sampler_of(b, branch).update(seed=seed, steps=steps)
-    return b
-
-
-def defaults(node: str) -> dict[str, Any]:
-    """The e2e test's widget values for ``node``."""
-    return next(widgets for class_type, widgets, _ in NODES.values() if class_type == node)
-
-
-def run_offload(host: ComfyHost, builder: PromptBuilder) -> tuple[torch.Tensor, str]:
-    """Runs an ``offload_prompt``; asserts both branches equal; returns the latent and the log."""
-    latents, log, _ = run(host, builder)
-    assert torch.equal(latents["offload"], latents["plain"]), _differs(latents["offload"], latents["plain"])
-    return latents["plain"], log
 
 
 def settle(host: ComfyHost) -> None:
@@ -245,11 +197,6 @@ def test_widgets_fed_by_other_nodes_are_checked_when_the_node_runs(
 
 
 @pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
-
-
-@pytest.fixture(scope="module")
 def unsupported_model(comfy: SimpleNamespace) -> str:
     """A tiny Cosmos Predict2 (MiniTrainDIT): ComfyUI loads it, the block nodes do not know its blocks.
     ComfyUI's own detection sizes it from two tensors; its other sizes are MiniTrainDIT's defaults."""
@@ -346,7 +293,7 @@ def test_interrupt_mid_sampling_then_the_same_model_samples_as_a_clean_run(host:
         interrupted_run(host, long, at_step)
     again = offload_prompt(name="again", resident_blocks=1, prefetch_blocks=2, seed=7)
     latent, _ = run_offload(host, again)
-    assert torch.equal(latent, reference), _differs(latent, reference)
+    assert torch.equal(latent, reference), differs(latent, reference)
     assert_no_growth(before, [memory(host)], "three interrupts")
 
 
@@ -364,7 +311,9 @@ def loaded_bytes(log: str, model_class: str) -> int:
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def limited_host(request: pytest.FixtureRequest, comfy_host: ComfyHost) -> Iterator[ComfyHost]:
+def limited_host(
+    request: pytest.FixtureRequest, comfy_host: ComfyHost, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ComfyHost]:
     """A server whose device holds what Wan with 1 resident block and the 2 buffers of prefetch 1 need,
     and half a block more; measured on the unlimited server of the same device."""
     cpu = request.param == "cpu"
@@ -375,7 +324,14 @@ def limited_host(request: pytest.FixtureRequest, comfy_host: ComfyHost) -> Itera
         loaded[resident] = loaded_bytes(log, "WAN21")
     block = loaded[2] - loaded[1]
     limit = loaded[1] + 2 * block + block // 2
-    with ComfyHost(cpu=cpu, env=server_env(**{LIMIT_ENV: str(limit)}), extra_args=CLASSIC_CACHE) as host:
+    # Its own base directory: the pack and the device limit as custom nodes, the shared models.
+    base_dir = tmp_path_factory.mktemp("limited")
+    (base_dir / "custom_nodes").mkdir()
+    (base_dir / "custom_nodes" / "block_offload").symlink_to(REPO)
+    (base_dir / "custom_nodes" / LIMIT_NODE).symlink_to(REPO / "tests" / "support" / LIMIT_NODE)
+    (base_dir / "models").symlink_to(HOST_DIR / "models")
+    env = server_env(**{LIMIT_ENV: str(limit)})
+    with ComfyHost(base_dir=base_dir, cpu=cpu, env=env, extra_args=CLASSIC_CACHE) as host:
         yield host
 
 
@@ -416,7 +372,7 @@ def test_a_long_queue_gives_clean_results_without_memory_growth(host: ComfyHost)
     for arch, lora, (node, widgets), seed in QUEUE:
         latent, _ = run_offload(host, offload_prompt(arch, node, seed=seed, lora=lora, name="queue", **widgets))
         reference = references.setdefault((arch.name, lora, seed), latent)
-        assert torch.equal(latent, reference), f"{arch.name} LoRA {lora} seed {seed}: " + _differs(latent, reference)
+        assert torch.equal(latent, reference), f"{arch.name} LoRA {lora} seed {seed}: " + differs(latent, reference)
         after.append(memory(host))
     assert len(references) == 12 and len(after) == len(QUEUE)
     # Six prompts each (three of each model) after the first, and the last six.

@@ -14,11 +14,19 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformer_stack import assert_same_tensors, snapshot, transformer_stack
 
-import offload.streamer
-from offload import BlockOffloader, BlockStreamer, OffloadPlan, PinnedMemoryBudget, ResidencyPolicy, module_bytes
-from offload.layout import BlockLayout
+from harness.stack_offloader import BlockOffloader
+from harness.transformer_stack import assert_same_tensors, snapshot, transformer_stack
+
+from block_offload.offload import (
+    BlockStreamer,
+    OffloadPlan,
+    PinnedMemoryBudget,
+    ResidencyPolicy,
+    module_bytes,
+)
+from block_offload.offload import streamer as streamer_module
+from block_offload.offload.layout import BlockLayout
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -111,7 +119,7 @@ def test_pinned_budget_counts_reservations_and_shares_return_what_they_hold() ->
 def test_a_spent_pin_budget_streams_from_pageable_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """With pinning possible but the budget spent, every block is refused before anything is pinned
     (on a machine without an accelerator, trying to pin would raise) and the output is unchanged."""
-    monkeypatch.setattr(offload.streamer, "can_pin_memory", lambda: True)
+    monkeypatch.setattr(streamer_module, "can_pin_memory", lambda: True)
     model = transformer_stack(num_blocks=4, dim=32)
     x = torch.randn(1, 5, 32)
     reference = forward(model, x)

@@ -10,26 +10,30 @@ garbage collection leave behind. Fixtures and helpers come from test_patcher.
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_patcher import allow_cpu_streaming, async_offload, in_process_comfy, sample, wan  # noqa: F401 (a fixture)
+
+from harness.device_limit import limited
+from harness.inprocess import async_offload, sample, wan
+
+from block_offload.offload import streamer as streamer_module
+
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
 STREAMED_FROM_1 = frozenset(range(1, 5))
 
 
-@pytest.fixture(scope="module")
-def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
-    return in_process_comfy(comfyui_path, tiny_models)
-
-
 def sd3(comfy: SimpleNamespace):
     return comfy.sd.load_diffusion_model(str(comfy.models["sd3"]))
+
+
+def limit_device(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
+    """A device with ``limit`` bytes for the placement (harness/device_limit.py), until the test ends."""
+    monkeypatch.setattr(comfy.patcher, "start_engine", limited(comfy.patcher.start_engine, limit))
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
@@ -94,7 +98,7 @@ def test_out_of_memory_falls_back_to_more_streaming(
     loaded, buffers = fits.loaded_size(), fits.offload_engine.runner.device_buffer_bytes
     block = fits.offload_engine.plan.block_bytes[0]
     comfy.mm.unload_all_models()
-    monkeypatch.setenv(comfy.patcher.SIMULATED_DEVICE_LIMIT_ENV, str(loaded + buffers + block // 2))
+    limit_device(comfy, monkeypatch, loaded + buffers + block // 2)
 
     patched = async_offload(comfy, model, resident=4)
     with caplog.at_level(logging.INFO):
@@ -126,12 +130,13 @@ def test_out_of_memory_with_nothing_left_to_stream_fails_the_prompt_cleanly(
 ) -> None:
     model = wan(comfy)
     reference = sample(comfy, model)
-    monkeypatch.setenv(comfy.patcher.SIMULATED_DEVICE_LIMIT_ENV, "0")
+    unlimited = comfy.patcher.start_engine
+    limit_device(comfy, monkeypatch, 0)
     patched = async_offload(comfy, model, resident=2, prefetch=1)
     with pytest.raises(torch.OutOfMemoryError, match="simulated device limit"):
         sample(comfy, patched)
     assert patched.offload_engine is None
-    monkeypatch.delenv(comfy.patcher.SIMULATED_DEVICE_LIMIT_ENV)
+    monkeypatch.setattr(comfy.patcher, "start_engine", unlimited)  # the device has its memory back
     assert torch.equal(sample(comfy, patched), reference)  # the same node output runs once memory is back
     assert torch.equal(sample(comfy, model), reference)
     comfy.mm.unload_all_models()
@@ -140,9 +145,9 @@ def test_out_of_memory_with_nothing_left_to_stream_fails_the_prompt_cleanly(
 @pytest.fixture
 def pinning_possible(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU cannot pin: declare it can, so the cap decides. With a cap of 0 nothing is ever pinned."""
-    monkeypatch.setattr(comfy.patcher, "can_pin_memory", lambda: True)
-    monkeypatch.setattr(importlib.import_module("block_offload.offload.streamer"), "can_pin_memory", lambda: True)
-    monkeypatch.setenv(comfy.patcher.PINNED_LIMIT_ENV, "0")
+    monkeypatch.setattr(comfy.placement, "can_pin_memory", lambda: True)
+    monkeypatch.setattr(streamer_module, "can_pin_memory", lambda: True)
+    monkeypatch.setenv(comfy.pinned.PINNED_LIMIT_ENV, "0")
 
 
 @pytest.mark.usefixtures("pinning_possible")
@@ -163,24 +168,24 @@ def test_pinned_memory_cap_streams_from_pageable_memory_and_says_so(
     engine = patched.offload_engine
     (notice,) = engine.notices
     assert notice.startswith("Pinned memory cap reached (0.00 GiB): ") and refused in notice, notice
-    assert "stream from pageable RAM" in notice and comfy.patcher.PINNED_LIMIT_ENV in notice
+    assert "stream from pageable RAM" in notice and comfy.pinned.PINNED_LIMIT_ENV in notice
     assert warnings_of(caplog, "Pinned memory cap reached") == [f"Block Offload ({engine.request.node}): {notice}"]
-    assert comfy.patcher.PINNED_MEMORY.used == 0
+    assert comfy.pinned.PINNED_MEMORY.used == 0
     comfy.mm.unload_all_models()
 
 
 def test_pinned_cap_defaults_to_what_comfyui_has_left(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """ComfyUI's own budget where it has one, less what ComfyUI pinned; the setting caps it further."""
-    monkeypatch.delenv(comfy.patcher.PINNED_LIMIT_ENV, raising=False)
+    monkeypatch.delenv(comfy.pinned.PINNED_LIMIT_ENV, raising=False)
     monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", 10 * 2**30)
     monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 3 * 2**30)
-    assert comfy.patcher.PINNED_MEMORY.limit == 7 * 2**30
-    monkeypatch.setenv(comfy.patcher.PINNED_LIMIT_ENV, "2.5")
-    assert comfy.patcher.PINNED_MEMORY.limit == int(2.5 * 2**30)
+    assert comfy.pinned.PINNED_MEMORY.limit == 7 * 2**30
+    monkeypatch.setenv(comfy.pinned.PINNED_LIMIT_ENV, "2.5")
+    assert comfy.pinned.PINNED_MEMORY.limit == int(2.5 * 2**30)
     monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", -1)  # a host where ComfyUI does not pin
-    assert comfy.patcher.PINNED_MEMORY.limit == int(2.5 * 2**30)
-    monkeypatch.delenv(comfy.patcher.PINNED_LIMIT_ENV)
-    assert comfy.patcher.PINNED_MEMORY.limit is None
+    assert comfy.pinned.PINNED_MEMORY.limit == int(2.5 * 2**30)
+    monkeypatch.delenv(comfy.pinned.PINNED_LIMIT_ENV)
+    assert comfy.pinned.PINNED_MEMORY.limit is None
 
 
 def sequential(comfy: SimpleNamespace, model):
@@ -191,13 +196,12 @@ def sequential(comfy: SimpleNamespace, model):
 
 def streaming(comfy: SimpleNamespace, loader, node=async_offload) -> tuple[object, weakref.ref, object]:
     """A streaming clone of a freshly loaded model, loaded by ComfyUI; its engine (by weak reference) and
-    the engine's streamer (the sequential wrapper's own, for that node)."""
+    the engine's runner."""
     patched = node(comfy, loader(comfy))
     comfy.mm.load_models_gpu([patched])
     engine = patched.offload_engine
-    streamer = getattr(engine.runner, "streamer", engine.runner)
-    assert streamer.enabled
-    return patched, weakref.ref(engine), streamer
+    assert engine.runner.enabled
+    return patched, weakref.ref(engine), engine.runner
 
 
 def assert_released(engine: weakref.ref, streamer) -> None:
@@ -212,7 +216,7 @@ def test_unload_models_as_free_does_leaves_nothing(comfy: SimpleNamespace) -> No
     comfy.mm.unload_all_models()
     assert_released(wan_engine, wan_streamer)
     assert_released(sd3_engine, sd3_streamer)
-    assert comfy.patcher.PINNED_MEMORY.used == 0
+    assert comfy.pinned.PINNED_MEMORY.used == 0
     assert wan_model.loaded_size() == 0 and sd3_model.loaded_size() == 0
 
 
@@ -244,5 +248,5 @@ def test_deleting_the_workflows_model_frees_its_engine_at_once(comfy: SimpleName
     finally:
         gc.enable()
     comfy.mm.cleanup_models()
-    assert comfy.patcher.PINNED_MEMORY.used == 0
+    assert comfy.pinned.PINNED_MEMORY.used == 0
     assert comfy.mm.current_loaded_models == []  # ComfyUI saw the model go, too

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import re
 import sys
 import time
@@ -23,39 +22,23 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO / "scripts") not in sys.path:
-    sys.path.insert(0, str(REPO / "scripts"))
-
-import tiny_models as tm  # noqa: E402
+from harness import tiny_models as tm
 
 SEED = 42
 STEPS = 2
 PROMPT = "a lighthouse on a cliff at dusk"
 
 
-def _comfyui_path() -> Path:
-    """$COMFYUI_PATH, else the folder named in .host/comfyui_path, else the bundled .comfyui."""
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        return Path(env)
-    named = REPO / ".host" / "comfyui_path"
-    if named.is_file() and named.read_text().strip():
-        return Path(named.read_text().strip())
-    return REPO / ".comfyui"
-
-
 @pytest.fixture(scope="session")
-def comfy() -> SimpleNamespace:
-    """ComfyUI's modules, imported as a library.
+def comfy(comfyui_path: Path) -> SimpleNamespace:
+    """ComfyUI's modules, imported as a library (its loaders, sampler and nodes.py); this module's own
+    ``comfy``, in place of conftest's, which is about the pack.
 
     comfy.cli_args parses no argv when imported this way (comfy.options.args_parsing is off),
     so its defaults would make comfy.model_management look for CUDA at import time; without
     CUDA we set ``args.cpu`` first. If another test imported it already, we take it as it is.
     """
-    path = _comfyui_path()
-    if not (path / "comfy" / "sd.py").is_file():
-        pytest.skip(f"no ComfyUI at {path}; run scripts/setup.sh")
+    path = comfyui_path
     # First on sys.path: this repo's own ``nodes`` package must not shadow ComfyUI's nodes.py.
     if str(path) in sys.path:
         sys.path.remove(str(path))

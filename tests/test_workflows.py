@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import workflows
-from comfy_host import REPO, ComfyHost
 from conftest import HOST_VERSION
 from safetensors.torch import load_file
+
+from harness import workflows
+from harness.comfy_host import REPO, ComfyHost
 
 EXAMPLES = REPO / "example_workflows"
 UI_FILES = sorted(EXAMPLES.glob("*.json"))

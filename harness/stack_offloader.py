@@ -1,8 +1,9 @@
-"""Block offloading of a whole model, for callers that own the model's placement.
+"""A whole stack placed by an ``OffloadPlan``, for the engine's tests and benchmarks.
 
-ComfyUI's adapter places the model itself (its ModelPatcher loads the resident
-part) and drives a ``BlockStreamer`` directly; this class is for everyone else:
-it puts everything outside the streamed blocks on the device and streams the rest.
+In ComfyUI the ModelPatcher places the model (it loads the resident part) and the nodes drive a
+``BlockStreamer`` directly; here ``BlockOffloader`` plays ComfyUI's part for a bare stack: it puts
+everything outside the streamed blocks on the device and streams the rest, falling back to smaller
+plans when the device runs out of memory, as the nodes do.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .plan import OffloadPlan, module_bytes, place_falling_back
-from .streamer import BlockStreamer
-from .timeline import TimelineRecorder
+from block_offload.offload import BlockStreamer, OffloadPlan, TimelineRecorder, module_bytes, place_falling_back
 
 
 class BlockOffloader:
     """Applies an ``OffloadPlan`` to ``root`` whose block stack is ``blocks``.
 
     ``device_limit_bytes`` simulates a device with only that much room for the model's weights and
-    stream buffers (see ``BlockStreamer``), so the out-of-memory fallback can be exercised anywhere.
+    stream buffers: a placement beyond it raises ``torch.OutOfMemoryError`` as the allocator would, so
+    the out-of-memory fallback can be exercised anywhere.
     """
 
     def __init__(
@@ -61,9 +61,6 @@ class BlockOffloader:
         return self.plan
 
     def _place(self, plan: OffloadPlan) -> None:
-        room = None
-        if self.device_limit_bytes is not None:
-            room = self.device_limit_bytes - (module_bytes(self.root) - plan.streamed_bytes)
         self.streamer = BlockStreamer(
             self.blocks,
             self.device,
@@ -72,11 +69,16 @@ class BlockOffloader:
             pin_memory=plan.pin_memory,
             recorder=self.recorder,
             root=self.root,
-            device_limit_bytes=room,
         )
         self.streamer.enable()
         self._move_unstreamed(self.device)
         self.streamer.allocate_device_buffers()
+        on_device = module_bytes(self.root) - plan.streamed_bytes + self.streamer.device_buffer_bytes
+        if self.device_limit_bytes is not None and on_device > self.device_limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"simulated device limit: {on_device} bytes of weights and stream buffers, "
+                f"{self.device_limit_bytes} available"
+            )
 
     def remove(self) -> None:
         """Puts the whole model back on the device it came from, bit for bit."""

@@ -9,7 +9,7 @@ allows it, filled with seeded random numbers.
 
 Usage::
 
-    python scripts/tiny_models.py --models-dir .host/models
+    python -m harness.tiny_models --models-dir .host/models
 
 or, from Python, :func:`generate`. Files land in ComfyUI's usual sub-folders
 (``diffusion_models/``, ``text_encoders/``, ``loras/``). A file that already exists with

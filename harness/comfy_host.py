@@ -1,7 +1,7 @@
 """Run a real ComfyUI server with this pack, and drive it over HTTP and its websocket.
 
 Used by the demo (scripts/demo.py), the tests (tests/conftest.py) and a person
-(``python scripts/comfy_host.py ui``)::
+(``python -m harness.comfy_host ui``, what scripts/ui.sh runs)::
 
     with ComfyHost() as host:
         result = host.run(prompt, timeout=300)
@@ -165,20 +165,10 @@ def cuda_available(python: str = sys.executable) -> bool:
 
 
 def ensure_tiny_models(models_dir: Path | None = None) -> dict[str, Path]:
-    """Write the tiny random-weight checkpoints (scripts/tiny_models.py) into ``models_dir``."""
-    models_dir = models_dir or HOST_DIR / "models"
-    scripts = str(Path(__file__).resolve().parent)
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    try:
-        import tiny_models  # type: ignore[import-not-found]
-    except ModuleNotFoundError as exc:
-        if exc.name != "tiny_models":
-            raise
-        raise ComfyHostError(
-            f"scripts/tiny_models.py is missing; cannot write the tiny models into {models_dir}"
-        ) from exc
-    return dict(tiny_models.generate(models_dir))
+    """Write the tiny random-weight checkpoints (harness/tiny_models.py) into ``models_dir``."""
+    from . import tiny_models
+
+    return dict(tiny_models.generate(models_dir or HOST_DIR / "models"))
 
 
 @dataclass

@@ -94,3 +94,9 @@ def assert_same_tensors(module: nn.Module, expected: dict[str, torch.Tensor], de
         assert value.device == device, f"{key} is on {value.device}, expected {device}"
         assert value.dtype == expected[key].dtype, key
         assert torch.equal(value.view(torch.uint8), expected[key].view(torch.uint8)), f"{key} changed"
+
+
+def forward_steps(model: nn.Module, x: torch.Tensor, steps: int = 2) -> list[torch.Tensor]:
+    """``steps`` forward passes (a streaming engine learns the call order in the first)."""
+    with torch.inference_mode():
+        return [model(x) for _ in range(steps)]

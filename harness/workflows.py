@@ -6,8 +6,8 @@ Each workflow is defined once below, as Python data in ComfyUI's API format (nod
 widgets and positions, plus a links table); the widget order comes from ComfyUI's own
 ``/object_info``, so nothing about the nodes is restated here. Running ::
 
-    .venv-0.33.0/bin/python scripts/workflows.py    # starts ComfyUI 0.33.0 (with this pack) to ask /object_info
-    python scripts/workflows.py --url http://127.0.0.1:8188   # or asks a running one
+    .venv-0.33.0/bin/python -m harness.workflows   # starts ComfyUI 0.33.0 (with this pack) to ask /object_info
+    python -m harness.workflows --url http://127.0.0.1:8188   # or asks a running one
 
 writes ``example_workflows/<name>.json`` (UI format, what ComfyUI offers as a template) and
 ``example_workflows/api/<name>.json`` (API format, what ``POST /prompt`` and scripts/demo.py
@@ -15,7 +15,7 @@ take). The committed files follow the node definitions of ComfyUI ``GENERATED_FO
 run now); tests/test_workflows.py checks on that host that they equal what this produces, and on
 every host that the frontend loads them and the server runs them.
 
-The workflows use the tiny random-weight models of scripts/tiny_models.py, so they run on a
+The workflows use the tiny random-weight models of harness/tiny_models.py, so they run on a
 CPU in seconds: 2 euler steps, a fixed seed, a small latent, SaveLatent as output (no VAE).
 Swap in real models (and a VAE decode) to use them for real.
 """
@@ -30,15 +30,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import tiny_models as tm
+
 #: The ComfyUI whose /object_info the committed workflows are written from. Its SaveLatent also
 #: returns the latent (an output 0.3.75's lacks; unconnected here, so both frontends load the graphs).
 GENERATED_FOR = "0.33.0"
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "example_workflows"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import tiny_models as tm  # noqa: E402
 
 Prompt = dict[str, dict[str, Any]]
 ObjectInfo = Mapping[str, Mapping[str, Any]]
@@ -334,7 +333,7 @@ def fetch_object_info(url: str | None) -> dict[str, Any]:
         resp = requests.get(url.rstrip("/") + "/object_info", timeout=60)
         resp.raise_for_status()
         return dict(resp.json())
-    from comfy_host import ComfyHost
+    from .comfy_host import ComfyHost
 
     with ComfyHost() as host:
         return host.object_info()

@@ -1,0 +1,56 @@
+"""ComfyUI in the test process, on the CPU: its real loader, ModelPatcher and sampler, and this pack's
+nodes called as ComfyUI calls them. A tiny Wan 2.1 and a fixed conditioning make the runs comparable."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+# Sampler steps of the in-process runs: enough for the engine to learn the call order and stream.
+STEPS = 2
+
+
+def in_process_comfy(tiny_models: dict[str, Path]) -> SimpleNamespace:
+    """ComfyUI's modules (its folder already on ``sys.path``, on the CPU) and this pack's, as
+    ``block_offload`` (see ``pack.py``)."""
+    from comfy.cli_args import args
+
+    args.cpu = True
+    mods = SimpleNamespace(
+        mm=importlib.import_module("comfy.model_management"),
+        sd=importlib.import_module("comfy.sd"),
+        sample=importlib.import_module("comfy.sample"),
+        utils=importlib.import_module("comfy.utils"),
+        nodes=importlib.import_module("block_offload.nodes.offload_nodes"),
+        patcher=importlib.import_module("block_offload.nodes.patcher"),
+        placement=importlib.import_module("block_offload.nodes.placement"),
+        pinned=importlib.import_module("block_offload.nodes.pinned_memory"),
+        state=importlib.import_module("block_offload.nodes.state"),
+        models=tiny_models,
+    )
+    return mods
+
+
+def wan(comfy: SimpleNamespace):
+    return comfy.sd.load_diffusion_model(str(comfy.models["wan21"]))
+
+
+def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    context = torch.randn(
+        1, 7, model.model.diffusion_model.text_embedding[0].in_features, generator=torch.Generator().manual_seed(1)
+    )
+    cond = [[context, {}]]
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(
+        model, noise, STEPS, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
+    )
+
+
+def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: int = 1):
+    return comfy.nodes.AsyncBlockOffload.execute(
+        model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True
+    ).result[0]

@@ -1,0 +1,154 @@
+"""The engine's life on a loaded model: started once ComfyUI has loaded the resident part, stopped or
+parked when ComfyUI unloads the model or hands it to the next prompt's clone.
+
+``Engine`` is the pack's main interface between ComfyUI and ``offload/``: the patcher keeps one per
+loaded model, the panel (``nodes/report.py``) and the benchmark read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import comfy.utils
+import torch
+from comfy.model_patcher import ModelPatcher
+
+from ..offload import GIB, BlockStreamer, OffloadPlan, Runner, SequentialOffloader, TimelineRecorder
+from . import report
+from .architectures import find_blocks
+from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
+from .placement import Placement
+from .request import OffloadRequest
+
+
+@dataclass
+class Engine:
+    """The streaming state of one loaded model: what was asked, where it was placed, what streams it,
+    and what it recorded. It lives on the model (``nodes/state.py``), which ComfyUI's clones share."""
+
+    request: OffloadRequest
+    placement: Placement
+    runner: Runner
+    recorder: TimelineRecorder
+    # Things the user should know about this run (a fallback taken, a cap reached): logged once, shown by the panel.
+    notices: list[str] = field(default_factory=list)
+
+    @property
+    def plan(self) -> OffloadPlan | None:
+        return self.placement.plan
+
+    def stop(self, park: bool = False) -> None:
+        """``park``: the streamed blocks keep their host buffers, for the next engine to adopt."""
+        self.runner.disable(park)
+        report.engine_stopped(self)
+
+
+def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placement, device: torch.device) -> Engine:
+    """Streams ``placement``'s blocks of ``model`` (ComfyUI has loaded the rest): their weight patches
+    applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them."""
+    # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
+    # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
+    # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
+    for key in [key for key in model.pinned if inside(key, placement.streamed)]:
+        model.unpin_weight(key)
+    patch_streamed_weights(model, placement.streamed, device)
+    runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device))
+    runner.enable()
+    try:
+        runner.allocate_device_buffers()
+    except torch.OutOfMemoryError:
+        runner.disable()
+        raise
+    engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner))
+    report.engine_started(engine)
+    logging.info(f"Block Offload ({request.node}): {placement.summary}")
+    return engine
+
+
+def _runner(
+    model: ModelPatcher,
+    request: OffloadRequest,
+    plan: OffloadPlan | None,
+    device: torch.device,
+    recorder: TimelineRecorder,
+) -> Runner:
+    diffusion_model = model.model.diffusion_model
+    if plan is None:
+        return SequentialOffloader(
+            diffusion_model,
+            device,
+            storage_dtype=request.storage_dtype,
+            vram_limit_bytes=request.vram_limit_bytes,
+            prefetch=request.prefetch,
+            pin_memory=request.pin_memory,
+            recorder=recorder,
+            on_promote=functools.partial(_count_promoted, model.model),
+            pin_budget=PINNED_MEMORY,
+        )
+    _, blocks = find_blocks(diffusion_model)
+    return BlockStreamer(
+        [block for _, block in blocks],
+        device,
+        plan.streamed,
+        prefetch=plan.prefetch,
+        pin_memory=plan.pin_memory,
+        recorder=recorder,
+        root=diffusion_model,
+        pin_budget=PINNED_MEMORY,
+    )
+
+
+def inside(name: str, prefixes: frozenset[str]) -> bool:
+    """Whether the module or weight ``name`` is one of ``prefixes`` or lies inside one."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> None:
+    """Applies weight patches (LoRA, ...) to the streamed weights once, before they are packed.
+
+    Each weight is patched on the device, as ComfyUI patches a loaded weight,
+    then comes straight back to the host, so the device holds one weight at a time.
+    Modules are flagged ``comfy_patched_weights`` as ComfyUI flags loaded ones, so a
+    clone that takes these weights over does not patch them a second time.
+    """
+    for name, module in model.model.named_modules():
+        if not inside(name, streamed) or getattr(module, "comfy_patched_weights", False):
+            continue
+        keys = [f"{name}.{param}" for param, _ in module.named_parameters(recurse=False)]
+        if not keys:
+            continue
+        for key in keys:
+            if key in model.patches:
+                weight = comfy.utils.get_attr(model.model, key)
+                if weight.untyped_storage().nbytes() > weight.nbytes:
+                    # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold
+                    # the whole block's (pinned) buffer alive for as long as the patch is on.
+                    weight.data = weight.data.clone()
+                model.patch_weight_to_device(key, device_to=device)
+                weight = comfy.utils.get_attr(model.model, key)
+                weight.data = weight.data.to(model.offload_device)
+        module.comfy_patched_weights = True
+
+
+def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
+    """ComfyUI counts the modules the sequential wrapper keeps on the device. A function of the model,
+    not a method of the patcher: the engine lives on the model, and a patcher it referred to could not
+    be freed (nor stop the engine as it goes) until Python's cycle collector came by."""
+    model.model_loaded_weight_memory += nbytes
+
+
+def _pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:
+    """A notice (logged once) when the pinned-memory cap sent some streamed weights to pageable RAM."""
+    refused = runner.refused_pinning
+    if not refused:
+        return []
+    notice = (
+        f"Pinned memory cap reached ({PINNED_MEMORY.limit / GIB:.2f} GiB): {len(refused)} of "
+        f"{len(runner.streamed)} streamed {runner.unit}s ({sum(refused.values()) / GIB:.2f} GiB) stream "
+        f"from pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
+        f"{PINNED_LIMIT_ENV} sets the pack's own cap."
+    )
+    logging.warning(f"Block Offload ({request.node}): {notice}")
+    return [notice]

@@ -1,0 +1,184 @@
+"""A node's request and ComfyUI's budget, turned into a placement: which blocks stay on the device,
+which stream, with what prefetch, and what that costs in device memory.
+
+An automatic placement (Partial GPU Residency, ``auto``) is measured on its first run (block compute
+times, copy bandwidth, kept per device and model in ComfyUI's user folder) and chosen by the planner
+from the next load on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import folder_paths
+from comfy.model_patcher import ModelPatcher
+
+from ..offload import (
+    CostCache,
+    OffloadPlan,
+    StackCosts,
+    StepTimeline,
+    best_plan,
+    buffer_bytes,
+    cache_key,
+    can_pin_memory,
+    device_name,
+    module_bytes,
+    streamed_modules,
+)
+from .architectures import find_blocks
+from .request import OffloadRequest
+
+# ComfyUI loads the model again for every prompt: the same costs and budget give the same answer (a search
+# of a 57-block Flux takes a second or two), so it is kept rather than searched again.
+_best_plan = functools.lru_cache(maxsize=16)(best_plan)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What streams and what stays, as data: the engine, the log line, the panel and the benchmark read it."""
+
+    plan: OffloadPlan | None  # None: the sequential wrapper, which streams every module
+    streamed: frozenset[str]  # the streamed modules' names, hidden from ComfyUI's loader
+    summary: str  # the log line
+    buffer_bytes: int  # device bytes of the stream buffers, which ComfyUI counts as offload buffers
+    predicted_ms: float | None = None  # the planner's step time, for a planned automatic placement
+    measuring: bool = False  # an automatic placement's first run: placed by the policy, measured for the next
+
+    @classmethod
+    def of_plan(cls, plan: OffloadPlan) -> Placement:
+        """A plan alone, for a stack outside any ComfyUI model (the benchmarks' and the tests' engines)."""
+        return cls(plan, frozenset(), plan.describe(), plan.slot_bytes)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A placement that ran out of device memory and the smaller one that fit. Kept on the model,
+    so its later loads (each sampling run loads a new clone) start from the one that fit."""
+
+    request: OffloadRequest
+    asked: OffloadPlan
+    placed: OffloadPlan
+    notice: str
+
+
+def place(
+    request: OffloadRequest, model: ModelPatcher, budget: float, loader_need: Callable[[frozenset[str]], int]
+) -> Placement:
+    """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit).
+
+    ``loader_need(streamed)`` is the budget ComfyUI's own loader needs to load everything but the
+    ``streamed`` modules: it keeps room for its cast buffers as it goes (a lookahead), and a placement
+    that left it none would see its last resident modules cast per layer by ComfyUI instead, on
+    ComfyUI's streams, competing with the engine's copies. Such a placement keeps fewer blocks.
+    """
+    diffusion_model = model.model.diffusion_model
+    if request.sequential:
+        names = frozenset(
+            f"diffusion_model.{name}" if name else "diffusion_model" for name, _ in streamed_modules(diffusion_model)
+        )
+        limit = request.vram_limit_bytes / 2**30
+        dtype = request.storage_dtype or "the model's dtype"
+        summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
+        # The sequential wrapper's pool: on Wan 14B the largest module (time_projection) alone is 315 MB.
+        slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype)
+        return Placement(None, names, summary, slots)
+    arch, blocks = find_blocks(diffusion_model)
+    sizes = [module_bytes(block) for _, block in blocks]
+    outside = model.model_size() - sum(sizes)
+    room = budget - outside
+    if request.budget_bytes:
+        room = min(room, request.budget_bytes - outside)
+    if request.resident_blocks is not None or math.isinf(room):
+        count = len(sizes) if request.resident_blocks is None else request.resident_blocks
+        return _blocks(request, model, arch.name, sizes, count=count)
+    while True:
+        placement = _blocks(request, model, arch.name, sizes, budget_bytes=int(max(0, room)))
+        plan = placement.plan
+        shortfall = loader_need(placement.streamed) + placement.buffer_bytes - budget
+        if shortfall <= 0 or not plan.resident:
+            return placement
+        # Less room, by at least one of the resident blocks: the loop ends within as many turns as blocks.
+        room = min(room - shortfall, plan.resident_bytes + plan.slot_bytes - 1)
+
+
+def _blocks(
+    request: OffloadRequest,
+    model: ModelPatcher,
+    arch: str,
+    sizes: list[int],
+    count: int | None = None,
+    budget_bytes: int | None = None,
+) -> Placement:
+    """The block placement for ``count`` resident blocks, or the best within ``budget_bytes``: the
+    planner's, from measured costs, for an automatic placement; the request's policy otherwise."""
+    pin_memory = request.pin_memory and can_pin_memory()
+    measuring, unplanned = False, ""  # why an automatic placement fell back to the request's policy
+    if request.auto_placement and budget_bytes is not None:
+        costs = _cost_cache().get(cache_key(device_name(model.load_device), arch, sizes))
+        if costs is None or costs.block_bytes != tuple(sizes):
+            measuring = True
+            unplanned = "; not measured on this device yet, so this run measures it and the next one is planned"
+        else:
+            try:
+                predicted = _best_plan(costs, budget_bytes, pin_memory=pin_memory, inline_copies=_inline(model))
+            except ValueError as error:  # not even the stream buffers fit: the fallback decides
+                unplanned = f"; the planner found no placement: {error}"
+            else:
+                planned = describe(predicted.plan, model)
+                summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}"
+                return Placement(predicted.plan, planned.streamed, summary, planned.buffer_bytes, predicted.step_ms)
+    plan = OffloadPlan.build(
+        sizes,
+        resident_count=count,
+        budget_bytes=budget_bytes,
+        policy=request.policy,
+        prefetch=request.prefetch,
+        pin_memory=pin_memory,
+    )
+    described = describe(plan, model)
+    return Placement(plan, described.streamed, described.summary + unplanned, plan.slot_bytes, measuring=measuring)
+
+
+def describe(plan: OffloadPlan, model: ModelPatcher) -> Placement:
+    """The placement of a block plan: the streamed blocks' module names and the summary line."""
+    arch, blocks = find_blocks(model.model.diffusion_model)
+    streamed = frozenset(f"diffusion_model.{blocks[i][0]}" for i in plan.streamed)
+    summary = f"{arch.name}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
+    return Placement(plan, streamed, summary, plan.slot_bytes)
+
+
+def remember_costs(request: OffloadRequest, plan: OffloadPlan | None, step: StepTimeline | None, model: ModelPatcher):
+    """Keeps what an automatic placement's last step cost, when this model has no measurements on this
+    device yet: every block's compute time, the gaps between them, and the copy bandwidth."""
+    if not request.auto_placement or plan is None:
+        return
+    arch, _ = find_blocks(model.model.diffusion_model)
+    cache = _cost_cache()
+    key = cache_key(device_name(model.load_device), arch.name, plan.block_bytes)
+    if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
+        return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
+    if len({span.block for span in step.spans}) < len(plan.block_bytes):
+        return  # a step cut short (an interrupted prompt) would make every later plan wrong
+    costs = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=_inline(model))
+    cache.put(key, costs)
+    logging.info(
+        f"Block Offload ({request.node}): measured {arch.name} on {device_name(model.load_device)}: "
+        f"{sum(costs.compute_ms):.1f} ms of block compute per step, {costs.bandwidth_gbps:.2f} GB/s "
+        f"host to device; the next load plans the placement from them ({cache.path})"
+    )
+
+
+def _inline(model: ModelPatcher) -> bool:
+    """Without an accelerator the engine copies inline, on the host, between two computes."""
+    return model.load_device.type == "cpu"
+
+
+def _cost_cache() -> CostCache:
+    """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts)."""
+    return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")

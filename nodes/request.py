@@ -1,0 +1,36 @@
+"""What a node asks for, handed to the patcher: it becomes a placement when ComfyUI loads the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..offload import ResidencyPolicy
+
+# Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
+ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """A node's settings. Only when ComfyUI loads the model are its budget and device known, so the
+    placement (``nodes/placement.py``) is made then, from this."""
+
+    node: str
+    resident_blocks: int | None = None
+    budget_bytes: int | None = None  # 0: whatever ComfyUI's budget leaves after the rest of the model
+    policy: ResidencyPolicy = ResidencyPolicy.LEADING
+    prefetch: int = 1
+    pin_memory: bool = True
+    sequential: bool = False
+    storage_dtype: torch.dtype | None = None
+    vram_limit_bytes: int = 0
+    # Resident blocks and prefetch chosen by offload.planner from measured costs (``policy`` until measured).
+    auto_placement: bool = False
+
+
+def streaming_allowed(device: torch.device) -> bool:
+    """On the CPU there is no device memory to save, unless the tests or the demo ask to stream anyway."""
+    return device.type != "cpu" or os.environ.get(ALLOW_CPU_ENV) == "1"

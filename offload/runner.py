@@ -1,0 +1,45 @@
+"""What a host uses of a streaming engine, whichever it is: ``BlockStreamer`` (blocks of a list) or
+``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Runner(Protocol):
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def unit(self) -> str:
+        """What one unit is: "block" or "module"."""
+        ...
+
+    @property
+    def units(self) -> int:
+        """How many units the engine knows, streamed or not."""
+        ...
+
+    @property
+    def streamed(self) -> frozenset[int]:
+        """The units streamed now (the others stay on the device)."""
+        ...
+
+    @property
+    def refused_pinning(self) -> dict[int, int]:
+        """Streamed units (index: host bytes) that wanted pinned memory and got pageable memory."""
+        ...
+
+    @property
+    def device_buffer_bytes(self) -> int: ...
+
+    @property
+    def host_bytes(self) -> int: ...
+
+    def enable(self) -> None: ...
+
+    def disable(self, park: bool = False) -> None: ...
+
+    def allocate_device_buffers(self) -> None: ...
+
+    def close_open_step(self) -> None: ...
