@@ -18,6 +18,8 @@ const STATUS_EVENT = "block_offload.status";
 const REPORT_PATH = "/block_offload/report";
 const TIMELINE_PATH = "/block_offload/timeline?download=1";
 const RESIDENT = "R";
+// The status schema this panel reads (nodes/report.py SCHEMA_VERSION); another one is not drawn.
+const SCHEMA_VERSION = 1;
 
 const COLORS = {
   resident: "#4f8fd6",
@@ -45,6 +47,13 @@ const state = {
 let view = null; // the mounted panel, or null while the tab is closed
 
 function applyStatus(status) {
+  if (status.v !== SCHEMA_VERSION) {
+    state.error =
+      `The server sends status version ${status.v}; this panel reads version ${SCHEMA_VERSION}. ` +
+      "Reload the page to get the panel of the pack the server runs.";
+    view?.schedule();
+    return;
+  }
   state.status = status;
   state.seq = status.seq;
   if (status.last_step) {
@@ -275,7 +284,7 @@ class PanelView {
   }
 
   drawEmpty(status) {
-    const device = status && !status.accelerator ? " No CUDA device: this ComfyUI computes on the CPU." : "";
+    const device = status && !status.accelerator ? " No accelerator: this ComfyUI computes on the CPU." : "";
     this.empty.textContent =
       "Nothing has streamed yet. Queue a workflow with an Async Block Offload, Partial GPU Residency or " +
       "Sequential Offload Wrapper node: this panel then shows device memory, the copy and compute of every " +
@@ -310,7 +319,7 @@ class PanelView {
     } else {
       total = memory.host_total;
       this.memoryTitle.textContent =
-        `No CUDA device: process memory ${bytes(memory.process_rss)} of ${bytes(total)} RAM` +
+        `No accelerator: process memory ${bytes(memory.process_rss)} of ${bytes(total)} RAM` +
         (status.node ? `; the model's resident weights ${bytes(memory.resident_weights)}, ` +
           `streamed blocks ${bytes(status.streamed_host_bytes)} in host memory` : "");
       parts = [["process memory (RSS)", memory.process_rss, COLORS.other]];
