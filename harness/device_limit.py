@@ -5,18 +5,24 @@ loaded plus the engine's stream buffers fit in ``limit`` bytes, and raise ``torc
 beyond it, as the allocator would: the pack's fallback then streams more. In-process tests install it
 with a monkeypatch; a test server loads ``tests/support/block_offload_device_limit`` as a custom node,
 which installs it when ``BLOCK_OFFLOAD_TEST_DEVICE_LIMIT_BYTES`` is set.
+
+In a server the pack is not ``block_offload``: ComfyUI names a custom node folder's module after its
+path. So the patcher module is found by its file, once a prompt arrives (both nodes are loaded then).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 LIMIT_ENV = "BLOCK_OFFLOAD_TEST_DEVICE_LIMIT_BYTES"
+PACK_ROOT = Path(__file__).resolve().parents[1]
 
 
 def limited(start: Callable, limit: int) -> Callable:
@@ -38,6 +44,20 @@ def limit_device(patcher: ModuleType, limit: int) -> None:
 
 
 def install_from_env() -> None:
-    """In a test server: limits the device when ``LIMIT_ENV`` says so."""
-    if os.environ.get(LIMIT_ENV):
-        limit_device(importlib.import_module("block_offload.nodes.patcher"), int(os.environ[LIMIT_ENV]))
+    """In a test server: limits the device when ``LIMIT_ENV`` says so, before the first prompt runs."""
+    if not os.environ.get(LIMIT_ENV):
+        return
+    limit = int(os.environ[LIMIT_ENV])
+    patcher_file = (PACK_ROOT / "nodes" / "patcher.py").resolve()
+    installed: list[ModuleType] = []
+
+    def on_prompt(prompt: dict) -> dict:
+        if not installed:
+            for module in list(sys.modules.values()):
+                if getattr(module, "__file__", None) and Path(module.__file__).resolve() == patcher_file:
+                    limit_device(module, limit)
+                    installed.append(module)
+        return prompt
+
+    server = importlib.import_module("server")  # ComfyUI's
+    server.PromptServer.instance.add_on_prompt_handler(on_prompt)

@@ -196,6 +196,7 @@ def pack(comfy: SimpleNamespace) -> SimpleNamespace:  # noqa: F811 - the fixture
         offload=importlib.import_module("block_offload.offload"),
         patcher=comfy.patcher,
         report=importlib.import_module("block_offload.nodes.report"),
+        engine=importlib.import_module("block_offload.nodes.engine"),
     )
 
 
@@ -251,8 +252,8 @@ def test_listener_cost_per_block_call(pack: SimpleNamespace) -> None:
     report.run_started(engine, resident_weights=0)
     with torch.inference_mode():
         model(torch.randn(1, 8, 64))  # a step for the messages to carry
+    listener = engine.recorder.listener  # the panel's, which stopping the engine detaches
     engine.stop()
-    listener = engine.recorder.listener
     calls = 200_000
     first_seq = report._outbox.seq
     start = time.perf_counter()
