@@ -69,6 +69,11 @@ def _nesting(modules: list[nn.Module]) -> int:
     return max(1, max((depth(m) for m in modules), default=1))
 
 
+def _streamers(name: str) -> property:
+    """A read-only attribute that is the per-module streamer's own."""
+    return property(lambda self: getattr(self.streamer, name), doc=f"``BlockStreamer.{name}`` of the modules.")
+
+
 class SequentialOffloader:
     """Wraps every tensor-owning module of ``root``; call ``enable`` to start, ``disable`` to undo."""
 
@@ -119,33 +124,13 @@ class SequentialOffloader:
 
     # -- the Runner interface (offload/runner.py): the streamer's, per module ------------------
 
-    @property
-    def enabled(self) -> bool:
-        return self.streamer.enabled
-
-    @property
-    def unit(self) -> str:
-        return self.streamer.unit
-
-    @property
-    def units(self) -> int:
-        return self.streamer.units
-
-    @property
-    def streamed(self) -> frozenset[int]:
-        return self.streamer.streamed
-
-    @property
-    def refused_pinning(self) -> dict[int, int]:
-        return self.streamer.refused_pinning
-
-    @property
-    def device_buffer_bytes(self) -> int:
-        return self.streamer.device_buffer_bytes
-
-    @property
-    def host_bytes(self) -> int:
-        return self.streamer.host_bytes
+    enabled = _streamers("enabled")
+    unit = _streamers("unit")
+    units = _streamers("units")
+    streamed = _streamers("streamed")
+    refused_pinning = _streamers("refused_pinning")
+    device_buffer_bytes = _streamers("device_buffer_bytes")
+    host_bytes = _streamers("host_bytes")
 
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""

@@ -1,7 +1,7 @@
 """Run an example workflow on a real ComfyUI with tiny random-weight models, and print the result.
 
-Writes the tiny checkpoints into .host/models (scripts/tiny_models.py), starts ComfyUI
-(scripts/comfy_host.py), queues example_workflows/api/<name>.json unchanged, follows it
+Writes the tiny checkpoints into .host/models (harness/tiny_models.py), starts ComfyUI
+(harness/comfy_host.py), queues example_workflows/api/<name>.json unchanged, follows it
 over the websocket, prints status, wall time, output files and a summary of what the pack
 did (placement, step time, copy time hidden, bandwidth, memory; from GET /block_offload/report)
 with the last step's timeline drawn to a PNG (``--json``: the whole report instead), then stops

@@ -1,6 +1,8 @@
 # Sourced by the scripts: the ComfyUI hosts scripts/setup.sh prepared (.host/hosts.tsv, default first).
 #   host_names                 the prepared hosts' names, one a line
 #   use_host NAME              sets HOST_NAME, HOST_PYTHON and COMFYUI_PATH for that host ("" = the default)
+#   exec_on_host "MODULE [ARG]" [--host NAME] ARGS...
+#                              runs python -m MODULE [ARG] ARGS in that host's environment
 hosts_file="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.host/hosts.tsv"
 
 host_names() { cut -f1 "$hosts_file"; }
@@ -15,4 +17,13 @@ use_host() {
   done < "$hosts_file"
   echo "no ComfyUI host named '$wanted'; prepared: $(host_names | paste -sd' ')" >&2
   return 1
+}
+
+exec_on_host() {
+  local module="$1" host=""
+  shift
+  if [[ "${1:-}" == "--host" ]]; then host="${2:-}"; shift 2; fi
+  use_host "$host"
+  # shellcheck disable=SC2086  # "MODULE ARG" splits into the module and its first argument
+  exec "$HOST_PYTHON" -m $module "$@"
 }

@@ -86,7 +86,7 @@ def tiny_models() -> dict[str, Path]:
     """The tiny checkpoints in .host/models (generated once per session)."""
     try:
         return ensure_tiny_models(HOST_DIR / "models")
-    except ComfyHostError as exc:  # scripts/tiny_models.py not written yet
+    except ComfyHostError as exc:  # harness/tiny_models.py cannot write them
         pytest.skip(str(exc))
 
 

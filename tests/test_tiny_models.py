@@ -1,4 +1,4 @@
-"""The tiny checkpoints (scripts/tiny_models.py) are real to ComfyUI: its own loaders detect
+"""The tiny checkpoints (harness/tiny_models.py) are real to ComfyUI: its own loaders detect
 them as Wan 2.1 / Flux / SD3, the tiny CLIP-L conditions them, a 2-step KSampler-style run
 gives finite latents, and each LoRA maps onto the blocks and changes the result.
 

@@ -1,4 +1,4 @@
-"""The example workflows: committed files match scripts/workflows.py, the UI-format files are
+"""The example workflows: committed files match harness/workflows.py, the UI-format files are
 graphs the frontend can load, and the API twins run on a real ComfyUI.
 
 The frontend checks follow how ComfyUI's frontend reads a graph against ``/object_info``: an
@@ -44,10 +44,10 @@ def object_info(comfy_host: ComfyHost) -> dict[str, Any]:
 @pytest.mark.skipif(
     HOST_VERSION != workflows.GENERATED_FOR,
     reason=f"the committed workflows follow ComfyUI {workflows.GENERATED_FOR}'s node definitions "
-    f"(scripts/workflows.py GENERATED_FOR); this host's are checked by the frontend tests below",
+    f"(harness/workflows.py GENERATED_FOR); this host's are checked by the frontend tests below",
 )
 def test_committed_files_are_what_the_generator_writes(object_info: dict[str, Any]) -> None:
-    """Run ``.venv-0.33.0/bin/python scripts/workflows.py`` after changing a workflow (or when ComfyUI's
+    """Run ``.venv-0.33.0/bin/python -m harness.workflows`` after changing a workflow (or when ComfyUI's
     nodes change)."""
     expected = workflows.render(object_info)
     assert len(expected) == 2 * len(workflows.WORKFLOWS)
@@ -56,7 +56,7 @@ def test_committed_files_are_what_the_generator_writes(object_info: dict[str, An
         path = EXAMPLES / filename
         if not path.is_file() or path.read_text() != text:
             stale.append(filename)
-    assert not stale, f"out of date (run python scripts/workflows.py): {stale}"
+    assert not stale, f"out of date (run .venv-0.33.0/bin/python -m harness.workflows): {stale}"
 
 
 def test_every_workflow_has_both_files() -> None:
