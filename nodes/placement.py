@@ -19,6 +19,7 @@ import folder_paths
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import (
+    GIB,
     CostCache,
     OffloadPlan,
     StackCosts,
@@ -82,7 +83,7 @@ def place(
         names = frozenset(
             f"diffusion_model.{name}" if name else "diffusion_model" for name, _ in streamed_modules(diffusion_model)
         )
-        limit = request.vram_limit_bytes / 2**30
+        limit = request.vram_limit_bytes / GIB
         dtype = request.storage_dtype or "the model's dtype"
         summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
         # The sequential wrapper's pool: on Wan 14B the largest module (time_projection) alone is 315 MB.

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .plan import OffloadPlan, slot_count, slot_pool_bytes
+from .plan import GIB, OffloadPlan, slot_count, slot_pool_bytes
 from .residency import ResidencyPolicy
 from .streamer import look_ahead, pick_slot
 from .timeline import StepTimeline
@@ -350,8 +350,8 @@ def best_plan(
     if not candidates:
         smallest = (min(prefetch_choices) + 1) * max(sizes, default=0)
         raise ValueError(
-            f"a budget of {budget_bytes / 2**30:.2f} GiB holds no placement: streaming needs at least "
-            f"{smallest / 2**30:.2f} GiB of slots"
+            f"a budget of {budget_bytes / GIB:.2f} GiB holds no placement: streaming needs at least "
+            f"{smallest / GIB:.2f} GiB of slots"
         )
     best = candidates[0]
     for candidate in candidates[1:]:
