@@ -151,7 +151,7 @@ class BlockOffloadPatcher(ModelPatcher):
         state = state_of(self.model)
         engine = state.engine
         if engine is not None:  # before planning, so this load can plan from them
-            remember_costs(request, engine.plan, engine.recorder.latest(), self)
+            remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
         asked = place(request, self, budget, self._loader_need)
         placement = asked

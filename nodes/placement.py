@@ -154,7 +154,9 @@ def describe(plan: OffloadPlan, model: ModelPatcher) -> Placement:
     return Placement(plan, streamed, summary, plan.slot_bytes)
 
 
-def remember_costs(request: OffloadRequest, plan: OffloadPlan | None, step: StepTimeline | None, model: ModelPatcher):
+def remember_costs(
+    request: OffloadRequest, plan: OffloadPlan | None, step: StepTimeline | None, model: ModelPatcher
+) -> None:
     """Keeps what an automatic placement's last step cost, when this model has no measurements on this
     device yet: every block's compute time, the gaps between them, and the copy bandwidth."""
     if not request.auto_placement or plan is None:
