@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 
 import comfy.model_management
 import torch
@@ -29,16 +28,13 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
+from .dynamic_vram import classic_clone
 from .engine import Engine, inside, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
 
 ATTACHMENT = "block_offload"
-
-
-class DynamicVramError(ValueError):
-    """A Dynamic VRAM model that ComfyUI cannot give a classic twin of (no reload recipe)."""
 
 
 def refuse_cudagraphs(model: ModelPatcher, node: str) -> None:
@@ -54,53 +50,12 @@ def refuse_cudagraphs(model: ModelPatcher, node: str) -> None:
         )
 
 
-def uses_dynamic_vram(model: ModelPatcher) -> bool:
-    """Whether ComfyUI (0.33 and later) manages this model with Dynamic VRAM (comfy-aimdo)."""
-    is_dynamic = getattr(model, "is_dynamic", None)  # absent before Dynamic VRAM (0.3.75)
-    return bool(is_dynamic is not None and is_dynamic())
-
-
-# Per Dynamic VRAM model (its nn.Module, shared by all its clones): the classic twin ComfyUI loaded for
-# the pack, as ``clone(model_override=...)`` takes it. A LoRA or another patch node before ours makes a
-# new dynamic clone at each change; the twin is loaded from disk once, not once per change. The entry
-# goes when the dynamic model does (the loader's output is replaced or freed).
-_CLASSIC_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
-
-
-def _classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
-    """A clone of ``model`` whose weights ComfyUI loads the classic way (partial load, ``_load_list``).
-
-    Dynamic VRAM places weights itself (aimdo's virtual address space, faulted in per module by its own
-    priorities), so the pack streams a classic twin instead: ``clone(disable_dynamic=True)``, the call
-    ComfyUI's own TorchCompileModel makes, reloads the checkpoint with ComfyUI's classic ModelPatcher
-    and carries every patch, option and attachment over. The input MODEL keeps its dynamic weights.
-    """
-    if not uses_dynamic_vram(model):
-        return model.clone()
-    twin = _CLASSIC_TWINS.get(model.model)
-    if twin is not None:
-        return model.clone(disable_dynamic=True, model_override=twin)
-    if model.cached_patcher_init is None:
-        raise DynamicVramError(
-            f"{node}: this MODEL uses ComfyUI's Dynamic VRAM and came from a loader that cannot load it again "
-            "without it, which block streaming needs. Load the model with a core loader (Load Diffusion Model, "
-            "Load Checkpoint), or start ComfyUI with --disable-dynamic-vram."
-        )
-    logging.info(
-        f"Block Offload ({node}): this MODEL uses Dynamic VRAM; loading a classic copy of it to stream "
-        "(the MODEL you connected is unchanged)"
-    )
-    classic = model.clone(disable_dynamic=True)
-    _CLASSIC_TWINS[model.model] = classic.get_clone_model_override()
-    return classic
-
-
 def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     """A clone of ``model`` that streams as ``request`` says; ``model`` itself is untouched."""
     previous = model.get_attachment(ATTACHMENT)
     if previous is not None:
         logging.info(f"Block Offload: {request.node} replaces the earlier {previous.node} on this model")
-    patched = _classic_clone(model, request.node)
+    patched = classic_clone(model, request.node)
     # clone() builds self.__class__, so giving the clone our subclass makes every later clone inherit it.
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)

@@ -1,31 +1,47 @@
 """Dynamic VRAM (ComfyUI 0.33 and later): the nodes stream a classic twin of the model.
 
 On a ``ModelPatcherDynamic`` MODEL the nodes call ``clone(disable_dynamic=True)`` (ComfyUI's own way to
-get a classic patcher of the same checkpoint, used by its TorchCompileModel) and stream that;
-docs/comfyui-integration.md says why and what it costs.
+get a classic patcher of the same checkpoint, used by its TorchCompileModel) and stream that, cast to the
+dtypes ComfyUI recorded (``nodes/dynamic_vram.py``; docs/comfyui-integration.md says why).
 
-Without CUDA, ComfyUI cannot build a ``ModelPatcherDynamic`` (comfy-aimdo's host buffers need the CUDA
-driver, and on a CPU load device the class hands back a plain ModelPatcher). The in-process tests
-therefore give a real ModelPatcher, loaded by ComfyUI's own loader, the one property the nodes look at:
-``is_dynamic()`` answers True. Everything after that, ComfyUI's ``clone(disable_dynamic=True)``
-reloading the checkpoint, loading, sampling and streaming, is ComfyUI's and the pack's real code.
+Without CUDA ComfyUI cannot build a ``ModelPatcherDynamic``, but what breaks a twin on a GPU is not the
+patcher: it is the process-wide flag Dynamic VRAM sets and the half-precision compute a GPU runs.
+``DynamicVram`` below recreates exactly those on the CPU; everything after that, ComfyUI's loader and
+``clone(disable_dynamic=True)``, loading, sampling and streaming, is ComfyUI's and the pack's real code.
+Each case is compared bitwise with the same file loaded the classic way in the same compute dtype.
 The CUDA tests run the real thing through a server, Dynamic VRAM on (0.33's default) and off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import HOST_VERSION
+from safetensors.torch import load_file, save_file
 
 from harness import tiny_models as tm
 from harness.comfy_host import CLASSIC_CACHE, ComfyHost
-from harness.inprocess import async_offload, sample, wan
-from harness.prompts import ARCHS, NODES, PromptBuilder, differs, evict_cached_models, offload_prompt, run, server_env
+from harness.inprocess import async_offload, sample
+from harness.prompts import (
+    ARCHS,
+    ASYNC,
+    NODES,
+    PARTIAL,
+    SEQUENTIAL,
+    PromptBuilder,
+    differs,
+    evict_cached_models,
+    offload_prompt,
+    run,
+    server_env,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -35,43 +51,134 @@ pytestmark = [
 ]
 
 
-def dynamic(comfy: SimpleNamespace):
-    """A Wan model from ComfyUI's loader whose patcher says it is managed by Dynamic VRAM."""
-    from comfy.model_patcher import ModelPatcher
+# -- Dynamic VRAM as ComfyUI 0.33 runs it on a GPU, reproduced on the CPU ---------------------------------
 
-    class DynamicOnCPU(ModelPatcher):
-        def is_dynamic(self) -> bool:
-            return True
+#: Checkpoints as users store them, and the dtypes ComfyUI computes in on a GPU (fp16 for Wan on recent
+#: NVIDIA cards, bf16 elsewhere).
+STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-    model = wan(comfy)
-    model.__class__ = DynamicOnCPU
-    return model
+
+@pytest.fixture(scope="module")
+def stored_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Wan 2.1 checkpoint (fp32) saved again in each stored dtype."""
+    folder = tmp_path_factory.mktemp("stored_wan")
+    state_dict = load_file(comfy.models["wan21"])
+    paths = {}
+    for name, dtype in STORED.items():
+        paths[name] = folder / f"wan21-{name}.safetensors"
+        save_file({key: value.to(dtype) for key, value in state_dict.items()}, paths[name])
+    return paths
+
+
+class DynamicVram:
+    """ComfyUI 0.33 started with Dynamic VRAM, as ``main.py`` sets it up on an NVIDIA GPU, on the CPU.
+
+    * The process-wide ``comfy.memory_management.aimdo_enabled`` is on, so ``comfy.ops`` Linear and
+      Embedding take checkpoint tensors as stored (no cast to the model's dtype) for every model loaded
+      from then on, the classic twins the nodes make included.
+    * The model computes natively in half precision, as on a GPU: no manual cast (on the CPU ComfyUI
+      would cast every weight to fp32 per layer, which hides a dtype mix).
+    * Files are read the classic way: aimdo's safetensors reader maps them through the CUDA driver, and
+      gives the same tensors.
+    * The dynamic MODEL is ComfyUI's own load of the file, whose patcher answers ``is_dynamic()``: on a
+      CPU load device ComfyUI hands back a plain ModelPatcher (``ModelPatcherDynamic.__new__``).
+    """
+
+    def __init__(self, comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+        from comfy import memory_management
+        from comfy.model_patcher import ModelPatcher
+
+        self.comfy = comfy
+        self.flag = memory_management
+        read = comfy.utils.load_torch_file
+
+        def read_classically(*args, **kwargs):
+            with self.aimdo(False):
+                return read(*args, **kwargs)
+
+        monkeypatch.setattr(comfy.utils, "load_torch_file", read_classically)
+        monkeypatch.setattr(comfy.mm, "unet_manual_cast", lambda *args, **kwargs: None)
+        monkeypatch.setattr(self.flag, "aimdo_enabled", True)
+
+        class DynamicOnCPU(ModelPatcher):
+            def is_dynamic(self) -> bool:
+                return True
+
+        self.patcher_class = DynamicOnCPU
+
+    @contextlib.contextmanager
+    def aimdo(self, enabled: bool) -> Iterator[None]:
+        before, self.flag.aimdo_enabled = self.flag.aimdo_enabled, enabled
+        try:
+            yield
+        finally:
+            self.flag.aimdo_enabled = before
+
+    def load(self, path: Path, dtype: torch.dtype):
+        """The dynamic MODEL: ComfyUI's Load Diffusion Model with the flag on."""
+        model = self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
+        model.__class__ = self.patcher_class
+        return model
+
+    def load_classic(self, path: Path, dtype: torch.dtype):
+        """The same file loaded as with --disable-dynamic-vram: the reference."""
+        with self.aimdo(False):
+            return self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
+
+
+@pytest.fixture
+def dynamic_vram(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> DynamicVram:
+    return DynamicVram(comfy, monkeypatch)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
     return {key: value.clone() for key, value in model.model.state_dict().items()}
 
 
-def test_a_dynamic_model_streams_as_a_classic_twin_and_stays_untouched(comfy: SimpleNamespace) -> None:
-    reference = sample(comfy, wan(comfy))  # the same checkpoint, classic and fully loaded
+def assert_recorded_dtypes(model) -> None:
+    """Every parameter and buffer has the dtype ComfyUI recorded for it (``*_comfy_model_dtype``)."""
+    for name, module in model.model.named_modules():
+        tensors = itertools.chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+        for key, tensor in tensors:
+            recorded = getattr(module, f"{key}_comfy_model_dtype", None)
+            assert recorded in (None, tensor.dtype), f"{name}.{key} is {tensor.dtype}, ComfyUI recorded {recorded}"
+
+
+def run_node(comfy: SimpleNamespace, node: str, model):
+    if node == ASYNC:
+        return async_offload(comfy, model, resident=1)
+    if node == PARTIAL:
+        return comfy.nodes.PartialGPUResidency.execute(
+            model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=2, pin_memory=True
+        ).result[0]
+    return comfy.nodes.SequentialOffloadWrapper.execute(
+        model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
+    ).result[0]
+
+
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("stored", list(STORED))
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_every_node_streams_a_dynamic_model_exactly_as_its_classic_load(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], node: str, stored: str, compute: str
+) -> None:
+    path, dtype = stored_wan[stored], COMPUTE[compute]
+    classic = dynamic_vram.load_classic(path, dtype)
+    reference = sample(comfy, classic)
     comfy.mm.unload_all_models()
-    model = dynamic(comfy)
+    model = dynamic_vram.load(path, dtype)
     before = weights(model)
 
-    streaming = async_offload(comfy, model, resident=1)
+    streaming = run_node(comfy, node, model)
     assert not streaming.is_dynamic() and isinstance(streaming, comfy.patcher.BlockOffloadPatcher)
     assert streaming.model is not model.model, "the twin must be its own module, not the dynamic one"
-    assert torch.equal(sample(comfy, streaming), reference)
-    step = streaming.offload_engine.recorder.latest()
-    assert [span.block for span in step.spans] == list(range(5))
-    assert sum(span.bytes_copied for span in step.spans) == streaming.offload_engine.plan.streamed_bytes > 0
-
-    # A second node on the same dynamic model streams the same twin: the checkpoint is not read again.
-    again = comfy.nodes.PartialGPUResidency.execute(
-        model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=2, pin_memory=True
-    ).result[0]
-    assert again.model is streaming.model
-    assert torch.equal(sample(comfy, again), reference)
+    latent = sample(comfy, streaming)
+    assert torch.equal(latent, reference), differs(latent, reference)
+    assert_recorded_dtypes(streaming)
+    # ComfyUI's books count the twin's weights as they are, not the dynamic parent's stored bytes.
+    assert streaming.model_size() == classic.model_size() == comfy.mm.module_size(streaming.model)
+    assert streaming.offload_engine.recorder.latest().spans, "nothing streamed"
 
     comfy.mm.unload_all_models()
     assert model.is_dynamic() and model.get_attachment(comfy.patcher.ATTACHMENT) is None
@@ -79,25 +186,46 @@ def test_a_dynamic_model_streams_as_a_classic_twin_and_stays_untouched(comfy: Si
         assert torch.equal(value, before[key]), key
 
 
-def test_lora_before_or_after_the_node_on_a_dynamic_model(comfy: SimpleNamespace) -> None:
-    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+def test_a_second_node_on_a_dynamic_model_streams_the_same_twin(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
+) -> None:
+    path, dtype = stored_wan["fp32"], torch.float16
+    reference = sample(comfy, dynamic_vram.load_classic(path, dtype))
+    model = dynamic_vram.load(path, dtype)
+    first = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, first), reference)
+    again = run_node(comfy, PARTIAL, model)
+    assert again.model is first.model, "the checkpoint was read a second time"
+    assert again.model_size() == first.model_size() == comfy.mm.module_size(first.model)
+    assert torch.equal(sample(comfy, again), reference)
+    comfy.mm.unload_all_models()
+
+
+def test_lora_before_or_after_the_node_on_a_dynamic_model(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
+) -> None:
+    lora = load_file(comfy.models["wan21_lora"])
 
     def with_lora(m):
         return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0)[0]
 
-    reference = sample(comfy, with_lora(wan(comfy)))
-    model = dynamic(comfy)
+    path, dtype = stored_wan["bf16"], torch.float16
+    reference = sample(comfy, with_lora(dynamic_vram.load_classic(path, dtype)))
+    model = dynamic_vram.load(path, dtype)
     lora_then_offload = async_offload(comfy, with_lora(model), resident=1)
     assert lora_then_offload.patches, "the LoRA's patches were not carried to the twin"
     assert torch.equal(sample(comfy, lora_then_offload), reference)
     offload_then_lora = with_lora(async_offload(comfy, model, resident=1))
     assert torch.equal(sample(comfy, offload_then_lora), reference)
     assert offload_then_lora.model is lora_then_offload.model  # one twin per dynamic model
+    assert_recorded_dtypes(offload_then_lora)
     comfy.mm.unload_all_models()
 
 
-def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(comfy: SimpleNamespace) -> None:
-    model = dynamic(comfy)
+def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
+) -> None:
+    model = dynamic_vram.load(stored_wan["fp16"], torch.float16)
     model.cached_patcher_init = None  # what a custom loader (e.g. GGUF) leaves
     with pytest.raises(ValueError, match=r"Dynamic VRAM.*core loader.*--disable-dynamic-vram"):
         async_offload(comfy, model)
