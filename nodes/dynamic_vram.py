@@ -31,11 +31,6 @@ def uses_dynamic_vram(model: ModelPatcher) -> bool:
     return bool(is_dynamic is not None and is_dynamic())
 
 
-def loader_name(model: ModelPatcher) -> str:
-    """Which of ComfyUI's loaders manages the weights the pack streams, for the plan line and the panel."""
-    return "Dynamic VRAM model, streamed as a classic twin" if uses_dynamic_vram(model) else "classic loader"
-
-
 # Per Dynamic VRAM model (its nn.Module, shared by all its clones): the classic twin ComfyUI loaded for
 # the pack, as ``clone(model_override=...)`` takes it. A LoRA or another patch node before ours makes a
 # new dynamic clone at each change; the twin is loaded from disk once, not once per change. The entry

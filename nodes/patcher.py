@@ -18,6 +18,7 @@ state they share have files of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -28,7 +29,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
-from .dynamic_vram import classic_clone
+from .dynamic_vram import classic_clone, uses_dynamic_vram
 from .engine import Engine, inside, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
@@ -56,6 +57,7 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     if previous is not None:
         logging.info(f"Block Offload: {request.node} replaces the earlier {previous.node} on this model")
     patched = classic_clone(model, request.node)
+    request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model))
     # clone() builds self.__class__, so giving the clone our subclass makes every later clone inherit it.
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)

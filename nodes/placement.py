@@ -8,6 +8,7 @@ from the next load on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -69,6 +70,15 @@ class Fallback:
 
 
 def place(
+    request: OffloadRequest, model: ModelPatcher, budget: float, loader_need: Callable[[frozenset[str]], int]
+) -> Placement:
+    """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit), its summary
+    saying which of ComfyUI's loaders the weights came from (see ``_place``)."""
+    placement = _place(request, model, budget, loader_need)
+    return dataclasses.replace(placement, summary=f"{placement.summary}; weights from {request.loader}")
+
+
+def _place(
     request: OffloadRequest, model: ModelPatcher, budget: float, loader_need: Callable[[frozenset[str]], int]
 ) -> Placement:
     """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit).

@@ -29,6 +29,15 @@ class OffloadRequest:
     vram_limit_bytes: int = 0
     # Resident blocks and prefetch chosen by offload.planner from measured costs (``policy`` until measured).
     auto_placement: bool = False
+    # The MODEL came from ComfyUI's Dynamic VRAM: the pack streams its classic twin (``nodes/dynamic_vram.py``).
+    dynamic_vram_twin: bool = False
+
+    @property
+    def loader(self) -> str:
+        """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
+        if self.dynamic_vram_twin:
+            return "a Dynamic VRAM model streamed as a classic twin"
+        return "ComfyUI's classic loader"
 
 
 def streaming_allowed(device: torch.device) -> bool:

@@ -178,7 +178,9 @@ def test_every_node_streams_a_dynamic_model_exactly_as_its_classic_load(
     assert_recorded_dtypes(streaming)
     # ComfyUI's books count the twin's weights as they are, not the dynamic parent's stored bytes.
     assert streaming.model_size() == classic.model_size() == comfy.mm.module_size(streaming.model)
-    assert streaming.offload_engine.recorder.latest().spans, "nothing streamed"
+    engine = streaming.offload_engine
+    assert engine.recorder.latest().spans, "nothing streamed"
+    assert engine.placement.summary.endswith("weights from a Dynamic VRAM model streamed as a classic twin")
 
     comfy.mm.unload_all_models()
     assert model.is_dynamic() and model.get_attachment(comfy.patcher.ATTACHMENT) is None

@@ -49,6 +49,7 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
         r.getMessage() for r in caplog.records if r.getMessage().startswith("Block Offload (Async Block Offload)")
     ]
     assert len(plan_lines) == 1 and "2/5 blocks resident (0-1, leading), 3 streamed" in plan_lines[0]
+    assert plan_lines[0].endswith("; weights from ComfyUI's classic loader"), plan_lines[0]
     assert patched.model.model_lowvram
     comfy.mm.unload_all_models()
     assert patched.offload_engine is None and patched.loaded_size() == 0
