@@ -20,6 +20,8 @@ import comfy.model_management
 import torch
 from comfy.model_patcher import ModelPatcher
 
+from ..offload import release_freed_host_memory
+
 
 class DynamicVramError(ValueError):
     """A Dynamic VRAM model that ComfyUI cannot give a classic twin of (no reload recipe)."""
@@ -58,6 +60,7 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
         )
         classic = model.clone(disable_dynamic=True)
         cast_to_recorded_dtypes(classic.model)
+        release_freed_host_memory()  # the stored-dtype copy just freed
         _CLASSIC_TWINS[model.model] = classic.get_clone_model_override()
     # clone() hands over the dynamic parent's size, which counts the checkpoint's stored dtypes.
     classic.size = comfy.model_management.module_size(classic.model)

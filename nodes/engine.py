@@ -15,7 +15,15 @@ import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
-from ..offload import GIB, BlockStreamer, OffloadPlan, Runner, SequentialOffloader, TimelineRecorder
+from ..offload import (
+    GIB,
+    BlockStreamer,
+    OffloadPlan,
+    Runner,
+    SequentialOffloader,
+    TimelineRecorder,
+    release_freed_host_memory,
+)
 from . import report
 from .architectures import find_blocks
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
@@ -56,6 +64,7 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     patch_streamed_weights(model, placement.streamed, device)
     runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device))
     runner.enable()
+    release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
         runner.allocate_device_buffers()
     except torch.OutOfMemoryError:

@@ -10,6 +10,7 @@
 """
 
 from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot, pinned_bytes
+from .host_memory import release_freed_host_memory
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lower_bound_ms, simulate
@@ -45,6 +46,7 @@ __all__ = [
     "module_bytes",
     "pinned_bytes",
     "place_falling_back",
+    "release_freed_host_memory",
     "resident_for_budget",
     "resident_indices",
     "simulate",

@@ -15,12 +15,14 @@ The CUDA tests run the real thing through a server, Dynamic VRAM on (0.33's defa
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from conftest import HOST_VERSION
@@ -231,6 +233,59 @@ def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
     model.cached_patcher_init = None  # what a custom loader (e.g. GGUF) leaves
     with pytest.raises(ValueError, match=r"Dynamic VRAM.*core loader.*--disable-dynamic-vram"):
         async_offload(comfy, model)
+
+
+#: Blocks of the deep tiny Wan the memory test streams: enough that the stream buffers (two blocks on
+#: the CPU "device") and the run's own allocations are small beside the weights.
+DEEP_WAN_BLOCKS = 40
+
+
+@pytest.fixture(scope="module")
+def deep_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Wan 2.1 (fp32) with its blocks repeated to ``DEEP_WAN_BLOCKS``; ComfyUI counts the depth."""
+    state_dict = load_file(comfy.models["wan21"])
+    for index in range(tm.WAN21_LAYERS, DEEP_WAN_BLOCKS):
+        source = f"blocks.{index % tm.WAN21_LAYERS}."
+        for key in [key for key in state_dict if key.startswith(source)]:
+            state_dict[f"blocks.{index}.{key.removeprefix(source)}"] = state_dict[key].clone()
+    path = tmp_path_factory.mktemp("deep_wan") / "wan21-deep.safetensors"
+    save_file(state_dict, path)
+    return path
+
+
+def test_the_twin_adds_at_most_its_own_weights_to_host_ram(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, deep_wan: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Host RAM beyond what ComfyUI alone holds (the loaded dynamic MODEL) when the pack streams its twin:
+    at most 1.1x the twin's weights, which is what streaming them from RAM needs. Stored fp32, computed
+    in fp16: the twin is read in the stored dtype and cast, the worst case for a transient copy."""
+    process = psutil.Process()
+    # ComfyUI alone has run a prompt: the first run's own allocations (kernels, thread pools) are its.
+    sample(comfy, dynamic_vram.load_classic(comfy.models["wan21"], torch.float16))
+    comfy.mm.unload_all_models()
+    model = dynamic_vram.load(deep_wan, torch.float16)
+    gc.collect()
+    alone = process.memory_info().rss
+
+    streaming = async_offload(comfy, model, resident=0)
+    sample(comfy, streaming)
+    gc.collect()
+    added = process.memory_info().rss - alone
+    engine = streaming.offload_engine
+    # On the CPU the "device" is RAM too: what ComfyUI loaded and the stream buffers would be VRAM on a GPU.
+    device_side = streaming.loaded_size() + engine.runner.device_buffer_bytes
+    twin_bytes = streaming.model_size()
+    host_added = added - device_side
+    with capsys.disabled():
+        print(
+            f"\ntwin of a {len(engine.plan.block_bytes)}-block Wan, {twin_bytes / 2**20:.1f} MiB in fp16 "
+            f"(stored fp32): host RAM +{host_added / 2**20:.1f} MiB ({host_added / twin_bytes:.2f}x), of which "
+            f"{engine.runner.host_bytes / 2**20:.1f} MiB the streamed blocks' host buffers; "
+            f"RSS +{added / 2**20:.1f} MiB with the {device_side / 2**20:.1f} MiB a GPU would hold"
+        )
+    assert engine.runner.host_bytes == engine.plan.streamed_bytes
+    assert host_added <= 1.1 * twin_bytes, (host_added, twin_bytes)
+    comfy.mm.unload_all_models()
 
 
 # -- on a GPU, the real Dynamic VRAM ------------------------------------------------------------------
