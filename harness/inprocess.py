@@ -28,6 +28,7 @@ def in_process_comfy(tiny_models: dict[str, Path]) -> SimpleNamespace:
         patcher=importlib.import_module("block_offload.nodes.patcher"),
         placement=importlib.import_module("block_offload.nodes.placement"),
         pinned=importlib.import_module("block_offload.nodes.pinned_memory"),
+        report=importlib.import_module("block_offload.nodes.report"),
         state=importlib.import_module("block_offload.nodes.state"),
         models=tiny_models,
     )

@@ -21,6 +21,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import release_freed_host_memory
+from .request import OffloadRequest
 
 
 class DynamicVramError(ValueError):
@@ -68,6 +69,28 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def weight_bytes(model: ModelPatcher) -> int:
+    """The model's weights in the dtypes ComfyUI computes them in: a Dynamic VRAM model holds them as
+    stored until it pages them in (so ``model_size()`` counts an fp32 file run in fp16 twice over)."""
+    total = 0
+    for module in model.model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                dtype = getattr(module, f"{name}_comfy_model_dtype", None)
+                plain = dtype is not None and type(tensor) in _PLAIN
+                total += tensor.numel() * dtype.itemsize if plain else tensor.nbytes
+    return total
+
+
+def room_for_weights(model: ModelPatcher, request: OffloadRequest) -> int:
+    """The device bytes ComfyUI can give this model's weights (its memory less ComfyUI's inference reserve),
+    within the node's own budget when it has one."""
+    room = int(comfy.model_management.maximum_vram_for_weights(model.load_device))
+    return min(room, request.budget_bytes) if request.budget_bytes else room
 
 
 def cast_to_recorded_dtypes(model: torch.nn.Module) -> None:

@@ -9,8 +9,10 @@ import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
-from ..offload import GIB, ResidencyPolicy
+from ..offload import GIB, ResidencyPolicy, step_aside
+from . import report
 from .architectures import UnsupportedModelError, find_blocks
+from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed
 
@@ -132,7 +134,21 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
                 f"use 0 to {len(blocks)}."
             )
     refuse_cudagraphs(model, node)
+    if uses_dynamic_vram(model):
+        aside = step_aside(weight_bytes(model), room_for_weights(model, request), _streams_any(model, request))
+        if aside is not None:
+            logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")
+            report.node_stepped_aside(node, aside.reason)
+            return io.NodeOutput(model)
     return io.NodeOutput(with_offload(model, request))
+
+
+def _streams_any(model: ModelPatcher, request: OffloadRequest) -> bool:
+    """Whether the request streams some weights whatever the device: a fixed count below all the blocks,
+    or the sequential wrapper. A budget's placement depends on the device (``room_for_weights``)."""
+    if request.resident_blocks is None:
+        return True
+    return request.resident_blocks < len(find_blocks(model.model.diffusion_model)[1])
 
 
 class AsyncBlockOffload(io.ComfyNode):

@@ -17,6 +17,7 @@ from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lo
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
+from .step_aside import StepAside, step_aside
 from .streamer import BlockStreamer, unpark
 from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
@@ -34,6 +35,7 @@ __all__ = [
     "Runner",
     "SequentialOffloader",
     "StackCosts",
+    "StepAside",
     "StepTimeline",
     "TimelineRecorder",
     "best_plan",
@@ -50,6 +52,7 @@ __all__ = [
     "resident_for_budget",
     "resident_indices",
     "simulate",
+    "step_aside",
     "streamed_modules",
     "unpark",
 ]

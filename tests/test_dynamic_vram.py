@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,8 @@ class DynamicVram:
       would cast every weight to fp32 per layer, which hides a dtype mix).
     * Files are read the classic way: aimdo's safetensors reader maps them through the CUDA driver, and
       gives the same tensors.
+    * The device has ``room_for_weights`` bytes for weights (``maximum_vram_for_weights``), 1 MiB unless
+      a test says otherwise.
     * The dynamic MODEL is ComfyUI's own load of the file, whose patcher answers ``is_dynamic()``: on a
       CPU load device ComfyUI hands back a plain ModelPatcher (``ModelPatcherDynamic.__new__``).
     """
@@ -102,6 +105,10 @@ class DynamicVram:
         monkeypatch.setattr(comfy.utils, "load_torch_file", read_classically)
         monkeypatch.setattr(comfy.mm, "unet_manual_cast", lambda *args, **kwargs: None)
         monkeypatch.setattr(self.flag, "aimdo_enabled", True)
+        # A GPU smaller than the tiny models, so the nodes stream them (a model that fits is left to
+        # Dynamic VRAM, see test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident).
+        self.room_for_weights = 2**20
+        monkeypatch.setattr(comfy.mm, "maximum_vram_for_weights", lambda device=None: self.room_for_weights)
 
         class DynamicOnCPU(ModelPatcher):
             def is_dynamic(self) -> bool:
@@ -147,12 +154,13 @@ def assert_recorded_dtypes(model) -> None:
             assert recorded in (None, tensor.dtype), f"{name}.{key} is {tensor.dtype}, ComfyUI recorded {recorded}"
 
 
-def run_node(comfy: SimpleNamespace, node: str, model):
+def run_node(comfy: SimpleNamespace, node: str, model, budget_gb: float = 0.001):
+    """``node`` on ``model``; Partial GPU Residency with ``budget_gb`` (0: automatic)."""
     if node == ASYNC:
         return async_offload(comfy, model, resident=1)
     if node == PARTIAL:
         return comfy.nodes.PartialGPUResidency.execute(
-            model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=2, pin_memory=True
+            model, vram_budget_gb=budget_gb, policy="strided", prefetch_blocks=2, pin_memory=True
         ).result[0]
     return comfy.nodes.SequentialOffloadWrapper.execute(
         model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
@@ -233,6 +241,47 @@ def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
     model.cached_patcher_init = None  # what a custom loader (e.g. GGUF) leaves
     with pytest.raises(ValueError, match=r"Dynamic VRAM.*core loader.*--disable-dynamic-vram"):
         async_offload(comfy, model)
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    stored_wan: dict[str, Path],
+    node: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a device with room for the whole model, Dynamic VRAM runs it resident, which no streamed placement
+    beats: every node returns the MODEL it was given, and says why in the log and the panel."""
+    model = dynamic_vram.load(stored_wan["fp32"], torch.float16)
+    fp16_bytes = comfy.mm.module_size(dynamic_vram.load_classic(stored_wan["fp32"], torch.float16).model)
+    dynamic_vram.room_for_weights = fp16_bytes  # fits in fp16, though the file is twice as large
+    with caplog.at_level(logging.INFO):
+        assert run_node(comfy, node, model, budget_gb=0.0) is model
+    aside = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(aside) == 1 and f"whole model ({fp16_bytes / 2**30:.2f} GiB) fits" in aside[0], aside
+    notices = comfy.report.snapshot()["notices"]
+    assert len(notices) == 1 and "stepped aside" in notices[0], notices
+
+    dynamic_vram.room_for_weights = fp16_bytes - 1
+    assert isinstance(run_node(comfy, node, model, budget_gb=0.0), comfy.patcher.BlockOffloadPatcher)
+
+
+def test_settings_that_stream_nothing_step_aside_and_a_budget_below_the_model_streams(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
+) -> None:
+    model = dynamic_vram.load(stored_wan["bf16"], torch.bfloat16)
+    every_block = len(model.model.diffusion_model.blocks)
+    assert async_offload(comfy, model, resident=every_block) is model
+    assert "settings stream no block" in comfy.report.snapshot()["notices"][0]
+    dynamic_vram.room_for_weights = 2**40  # the device has room, the node's budget does not
+    budget = comfy.nodes.PartialGPUResidency.execute(
+        model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True
+    ).result[0]
+    assert isinstance(budget, comfy.patcher.BlockOffloadPatcher)
+    reference = sample(comfy, dynamic_vram.load_classic(stored_wan["bf16"], torch.bfloat16))
+    assert torch.equal(sample(comfy, budget), reference)
+    comfy.mm.unload_all_models()
 
 
 #: Blocks of the deep tiny Wan the memory test streams: enough that the stream buffers (two blocks on
