@@ -157,7 +157,9 @@ FRESH_SEEDS = itertools.count(10_000)
 
 
 def server_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1", **extra}
+    """A test server's environment: the nodes stream on the CPU too, and on a GPU under Dynamic VRAM they
+    stream the tiny models, which always fit (stepping aside is tested in process, test_dynamic_vram.py)."""
+    return {**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1", "BLOCK_OFFLOAD_STEP_ASIDE": "0", **extra}
 
 
 def prefix(name: str) -> str:

@@ -14,7 +14,7 @@ from . import report
 from .architectures import UnsupportedModelError, find_blocks
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .patcher import refuse_cudagraphs, with_offload
-from .request import ALLOW_CPU_ENV, OffloadRequest, streaming_allowed
+from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed
 
 CATEGORY = "offload"
 # Partial GPU Residency's default policy: the planner picks the resident blocks and the prefetch depth.
@@ -134,7 +134,7 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
                 f"use 0 to {len(blocks)}."
             )
     refuse_cudagraphs(model, node)
-    if uses_dynamic_vram(model):
+    if uses_dynamic_vram(model) and may_step_aside():
         aside = step_aside(weight_bytes(model), room_for_weights(model, request), _streams_any(model, request))
         if aside is not None:
             logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")

@@ -11,6 +11,9 @@ from ..offload import ResidencyPolicy
 
 # Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
 ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
+# "0": stream a Dynamic VRAM model even where the rule of ``offload/step_aside.py`` would leave it to ComfyUI
+# (the GPU tests' tiny models always fit; a user may want VRAM kept free for other work).
+STEP_ASIDE_ENV = "BLOCK_OFFLOAD_STEP_ASIDE"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,10 @@ class OffloadRequest:
         if self.dynamic_vram_twin:
             return "a Dynamic VRAM model streamed as a classic twin"
         return "ComfyUI's classic loader"
+
+
+def may_step_aside() -> bool:
+    return os.environ.get(STEP_ASIDE_ENV) != "0"
 
 
 def streaming_allowed(device: torch.device) -> bool:

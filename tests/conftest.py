@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from harness.comfy_host import (
     CLASSIC_CACHE,
@@ -33,6 +34,7 @@ from harness.comfy_host import (
     resolve_comfyui_path,
 )
 from harness.inprocess import in_process_comfy
+from harness.prompts import server_env
 
 
 def comfyui_version() -> str:
@@ -45,6 +47,15 @@ def comfyui_version() -> str:
 
 
 HOST_VERSION = comfyui_version()
+
+#: ComfyUI's loading modes on a GPU, by their command-line flags: 0.33's default (Dynamic VRAM, comfy-aimdo)
+#: and the classic loader it keeps behind --disable-dynamic-vram; 0.3.x has only the classic one.
+GPU_MODES: dict[str, tuple[str, ...]] = (
+    {"classic": ()} if HOST_VERSION.startswith("0.3.") else {"dynamic-vram": (), "classic": ("--disable-dynamic-vram",)}
+)
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+#: Parameters for tests that run on the session's CPU server and on a GPU server in each mode.
+DEVICES = ["cpu", *(pytest.param(f"cuda-{mode}", marks=NEEDS_CUDA, id=f"cuda-{mode}") for mode in GPU_MODES)]
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -97,13 +108,29 @@ def comfy_host() -> Iterator[ComfyHost]:
         ensure_tiny_models(HOST_DIR / "models")
     except ComfyHostError as exc:
         sys.stderr.write(f"conftest: {exc}\n")
-    # BLOCK_OFFLOAD_ALLOW_CPU: the nodes stream on the CPU too.
-    host = ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}, extra_args=CLASSIC_CACHE)
+    host = ComfyHost(env=server_env(), extra_args=CLASSIC_CACHE)
     host.start()
     try:
         yield host
     finally:
         host.stop()
+
+
+@pytest.fixture(scope="session")
+def gpu_hosts() -> Iterator[Callable[[str], ComfyHost]]:
+    """ComfyUI servers on the GPU, one per mode (``"cuda-dynamic-vram"``, ``"cuda-classic"``), each
+    started when a test first asks for it and stopped after the session."""
+    started: dict[str, ComfyHost] = {}
+
+    def host(device: str) -> ComfyHost:
+        if device not in started:
+            mode = GPU_MODES[device.removeprefix("cuda-")]
+            started[device] = ComfyHost(cpu=False, env=server_env(), extra_args=(*mode, *CLASSIC_CACHE)).start()
+        return started[device]
+
+    yield host
+    for server in started.values():
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -19,18 +19,18 @@ import gc
 import itertools
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
-from conftest import HOST_VERSION
+from conftest import DEVICES, HOST_VERSION
 from safetensors.torch import load_file, save_file
 
 from harness import tiny_models as tm
-from harness.comfy_host import CLASSIC_CACHE, ComfyHost
+from harness.comfy_host import ComfyHost
 from harness.inprocess import async_offload, sample
 from harness.prompts import (
     ARCHS,
@@ -43,7 +43,6 @@ from harness.prompts import (
     evict_cached_models,
     offload_prompt,
     run,
-    server_env,
 )
 
 pytestmark = [
@@ -250,6 +249,7 @@ def test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident(
     stored_wan: dict[str, Path],
     node: str,
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a device with room for the whole model, Dynamic VRAM runs it resident, which no streamed placement
     beats: every node returns the MODEL it was given, and says why in the log and the panel."""
@@ -263,6 +263,11 @@ def test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident(
     notices = comfy.report.snapshot()["notices"]
     assert len(notices) == 1 and "stepped aside" in notices[0], notices
 
+    from block_offload.nodes.request import STEP_ASIDE_ENV  # ComfyUI is importable once `comfy` is set up
+
+    monkeypatch.setenv(STEP_ASIDE_ENV, "0")  # the user asks to stream anyway
+    assert isinstance(run_node(comfy, node, model, budget_gb=0.0), comfy.patcher.BlockOffloadPatcher)
+    monkeypatch.delenv(STEP_ASIDE_ENV)
     dynamic_vram.room_for_weights = fp16_bytes - 1
     assert isinstance(run_node(comfy, node, model, budget_gb=0.0), comfy.patcher.BlockOffloadPatcher)
 
@@ -339,19 +344,14 @@ def test_the_twin_adds_at_most_its_own_weights_to_host_ram(
 
 # -- on a GPU, the real Dynamic VRAM ------------------------------------------------------------------
 
-CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-#: 0.33's default on NVIDIA, and the classic loader it keeps behind --disable-dynamic-vram.
-MODES = {"dynamic-vram": (), "classic": ("--disable-dynamic-vram",)}
 #: VRAM torch may still hold after /free: the allocator's workspace, cuBLAS handles (not weights).
 FREED_SLACK = 64 * 2**20
+GPU_DEVICES = [device for device in DEVICES if device != "cpu"]  # Dynamic VRAM on (0.33's default) and off
 
 
-@pytest.fixture(scope="module", params=list(MODES))
-def gpu_host(request: pytest.FixtureRequest) -> Iterator[ComfyHost]:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    with ComfyHost(cpu=False, extra_args=(*MODES[request.param], *CLASSIC_CACHE), env=server_env()) as host:
-        yield host
+@pytest.fixture(scope="module", params=GPU_DEVICES)
+def gpu_host(request: pytest.FixtureRequest, gpu_hosts: Callable[[str], ComfyHost]) -> ComfyHost:
+    return gpu_hosts(request.param)
 
 
 def vram_allocated(host: ComfyHost) -> int:
@@ -359,7 +359,6 @@ def vram_allocated(host: ComfyHost) -> int:
     return device["torch_vram_total"] - device["torch_vram_free"]
 
 
-@CUDA_ONLY
 @pytest.mark.parametrize("node", [class_type for class_type, _, _ in NODES.values()])
 def test_on_a_gpu_every_node_streams_and_comfyui_keeps_true_books(gpu_host: ComfyHost, node: str) -> None:
     evict_cached_models(gpu_host)
@@ -386,8 +385,7 @@ def test_on_a_gpu_every_node_streams_and_comfyui_keeps_true_books(gpu_host: Comf
     assert vram_allocated(gpu_host) - idle <= FREED_SLACK, "weights stayed on the GPU after /free"
 
 
-@CUDA_ONLY
-def test_on_a_gpu_the_parking_hand_over_works_under_dynamic_vram(gpu_host: ComfyHost) -> None:
+def test_on_a_gpu_the_parking_hand_over_works_in_each_mode(gpu_host: ComfyHost) -> None:
     """Two prompts on the same offload node: the second adopts the parked host buffers, same latent."""
     first, _ = _latent_of(gpu_host, seed=7)
     second, log = _latent_of(gpu_host, seed=7, no_ops=1)

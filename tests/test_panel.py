@@ -19,14 +19,16 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import websocket
+from conftest import DEVICES
 
-from harness.comfy_host import CLASSIC_CACHE, ComfyHost, RunResult
+from harness.comfy_host import ComfyHost, RunResult
 from harness.panel import BLOCKS, MIN_INTERVAL_S, NODE_NAME, PLACEMENT, STATUS_EVENT, check_status, wan_prompt
 from harness.transformer_stack import transformer_stack
 
@@ -160,18 +162,18 @@ def test_routes_return_the_last_run(comfy_host: ComfyHost, long_run) -> None:
     assert download.json()["prompt_id"] == result.prompt_id
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_figures_on_a_cuda_device() -> None:
-    """ComfyUI on the GPU (a server of its own: the session's runs with --cpu): device memory in every
-    message, and the last step's copies timed by CUDA events."""
-    with ComfyHost(cpu=False, extra_args=CLASSIC_CACHE) as host:
-        listener = StatusListener(host)
-        try:
-            result = host.run(wan_prompt(LONG_RUN_STEPS), timeout=300)
-            assert result.ok, result.error_text()
-            statuses = [data for _, data in listener.wait_finished(result.prompt_id)]
-        finally:
-            listener.close()
+@pytest.mark.parametrize("device", [device for device in DEVICES if device != "cpu"])
+def test_gpu_figures_on_a_cuda_device(gpu_hosts: Callable[[str], ComfyHost], device: str) -> None:
+    """ComfyUI on the GPU, in each of its loading modes (servers of their own: the session's runs with
+    --cpu): device memory in every message, and the last step's copies timed by CUDA events."""
+    host = gpu_hosts(device)
+    listener = StatusListener(host)
+    try:
+        result = host.run(wan_prompt(LONG_RUN_STEPS), timeout=300)
+        assert result.ok, result.error_text()
+        statuses = [data for _, data in listener.wait_finished(result.prompt_id)]
+    finally:
+        listener.close()
     for status in statuses:
         check_status(status)
         assert status["accelerator"] and status["device"].startswith("cuda"), status["device"]

@@ -25,13 +25,14 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import psutil
 import pytest
 import torch
+from conftest import DEVICES, GPU_MODES
 
 from harness import tiny_models as tm
 from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost, PromptValidationError, WsEvent
@@ -53,25 +54,15 @@ pytestmark = pytest.mark.usefixtures("tiny_models")
 #: How far memory after the last prompts may be from after the first ones (about 5 % of the CPU server's RSS).
 LIMIT_NODE = "block_offload_device_limit"  # tests/support: the simulated device limit, as a custom node
 MEMORY_BOUND = 64 * 2**20
-CUDA = pytest.param(
-    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), id="cuda"
-)
-DEVICES = ["cpu", CUDA]
 WAN = ARCHS[tm.WAN21]
 ASYNC = "AsyncBlockOffload"
 UNSUPPORTED_FILE = "block_offload_test_cosmos_predict2.safetensors"
 
 
-@pytest.fixture(scope="module")
-def cuda_host() -> Iterator[ComfyHost]:
-    with ComfyHost(cpu=False, env=server_env(), extra_args=CLASSIC_CACHE) as host:
-        yield host
-
-
 @pytest.fixture(params=DEVICES)
-def host(request: pytest.FixtureRequest, comfy_host: ComfyHost) -> ComfyHost:
-    """The session's CPU server, or one on the GPU."""
-    return comfy_host if request.param == "cpu" else request.getfixturevalue("cuda_host")
+def host(request: pytest.FixtureRequest, comfy_host: ComfyHost, gpu_hosts: Callable[[str], ComfyHost]) -> ComfyHost:
+    """The session's CPU server, or one on the GPU in each of ComfyUI's loading modes there."""
+    return comfy_host if request.param == "cpu" else gpu_hosts(request.param)
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -301,12 +292,15 @@ def test_interrupt_mid_sampling_then_the_same_model_samples_as_a_clean_run(host:
 
 @pytest.fixture(scope="module", params=DEVICES)
 def limited_host(
-    request: pytest.FixtureRequest, comfy_host: ComfyHost, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    comfy_host: ComfyHost,
+    gpu_hosts: Callable[[str], ComfyHost],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ComfyHost]:
     """A server whose device holds what Wan with 1 resident block and the 2 buffers of prefetch 1 need,
     and half a block more; measured on the unlimited server of the same device."""
     cpu = request.param == "cpu"
-    base = comfy_host if cpu else request.getfixturevalue("cuda_host")
+    base = comfy_host if cpu else gpu_hosts(request.param)
     loaded = {}
     for resident in (1, 2):
         run_offload(base, offload_prompt(name="measure", resident_blocks=resident, seed=1000 + resident))
@@ -321,7 +315,8 @@ def limited_host(
     (base_dir / "custom_nodes" / LIMIT_NODE).symlink_to(REPO / "tests" / "support" / LIMIT_NODE)
     (base_dir / "models").symlink_to(HOST_DIR / "models")
     env = server_env(**{LIMIT_ENV: str(limit)})
-    with ComfyHost(base_dir=base_dir, cpu=cpu, env=env, extra_args=CLASSIC_CACHE) as host:
+    mode = () if cpu else GPU_MODES[request.param.removeprefix("cuda-")]
+    with ComfyHost(base_dir=base_dir, cpu=cpu, env=env, extra_args=(*mode, *CLASSIC_CACHE)) as host:
         yield host
 
 
