@@ -95,12 +95,21 @@ class BlockOffloadPatcher(ModelPatcher):
         return [entry for entry in entries if not inside(entry[2], hidden)]
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
-        if self.offload_engine is None and self.model.model_loaded_weight_memory > 0:
+        state = state_of(self.model)
+        parked_here, state.parked_load = state.parked_load == self.loaded_state(), None
+        if self.offload_engine is None and self.model.model_loaded_weight_memory > 0 and not parked_here:
             # Another patcher of these weights left them loaded its way (ComfyUI keeps a
             # detached clone's placement); start from the host so nothing streamed stays on the GPU.
             # ComfyUI's own unpatch: blocks a detached streaming clone parked stay parked, for this engine to adopt.
             super().unpatch_model(self.offload_device, unpatch_weights=True)
+        # Left as the last engine parked them, the resident modules stay loaded: ComfyUI's load skips what
+        # it has loaded and patched (``comfy_patched_weights``), so a queue does not copy them again.
         return super().partially_load(device_to, extra_memory, force_patch_weights)
+
+    def loaded_state(self) -> tuple:
+        """ComfyUI's books on the model's weights: any load or unload by any patcher changes them."""
+        model = self.model
+        return (model.model_loaded_weight_memory, model.model_lowvram, model.current_weight_patches_uuid, model.device)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         request = self.offload_request
@@ -206,7 +215,9 @@ class BlockOffloadPatcher(ModelPatcher):
         # leaving the streamed blocks on their host buffers for the next engine to adopt instead of packing
         # them again. They are valid CPU tensors, so a clone that does not stream can take them over too.
         self._stop_streaming(park=not unpatch_all)
-        return super().detach(unpatch_all)
+        detached = super().detach(unpatch_all)
+        state_of(self.model).parked_load = None if unpatch_all else self.loaded_state()
+        return detached
 
     def _stop_streaming(self, park: bool = False) -> None:
         state = state_of(self.model)

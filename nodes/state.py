@@ -23,6 +23,9 @@ class ModelState:
     # host, never loaded by ComfyUI; a partial unload between prompts must neither move nor count them).
     hidden: frozenset[str] = frozenset()
     fallback: Fallback | None = None  # the placement that fit when the asked one ran out of memory
+    # ComfyUI's books on the model when the last engine parked (``BlockOffloadPatcher.loaded_state``): the
+    # next clone keeps the resident part loaded if nothing has loaded or unloaded these weights since.
+    parked_load: tuple | None = None
 
 
 def state_of(model: nn.Module) -> ModelState:

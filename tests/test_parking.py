@@ -217,6 +217,38 @@ def test_consecutive_prompts_reuse_the_host_buffers(comfy: SimpleNamespace) -> N
     comfy.mm.unload_all_models()
 
 
+def test_the_resident_part_stays_loaded_across_prompts(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next prompt's clone finds the resident blocks as the last engine left them: ComfyUI loads none of
+    them again (no weight goes host to device), and the result is the same. A plain clone loading the same
+    weights in between changes ComfyUI's books, and the next streaming load starts from the host again."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=2)
+    loaded: list[tuple[str, int]] = []
+    load_weight = type(patched).patch_weight_to_device
+
+    def counting(self, key: str, *args, **kwargs):
+        loaded.append((key, comfy.utils.get_attr(self.model, key).nbytes))
+        return load_weight(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(type(patched), "patch_weight_to_device", counting)
+    assert torch.equal(sample(comfy, patched), reference)
+    first = sum(nbytes for key, nbytes in loaded if ".blocks." in key)
+    # The two resident blocks, once (ComfyUI leaves a block's own parameter, Wan's modulation, to its forward).
+    assert 0.99 * patched.offload_engine.plan.resident_bytes < first <= patched.offload_engine.plan.resident_bytes
+    books = patched.loaded_size()
+    loaded.clear()
+    assert torch.equal(sample(comfy, patched), reference)
+    assert loaded == [], "the second prompt loaded weights again"
+    assert patched.loaded_size() == books
+
+    assert torch.equal(sample(comfy, model), reference)  # a plain clone of the same weights loads them its way
+    loaded.clear()
+    assert torch.equal(sample(comfy, patched), reference)
+    assert sum(nbytes for key, nbytes in loaded if ".blocks." in key) == first
+    comfy.mm.unload_all_models()
+
+
 def test_lora_plain_lora_across_prompts_on_the_same_weights(comfy: SimpleNamespace) -> None:
     """A LoRA'd block's weights change between prompts: it is packed again, never adopted stale."""
     model = wan(comfy)
