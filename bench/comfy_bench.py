@@ -1,46 +1,60 @@
 """This pack against ComfyUI's own offloading, side by side in one process, on real-shaped models.
 
-    .venv/bin/python -m bench.comfy_bench [--models wan14b flux12b] [--budgets 0.25 0.5 0.75]
-                                         [--steps 3] [--warmup 1] [--out docs/results]
+    .venv/bin/python -m bench.comfy_bench [--models wan14b flux12b qwen20b] [--budgets 0.25 0.5 0.75]
+                                         [--cards 8 12 16 24] [--rounds 2] [--steps 20] [--out docs/results]
 
-Each model is built by ComfyUI's own classes (``comfy.supported_models`` config ->
-``comfy.model_base`` -> ``WanModel`` / ``Flux``) with random bf16 weights (nothing is
-downloaded) and wrapped in ComfyUI's ``ModelPatcher``. Every configuration is loaded the way
-ComfyUI's memory manager loads a model, ``partially_load(device, budget)`` with the budget
-as ``load_models_gpu`` would compute it, then runs the diffusion model's forward
-(``apply_model``) on fixed inputs: ``--warmup`` untimed steps, then ``--steps`` timed ones.
+Each model is built the way ComfyUI builds one from a checkpoint: ``bench/checkpoints.py`` gives every key
+and shape of the real file (Wan 2.1 T2V 14B, Flux.1-dev 12B, Qwen-Image 20B) as meta tensors, the host's
+own ``comfy.model_detection.model_config_from_unet`` picks the config and classes from them, and the
+model it builds gets random bf16 weights N(0, 0.02) in host memory (nothing is downloaded), wrapped in
+ComfyUI's ``ModelPatcher``.
 
-Configurations: fully resident (the reference); per budget (a share of the model's bytes),
-ComfyUI's partial loading with its async offload on (2 streams, its NVIDIA default) and off,
-this pack's Async Block Offload with as many leading blocks resident as fit (prefetch 1 and 2),
-Partial GPU Residency trailing, strided and auto (the planner), and the Sequential Offload
-Wrapper; without a budget, Async Block Offload with every block streamed. The lower bound is
-max(resident step, bytes that do not fit / pinned host-to-device bandwidth).
+Every configuration is loaded, then runs the diffusion model's forward (``apply_model``) on fixed inputs
+for ``--steps`` steps, as one generation would; that is a round. Rows of one budget take their rounds in
+turn (A B C A B C ...), so a drift of the machine touches them alike, and the group's first row is
+measured a second time at the end of each round, as a control. Per row: load plus the first step, the
+median of every later step with its min and max, the wall time of a round, peak VRAM, process RSS and
+the bytes the pack pinned. Two rows that placed the same blocks the same way must agree within 2 %, or
+the run says it is too noisy (``too_noisy`` in the JSON, a line above the table).
 
-Writes ``<model>.json``, ``<model>.md`` (the table and the issue's targets) and ``<model>.png``
-(step time against budget, one line per method) to ``--out``.
+Budgets: ``--budgets``, shares of the model's bytes handed to ComfyUI's loader
+(``partially_load(device, budget)``, as ``load_models_gpu`` passes its ``lowvram_model_memory``); and
+``--cards``, VRAM sizes users own (GiB): a filler allocation leaves exactly that much device memory free
+and ComfyUI's own ``load_models_gpu`` decides what to load, as on such a card (CUDA only).
 
-Needs a CUDA device and exits with status 2 without one. ``--smoke`` runs the same code on the
-CPU with tiny shapes (the times mean nothing), so the test suite can check the script itself.
+Configurations: fully resident (the reference); every block streamed (Async Block Offload, prefetch 1
+and 2); per budget, ComfyUI's partial loading with its async offload on (2 streams, its NVIDIA default)
+and off, the pack's nodes (Async Block Offload with the leading blocks that fit, Partial GPU Residency
+trailing / strided / auto, the Sequential Offload Wrapper). On ComfyUI 0.33 with CUDA and comfy-aimdo,
+each card also gets ComfyUI's Dynamic VRAM and each node on a Dynamic VRAM model (elsewhere those rows
+are skipped, and the run's notes say why). The lower bound is max(resident step, bytes that do not fit /
+pinned host-to-device bandwidth).
+
+Writes ``<model>.json``, ``<model>.md`` (the table and the issue's targets) and ``<model>.png`` (step
+time against the share budgets, one line per method) to ``--out``.
+
+Needs a CUDA device and exits with status 2 without one. ``--smoke`` runs the same code on the CPU with
+tiny shapes (the times mean nothing), so the test suite can check the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
-import importlib.util
+import importlib
 import logging
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
@@ -48,106 +62,31 @@ import torch
 from harness.comfy_host import REPO, resolve_comfyui_path
 from harness.pack import PACK
 
+from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS, Checkpoint
 from bench.plot import line_chart
-from bench.results import ALL_STREAMED, AUTO, COMFYUI, GIB, RESIDENT, Measurement, ModelRun, markdown, series, write
-from bench.timing import h2d_bandwidth_gbps, ms_per_call
+from bench.results import (
+    AGAIN,
+    ALL_STREAMED,
+    AUTO,
+    CARD,
+    COMFYUI,
+    GIB,
+    RESIDENT,
+    SHARE,
+    Budget,
+    Measurement,
+    ModelRun,
+    Round,
+    markdown,
+    series,
+    write,
+)
+from bench.timing import h2d_bandwidth_gbps, ms_of_each_call
+from block_offload.offload.device import synchronize
 
 NO_CUDA_EXIT = 2
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model shape: ComfyUI's config for it, and the inputs of one denoising step."""
-
-    name: str
-    title: str
-    unet_config: dict[str, Any]
-    latent: tuple[int, ...]
-    context: tuple[int, ...]
-    extra: dict[str, tuple[int, ...]] = field(default_factory=dict)  # more conditioning, by keyword
-    guidance: bool = False
-
-
-# Wan 2.1 T2V 14B: what comfy/model_detection.py derives from the real checkpoint.
-WAN_CONFIG = {
-    "image_model": "wan2.1",
-    "model_type": "t2v",
-    "patch_size": (1, 2, 2),
-    "freq_dim": 256,
-    "window_size": (-1, -1),
-    "qk_norm": True,
-    "cross_attn_norm": True,
-    "eps": 1e-6,
-    "in_dim": 16,
-    "out_dim": 16,
-    "text_len": 512,
-}
-# Flux.1 dev (12B): likewise, with guidance embedding.
-FLUX_CONFIG = {
-    "image_model": "flux",
-    "guidance_embed": True,
-    "axes_dim": [16, 56, 56],
-    "mlp_ratio": 4.0,
-    "theta": 10000,
-    "in_channels": 16,
-    "out_channels": 16,
-    "patch_size": 2,
-    "qkv_bias": True,
-}
-
-MODELS = {
-    "wan14b": ModelSpec(
-        "wan14b",
-        "Wan 2.1 14B-shaped DiT (40 blocks, dim 5120), 480x832 x 33 frames, bf16",
-        {**WAN_CONFIG, "dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, "text_dim": 4096},
-        latent=(1, 16, 9, 60, 104),  # 33 frames -> 9 latent frames, 480x832 / 8
-        context=(1, 512, 4096),
-    ),
-    "flux12b": ModelSpec(
-        "flux12b",
-        "Flux.1-dev-shaped DiT (19 double + 38 single blocks, hidden 3072), 1024x1024, bf16",
-        {
-            **FLUX_CONFIG,
-            "hidden_size": 3072,
-            "num_heads": 24,
-            "depth": 19,
-            "depth_single_blocks": 38,
-            "context_in_dim": 4096,
-            "vec_in_dim": 768,
-        },
-        latent=(1, 16, 128, 128),
-        context=(1, 512, 4096),
-        extra={"y": (1, 768)},
-        guidance=True,
-    ),
-}
-# The same architectures, tiny, for --smoke on the CPU.
-SMOKE_MODELS = {
-    "wan14b": ModelSpec(
-        "wan14b",
-        "Wan 2.1 architecture, tiny (smoke test: times mean nothing)",
-        {**WAN_CONFIG, "dim": 256, "ffn_dim": 512, "num_heads": 2, "num_layers": 4, "text_dim": 64},
-        latent=(1, 16, 2, 8, 8),
-        context=(1, 16, 64),
-    ),
-    "flux12b": ModelSpec(
-        "flux12b",
-        "Flux architecture, tiny (smoke test: times mean nothing)",
-        {
-            **FLUX_CONFIG,
-            "hidden_size": 256,
-            "num_heads": 2,
-            "depth": 2,
-            "depth_single_blocks": 2,
-            "context_in_dim": 64,
-            "vec_in_dim": 32,
-        },
-        latent=(1, 16, 8, 8),
-        context=(1, 8, 64),
-        extra={"y": (1, 32)},
-        guidance=True,
-    ),
-}
+DYNAMIC = "on a Dynamic VRAM model"
+COMFYUI_DYNAMIC = f"{COMFYUI}, Dynamic VRAM"
 
 
 @dataclass
@@ -157,9 +96,32 @@ class Comfy:
     mm: ModuleType
     detection: ModuleType
     patcher: ModuleType
+    sd: ModuleType
     nodes: ModuleType  # this pack's nodes
     offload: ModuleType  # this pack's engine, as the nodes see it
     find_blocks: Callable[[torch.nn.Module], tuple[Any, list[tuple[str, torch.nn.Module]]]]
+    no_dynamic_vram: str | None  # why the Dynamic VRAM rows cannot run here; None: they can
+
+
+def enable_dynamic_vram() -> str | None:
+    """Turns on ComfyUI's Dynamic VRAM as its ``main.py`` does (comfy-aimdo first, before ComfyUI's patcher
+    is imported); returns why it cannot be, or None."""
+    if not torch.cuda.is_available():
+        return "Dynamic VRAM needs CUDA (comfy-aimdo manages device memory through the CUDA driver)"
+    try:
+        import comfy.memory_management  # noqa: F401 - ComfyUI 0.33 and later
+        import comfy_aimdo.control
+    except ImportError as error:
+        return f"this ComfyUI has no Dynamic VRAM ({error.name} is missing)"
+    comfy_aimdo.control.init()
+    import comfy.model_management
+    import comfy.model_patcher
+
+    if not comfy_aimdo.control.init_devices(d.index for d in comfy.model_management.get_all_torch_devices()):
+        return "comfy-aimdo found no device it can manage"
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    return None
 
 
 def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
@@ -170,9 +132,11 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
     if smoke:
         args.cpu = True
         os.environ["BLOCK_OFFLOAD_ALLOW_CPU"] = "1"
+    no_dynamic_vram = "smoke runs on the CPU" if smoke else enable_dynamic_vram()
     import comfy.model_detection
     import comfy.model_management
     import comfy.model_patcher
+    import comfy.sd
     import folder_paths
 
     # A fresh measurement cache: the automatic placement must measure, as on a first run.
@@ -184,24 +148,36 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
         comfy.model_management,
         comfy.model_detection,
         comfy.model_patcher,
+        comfy.sd,
         nodes,
         offload,
         architectures.find_blocks,
+        no_dynamic_vram,
     )
 
 
 # -- the model and its inputs -------------------------------------------------------------------
 
 
-def build_model(comfy: Comfy, spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A ModelPatcher over ComfyUI's own model class, weights random N(0, 0.02) in host memory.
+def build_model(comfy: Comfy, shapes: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A ModelPatcher over the model the host's detection makes of ``shapes``, weights random N(0, 0.02) in
+    host memory.
 
-    The model is created with uninitialised weights (ComfyUI's ops skip initialisation) and each
-    weight is drawn on ``device``, where random numbers are fast, then copied into place.
+    The model is created with uninitialised weights (ComfyUI's ops skip initialisation) and each weight is
+    drawn on ``device``, where random numbers are fast, then copied into place: no second host copy.
     """
-    config = comfy.detection.model_config_from_unet_config(dict(spec.unet_config))
+    config = comfy.detection.model_config_from_unet(shapes, "")
+    if config is None:
+        raise RuntimeError("this ComfyUI does not recognise the checkpoint's keys")
     config.set_inference_dtype(dtype, None)
-    model = config.get_model({}, "")
+    model = config.get_model(shapes, "")
+    built = {key: tuple(value.shape) for key, value in model.diffusion_model.state_dict().items()}
+    # The keys as ComfyUI's loader hands them to the model (load_model_weights: Flux's norm "scale" -> "weight").
+    wanted = {key: tuple(value.shape) for key, value in config.process_unet_state_dict(dict(shapes)).items()}
+    if built != wanted:
+        # What load_state_dict would report as missing, unexpected or mis-shaped: the host built another model.
+        differ = sorted(key for key in built.keys() | wanted.keys() if built.get(key) != wanted.get(key))
+        raise RuntimeError(f"the host built a model unlike the checkpoint: {differ[:5]} ({len(differ)} keys)")
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -211,16 +187,29 @@ def build_model(comfy: Comfy, spec: ModelSpec, device: torch.device, dtype: torc
     return comfy.patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
 
 
-def make_inputs(spec: ModelSpec, device: torch.device, seed: int = 1) -> dict[str, torch.Tensor]:
+def dynamic_twin(comfy: Comfy, classic, dtype: torch.dtype):
+    """The same weights loaded by ComfyUI 0.33's own loader with Dynamic VRAM on (a ``ModelPatcherDynamic``;
+    the weights are assigned, not copied again).
+
+    A node on it asks for a classic twin with ``clone(disable_dynamic=True)``, which ComfyUI makes by
+    loading the checkpoint again (``cached_patcher_init``); a clone of ``classic``, the same weights as a
+    classic model, stands in for that reload, whose time from disk is therefore not in these figures.
+    """
+    weights = {key: value.detach().clone() for key, value in classic.model.diffusion_model.state_dict().items()}
+    dynamic = comfy.sd.load_diffusion_model_state_dict(weights, model_options={"dtype": dtype})
+    dynamic.cached_patcher_init = (lambda disable_dynamic: classic.clone(), ())
+    return dynamic
+
+
+def make_inputs(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device, seed: int = 1):
     """One denoising step's keyword arguments for ``BaseModel.apply_model``."""
     generator = torch.Generator(device=device).manual_seed(seed)
-
-    def noise(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device)
-
-    inputs = {"x": noise(spec.latent), "t": torch.full((1,), 0.5, device=device), "c_crossattn": noise(spec.context)}
-    inputs.update({name: noise(shape) for name, shape in spec.extra.items()})
-    if spec.guidance:
+    inputs = {
+        name: torch.randn(shape, generator=generator, device=device)
+        for name, shape in checkpoint.input_shapes(shapes).items()
+    }
+    inputs["t"] = torch.full((1,), 0.5, device=device)
+    if checkpoint.guidance:
         inputs["guidance"] = torch.full((1,), 3.5, device=device)
     return inputs
 
@@ -233,136 +222,303 @@ def forward(patcher, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 # -- configurations ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Config:
-    """What to load and how: the patcher it builds from the base model, ComfyUI's offload streams."""
+    """What to load and how: the patcher to load, its budget, ComfyUI's offload streams."""
 
     method: str
-    budget_bytes: int | None
-    prepare: Callable[[Any], Any]  # base ModelPatcher -> the ModelPatcher to load
+    budget: Budget | None
+    prepare: Callable[[], Any]  # -> the ModelPatcher to load
     comfy_streams: int = 2  # ComfyUI's async offload streams (``--async-offload``; 0 = off)
+
+    def again(self) -> Config:
+        """The same configuration as a second row: the noise control."""
+        return Config(self.method + AGAIN, self.budget, self.prepare, self.comfy_streams)
 
 
 def _output(node_output) -> Any:
     return node_output.result[0]
 
 
-def configs(comfy: Comfy, base, budgets: list[int], prefetch_choices: tuple[int, ...] = (1, 2)) -> list[Config]:
-    """Every configuration, the reference first (the ratios need it)."""
+@dataclass
+class Bases:
+    """The models every configuration starts from, and the figures the budgets are worked out from."""
+
+    classic: Any
+    dynamic: Any | None  # None: no Dynamic VRAM here
+    block_bytes: list[int]
+    outside_bytes: int  # weights outside the blocks (embeddings, head), always resident
+    activation_bytes: int  # what ComfyUI reserves for sampling beside the weights (its estimate and minimum)
+
+
+def configs(
+    comfy: Comfy, bases: Bases, budgets: list[Budget], rows: Sequence[str] = (), prefetch_choices=(1, 2)
+) -> list[list[Config]]:
+    """Every configuration whose method starts with one of ``rows`` (all without), in groups that take their
+    rounds in turn, one group per budget (the budget-free rows first: the ratios need the resident one);
+    each group ends with its first row measured again."""
     nodes = comfy.nodes
-    _, blocks = comfy.find_blocks(base.model.diffusion_model)
-    sizes = [comfy.offload.module_bytes(block) for _, block in blocks]
-    outside = base.model_size() - sum(sizes)
 
-    def async_offload(resident: int, prefetch: int) -> Callable[[Any], Any]:
-        return lambda model: _output(nodes.AsyncBlockOffload.execute(model, resident, prefetch, True))
+    def async_offload(model, resident: int, prefetch: int) -> Callable[[], Any]:
+        return lambda: _output(nodes.AsyncBlockOffload.execute(model, resident, prefetch, True))
 
-    def partial(budget: int, policy: str) -> Callable[[Any], Any]:
-        return lambda model: _output(nodes.PartialGPUResidency.execute(model, budget / GIB, policy, 1, True))
+    def partial(model, weights_budget: int, policy: str) -> Callable[[], Any]:
+        return lambda: _output(nodes.PartialGPUResidency.execute(model, weights_budget / GIB, policy, 1, True))
 
-    def sequential(budget: int) -> Callable[[Any], Any]:
-        return lambda model: _output(nodes.SequentialOffloadWrapper.execute(model, "as loaded", budget / GIB, 2, True))
+    def sequential(model, weights_budget: int) -> Callable[[], Any]:
+        return lambda: _output(
+            nodes.SequentialOffloadWrapper.execute(model, "as loaded", weights_budget / GIB, 2, True)
+        )
 
-    found = [Config(RESIDENT, None, lambda model: model.clone())]
-    found += [Config(f"{ALL_STREAMED}, prefetch {p}", None, async_offload(0, p)) for p in prefetch_choices]
+    def leading_that_fit(model, weights_budget: int, prefetch: int) -> Callable[[], Any]:
+        # The engine's own budget rule (OffloadPlan.build): as many leading blocks as fit beside the slots.
+        room = max(0, weights_budget - bases.outside_bytes)
+        fit = comfy.offload.OffloadPlan.build(bases.block_bytes, budget_bytes=room, prefetch=prefetch)
+        return async_offload(model, len(fit.resident), prefetch)
+
+    classic = bases.classic
+    groups = [
+        [Config(RESIDENT, None, classic.clone)]
+        + [Config(f"{ALL_STREAMED}, prefetch {p}", None, async_offload(classic, 0, p)) for p in prefetch_choices]
+    ]
     for budget in budgets:
-        found += [
-            Config(f"{COMFYUI}, async offload on", budget, lambda model: model.clone(), comfy_streams=2),
-            Config(f"{COMFYUI}, async offload off", budget, lambda model: model.clone(), comfy_streams=0),
+        comfyui = [
+            Config(f"{COMFYUI}, async offload on", budget, classic.clone, comfy_streams=2),
+            Config(f"{COMFYUI}, async offload off", budget, classic.clone, comfy_streams=0),
         ]
-        for prefetch in prefetch_choices:
-            # The engine's own budget rule (OffloadPlan.build): as many leading blocks as fit beside the slots.
-            fit = comfy.offload.OffloadPlan.build(sizes, budget_bytes=max(0, budget - outside), prefetch=prefetch)
-            found.append(
+        if budget.kind == SHARE:
+            weights = budget.nbytes
+            pack = [
                 Config(
-                    f"Async Block Offload, leading blocks that fit, prefetch {prefetch}",
+                    f"Async Block Offload, leading blocks that fit, prefetch {p}",
                     budget,
-                    async_offload(len(fit.resident), prefetch),
+                    leading_that_fit(classic, weights, p),
                 )
-            )
-        found += [
-            Config("Partial GPU Residency, trailing", budget, partial(budget, "trailing")),
-            Config("Partial GPU Residency, strided", budget, partial(budget, "strided")),
-            Config(AUTO, budget, partial(budget, "auto")),
-            Config("Sequential Offload Wrapper, prefetch 2", budget, sequential(budget)),
-        ]
-    return found
+                for p in prefetch_choices
+            ] + [Config(f"Partial GPU Residency, {policy}", budget, partial(classic, weights, policy)) for policy in
+                 ("trailing", "strided", "auto")]  # fmt: skip
+        else:
+            # On a card, ComfyUI's loader grants the weights what its reserve and the activations leave;
+            # Partial GPU Residency takes that grant itself (budget 0: automatic), the others need a figure.
+            weights = budget.nbytes - bases.activation_bytes
+            pack = [
+                Config("Async Block Offload, leading blocks that fit, prefetch 1", budget,
+                       leading_that_fit(classic, weights, 1)),
+                *(Config(f"Partial GPU Residency, {policy}", budget, partial(classic, 0, policy)) for policy in
+                  ("strided", "auto")),
+            ]  # fmt: skip
+        pack.append(Config("Sequential Offload Wrapper, prefetch 2", budget, sequential(classic, weights)))
+        dynamic = []
+        if budget.kind == CARD and bases.dynamic is not None:
+            model = bases.dynamic
+            dynamic = [
+                Config(COMFYUI_DYNAMIC, budget, model.clone),
+                Config(f"Async Block Offload {DYNAMIC}", budget, leading_that_fit(model, weights, 1)),
+                Config(f"Partial GPU Residency, auto {DYNAMIC}", budget, partial(model, 0, "auto")),
+                Config(f"Sequential Offload Wrapper {DYNAMIC}", budget, sequential(model, weights)),
+            ]
+        groups.append(comfyui + dynamic + pack)
+    chosen = [[c for c in group if not rows or c.method.startswith(tuple(rows))] for group in groups]
+    return [[*group, group[0].again()] for group in chosen if group]
+
+
+T = TypeVar("T")
+
+
+def interleaved(groups: Sequence[Sequence[T]], rounds: int) -> list[T]:
+    """The order rows are measured in: each group's rows in turn, ``rounds`` times (A B C A B C), group after
+    group, so a drift of the machine during a group touches all its rows alike."""
+    return [row for group in groups for _ in range(rounds) for row in group]
 
 
 # -- measuring -----------------------------------------------------------------------------------
 
 
-def _placement(patcher) -> tuple[str, int, float | None, float | None, bool]:
-    """What the loaded patcher placed: a summary, bytes streamed per step, overlap, predicted ms, and
-    whether it was an automatic placement's measuring run."""
+@dataclass(frozen=True)
+class Placed:
+    """What a loaded patcher placed: a summary, a key equal for equal placements, bytes streamed per step,
+    overlap, the planner's prediction, and whether it was an automatic placement's measuring run."""
+
+    placement: str
+    placement_key: str
+    streamed_bytes: int
+    overlap: float | None
+    predicted_ms: float | None
+    measuring: bool
+
+
+def placed(patcher) -> Placed:
     engine = getattr(patcher, "offload_engine", None)
     if engine is None:
         loaded = patcher.loaded_size()
         cast = patcher.model_size() - loaded
-        return f"{loaded / GIB:.2f} GiB loaded, {cast / GIB:.2f} GiB cast on demand", cast, None, None, False
+        summary = f"{loaded / GIB:.2f} GiB loaded, {cast / GIB:.2f} GiB cast on demand"
+        return Placed(summary, "", cast, None, None, False)
     step = engine.recorder.latest()
-    overlap = step.overlap if step is not None else None
-    streamed = engine.plan.streamed_bytes if engine.plan is not None else (step.bytes_copied if step else 0)
+    plan = engine.plan
+    streamed = plan.streamed_bytes if plan is not None else (step.bytes_copied if step else 0)
+    key = "" if plan is None else f"resident {sorted(plan.resident)}, prefetch {plan.prefetch}, pin {plan.pin_memory}"
     placement = engine.placement
-    return placement.summary, streamed, overlap, placement.predicted_ms, placement.measuring
+    overlap = step.overlap if step is not None else None
+    return Placed(placement.summary, key, streamed, overlap, placement.predicted_ms, placement.measuring)
 
 
-def measure(comfy: Comfy, base, config: Config, inputs: dict, steps: int, warmup: int) -> Measurement:
-    device = base.load_device
-    comfy.mm.NUM_STREAMS = config.comfy_streams  # read by ComfyUI's loader and its casts at call time
-    patcher = config.prepare(base)
-    budget = 1e32 if config.budget_bytes is None else config.budget_bytes
+@contextlib.contextmanager
+def card(device: torch.device, budget: Budget | None) -> Iterator[int]:
+    """For a card budget, a filler allocation that leaves ``budget.nbytes`` of device memory free while the
+    row loads and runs (ComfyUI and comfy-aimdo ask the driver what is free); yields the filler's bytes."""
+    if budget is None or budget.kind != CARD:
+        yield 0
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < budget.nbytes:
+        raise ValueError(f"a {budget.nbytes / GIB:g} GiB card: only {free / GIB:.1f} GiB of the device are free")
+    filler = torch.empty(free - budget.nbytes, dtype=torch.uint8, device=device)
     try:
-        patcher.partially_load(device, budget)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = ms_per_call(lambda: forward(patcher, inputs), device, steps, warmup)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        placement, streamed, overlap, predicted, measuring = _placement(patcher)
-        rss = psutil.Process().memory_info().rss
-        pinned = comfy.offload.pinned_bytes()
+        yield filler.numel()
     finally:
-        patcher.detach(unpatch_all=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    progress(f"{config.method}: {ms / 1000:.3f} s/step; {placement}")
+        del filler
+        torch.cuda.empty_cache()
+
+
+def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_bytes: int) -> tuple[Round, Placed]:
+    """Loads ``config``, runs ``steps`` steps on it and unloads it: one round."""
+    device = next(iter(inputs.values())).device
+    comfy.mm.NUM_STREAMS = config.comfy_streams  # read by ComfyUI's loader and its casts at call time
+    cuda = device.type == "cuda"
+    with card(device, config.budget) as filler_bytes:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        patcher = config.prepare()
+        try:
+            if config.budget is not None and config.budget.kind == CARD:
+                comfy.mm.load_models_gpu([patcher], memory_required=need_bytes, minimum_memory_required=need_bytes)
+            else:
+                patcher.partially_load(device, 1e32 if config.budget is None else config.budget.nbytes)
+            forward(patcher, inputs)
+            synchronize(device)
+            first = time.perf_counter()
+            step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
+            wall = time.perf_counter()
+            peak = torch.cuda.max_memory_allocated(device) - filler_bytes if cuda else None
+            done = Round(
+                started,
+                (first - started) * 1000,
+                tuple(step_ms),
+                (wall - started) * 1000,
+                peak,
+                psutil.Process().memory_info().rss,
+                comfy.offload.pinned_bytes(),
+            )
+            where = placed(patcher)
+        finally:
+            comfy.mm.unload_all_models()
+            patcher.detach(unpatch_all=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    return done, where
+
+
+def measure_all(
+    groups: list[list[Config]],
+    rounds: int,
+    measure: Callable[[Config], tuple[Round, Placed]],
+    out_of_memory: list[str],
+) -> list[Measurement]:
+    """Every configuration over ``rounds`` interleaved rounds, in the groups' order. An automatic placement
+    measures its costs on its first load: that load is a row of its own, before the rounds. A configuration
+    out of device memory is dropped (and named in ``out_of_memory``) rather than cost the others."""
+    done: dict[Config, list[Round]] = {}
+    where: dict[Config, Placed] = {}
+    first_runs: dict[Config, Measurement] = {}
+    failed: set[Config] = set()
+
+    def attempt(config: Config) -> tuple[Round, Placed] | None:
+        try:
+            return measure(config)
+        except torch.OutOfMemoryError:
+            budget = "" if config.budget is None else f" at {config.budget.nbytes / GIB:.2f} GiB ({config.budget.kind})"
+            progress(f"{config.method}{budget}: out of device memory")
+            out_of_memory.append(config.method + budget)
+            failed.add(config)
+            return None
+
+    # The costs are kept per device and model, whatever the budget: the first automatic row measures them.
+    auto = next((c for group in groups for c in group if c.method == AUTO), None)
+    measured = None if auto is None else attempt(auto)
+    if measured is not None and measured[1].measuring:
+        first_runs[auto] = _measurement(f"{AUTO} (first run: strided, measuring)", auto, [measured[0]], measured[1])
+    for config in interleaved(groups, rounds):
+        if config in failed:
+            continue
+        measured = attempt(config)
+        if measured is not None:
+            done.setdefault(config, []).append(measured[0])
+            where[config] = measured[1]
+            progress(f"{config.method}: {max(measured[0].step_ms) / 1000:.3f} s/step at most; {measured[1].placement}")
+    found = []
+    for config in (c for group in groups for c in group):
+        if config in first_runs:
+            found.append(first_runs[config])
+        if config in done:
+            found.append(_measurement(config.method, config, done[config], where[config]))
+    return found
+
+
+def _measurement(method: str, config: Config, rounds: list[Round], where: Placed) -> Measurement:
     return Measurement(
-        config.method, config.budget_bytes, ms, peak, rss, streamed, overlap, predicted, placement, pinned, measuring
+        method,
+        config.budget,
+        tuple(rounds),
+        where.streamed_bytes,
+        where.overlap,
+        where.predicted_ms,
+        where.placement,
+        where.placement_key,
+        where.measuring,
     )
 
 
-def run_model(comfy: Comfy, spec: ModelSpec, args: argparse.Namespace, device: torch.device, bandwidth: float):
+def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device, bandwidth: float):
     dtype = torch.float32 if args.smoke else torch.bfloat16
     started = time.perf_counter()
-    base = build_model(comfy, spec, device, dtype)
-    progress(f"{spec.name}: built in {time.perf_counter() - started:.0f} s, {base.model_size() / GIB:.2f} GiB")
-    inputs = make_inputs(spec, device)
-    budgets = [int(fraction * base.model_size()) for fraction in args.budgets]
-    measurements, out_of_memory = [], []
-    for config in configs(comfy, base, budgets):
-        try:
-            measured = measure(comfy, base, config, inputs, args.steps, args.warmup)
-            if config.method == AUTO and measured.measuring:
-                # No measurements yet: this run was placed strided and measured; the next one is planned.
-                measurements.append(replace(measured, method=f"{AUTO} (first run: strided, measuring)"))
-                measured = measure(comfy, base, config, inputs, args.steps, args.warmup)
-        except torch.OutOfMemoryError:
-            # One configuration that does not fit must not cost the others: it is listed as such.
-            progress(f"{config.method}: out of device memory")
-            out_of_memory.append(config.method + ("" if config.budget_bytes is None else f" at {_gib(config)}"))
-            continue
-        measurements.append(measured)
+    shapes = checkpoint.shapes(dtype)
+    classic = build_model(comfy, shapes, device, dtype)
+    dynamic = None if comfy.no_dynamic_vram else dynamic_twin(comfy, classic, dtype)
+    model_bytes = classic.model_size()
+    progress(f"{checkpoint.name}: built in {time.perf_counter() - started:.0f} s, {model_bytes / GIB:.2f} GiB")
+    inputs = make_inputs(checkpoint, shapes, device)
+    _, blocks = comfy.find_blocks(classic.model.diffusion_model)
+    block_bytes = [comfy.offload.module_bytes(block) for _, block in blocks]
+    # ComfyUI's own estimate of the sampling activations (what its sampler asks load_models_gpu to leave free).
+    need = int(classic.model.memory_required(inputs["x"].shape))
+    bases = Bases(
+        classic, dynamic, block_bytes, model_bytes - sum(block_bytes), need + comfy.mm.minimum_inference_memory()
+    )
+    budgets = [Budget(SHARE, int(share * model_bytes)) for share in args.budgets]
+    notes = {}
+    if device.type == "cuda":
+        budgets += [Budget(CARD, int(gib * GIB)) for gib in args.cards]
+    elif args.cards:
+        notes["card budgets"] = "skipped: a card is imposed by a filler allocation on a CUDA device"
+    if comfy.no_dynamic_vram:
+        notes["Dynamic VRAM rows"] = f"skipped: {comfy.no_dynamic_vram}"
+    out_of_memory: list[str] = []
+    measurements = measure_all(
+        configs(comfy, bases, budgets, args.rows),
+        args.rounds,
+        lambda config: measure_round(comfy, config, inputs, args.steps, need),
+        out_of_memory,
+    )
     comfy.mm.NUM_STREAMS = 2
     meta = run_meta(device, args)
     meta["wall time"] = f"{time.perf_counter() - started:.0f} s"
+    meta.update(notes)
     if out_of_memory:
         meta["out of device memory"] = "; ".join(out_of_memory)
-    return ModelRun(spec.name, spec.title, base.model_size(), bandwidth, measurements, meta)
-
-
-def _gib(config: Config) -> str:
-    return f"{config.budget_bytes / GIB:.2f} GiB"
+    return ModelRun(checkpoint.name, checkpoint.title, model_bytes, bandwidth, measurements, meta)
 
 
 def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
@@ -372,37 +528,53 @@ def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
         except (OSError, subprocess.CalledProcessError):
             return "unknown"
 
+    import comfyui_version  # ComfyUI's own, on the path once import_comfy ran
+
     dirty = output("git", "status", "--porcelain")
+
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "driver": output("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
         if device.type == "cuda"
         else "",
         "torch": torch.__version__,
+        "ComfyUI": comfyui_version.__version__,
         "commit": output("git", "rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else ""),
         "command": " ".join(["python -m bench.comfy_bench", *args.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "steps": f"{args.warmup} warm-up + {args.steps} timed",
+        "steps": f"{args.rounds} interleaved rounds of {args.steps} steps (the first step of each is not steady)",
     }
     return {key: value for key, value in meta.items() if value}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(CHECKPOINTS), default=list(CHECKPOINTS))
     parser.add_argument(
-        "--budgets", nargs="+", type=float, default=[0.25, 0.5, 0.75], help="shares of the model's bytes"
+        "--budgets", nargs="*", type=float, default=[0.25, 0.5, 0.75], help="shares of the model's bytes"
     )
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (the engine learns the call order)")
+    parser.add_argument("--cards", nargs="*", type=float, default=[8, 12, 16, 24], help="VRAM sizes in GiB (CUDA)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per row (each loads the model)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per round; all but the first are steady")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=[],
+        help="only the methods starting with one of these (a run that must fit "
+        "a time limit; fully resident is always needed)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times mean nothing"
     )
     args = parser.parse_args(argv)
     args.argv = argv
-    if not 0 < min(args.budgets) <= max(args.budgets) < 1:
+    if args.budgets and not 0 < min(args.budgets) <= max(args.budgets) < 1:
         parser.error("budgets are shares of the model's bytes, between 0 and 1")
+    if args.rows and not any(RESIDENT.startswith(row) for row in args.rows):
+        parser.error(f"--rows must keep {RESIDENT!r}: every ratio is to it")
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("at least 1 round of 2 steps: the first step of a round is not a steady one")
     return args
 
 
@@ -425,15 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         comfy = import_comfy(args.smoke, Path(user_dir))
         bandwidth = h2d_bandwidth_gbps(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
         for name in args.models:
-            spec = (SMOKE_MODELS if args.smoke else MODELS)[name]
-            run = run_model(comfy, spec, args, device, bandwidth)
+            checkpoint = (SMOKE_CHECKPOINTS if args.smoke else CHECKPOINTS)[name]
+            run = run_model(comfy, checkpoint, args, device, bandwidth)
             data, table = write(run, args.out)
             chart = line_chart(
                 series(run),
                 args.out / f"{run.model}.png",
                 title=f"{run.title}: step time vs VRAM budget ({run.meta.get('device', '')})",
                 x_label="VRAM budget for the model's weights (GiB)",
-                y_label="seconds per step",
+                y_label="seconds per step (median)",
             )
             print(markdown(run))
             print(f"wrote {data}, {table}, {chart}")

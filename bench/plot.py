@@ -49,12 +49,28 @@ def line_chart(
     size: tuple[int, int] = (1280, 600),
 ) -> Path:
     """Draws ``series`` (name -> points) and writes the PNG to ``path``."""
+    image = chart_image(series, title=title, x_label=x_label, y_label=y_label, size=size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def chart_image(
+    series: dict[str, list[tuple[float, float]]],
+    *,
+    title: str,
+    x_label: str,
+    y_label: str,
+    size: tuple[int, int],
+    legend_width: int = 460,
+) -> Image.Image:
+    """``series`` drawn as lines, the legend to the right of the plot (``legend_width`` pixels)."""
     width, height = size
     font = ImageFont.load_default(size=14)
     small = ImageFont.load_default(size=12)
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
-    left, top, right, bottom = 80, 70, width - 460, height - 60
+    left, top, right, bottom = 80, 70, width - legend_width, height - 60
     points = [p for line in series.values() for p in line]
     x_ticks = _ticks(max((x for x, _ in points), default=1.0))
     y_ticks = _ticks(max((y for _, y in points), default=1.0))
@@ -98,9 +114,7 @@ def line_chart(
         else:
             draw.line([(right + 20, legend_y + 7), (right + 50, legend_y + 7)], fill=colour, width=3)
         draw.text((right + 58, legend_y), name, fill="black", font=small)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
-    return path
+    return image
 
 
 # The panel's colours (web/block_offload_panel.js), so the picture reads the same in both places.
@@ -169,3 +183,62 @@ def _box(draw: ImageDraw.ImageDraw, x0: float, x1: float, top: float, height: fl
     draw.rectangle([x0, top, x1, top + height], fill=colour, outline="white")
     if x1 - x0 >= 14:
         draw.text(((x0 + x1) / 2, top + height / 2), label, fill="white", font=font, anchor="mm")
+
+
+# -- the H100 records' figure (python -m bench.plot) ------------------------------------------------------
+
+#: The pack's rows the figure draws, against ComfyUI's async offload (its NVIDIA default) and the bound.
+PACK_ROWS = (
+    "Async Block Offload, leading blocks that fit, prefetch 1",
+    "Partial GPU Residency, strided",
+    "Partial GPU Residency, auto",
+    "Sequential Offload Wrapper, prefetch 2",
+)
+COMFYUI_ROW = "ComfyUI, async offload on"
+
+
+def record_series(record) -> dict[str, list[tuple[float, float]]]:
+    """Step time (s) against the budget (% of the model's bytes) for the records' rows the figure draws."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row in record.rows:
+        if row.share is not None and row.method in (COMFYUI_ROW, *PACK_ROWS):
+            lines.setdefault(row.method, []).append((100 * row.share, row.ms_per_step / 1000))
+    shares = sorted({share for points in lines.values() for share, _ in points})
+    lines["fully resident"] = [(shares[0], record.resident_ms / 1000), (shares[-1], record.resident_ms / 1000)]
+    lines["lower bound"] = [(share, record.lower_bound_ms(share / 100) / 1000) for share in shares]
+    return {name: sorted(points) for name, points in lines.items()}
+
+
+def records_figure(folder: Path, models: tuple[str, ...], path: Path, *, device: str) -> Path:
+    """One panel per model, stacked: the pack's rows, ComfyUI's async offload and the lower bound."""
+    from bench.records import read_model
+
+    panels = []
+    for model in models:
+        record = read_model(folder, model)
+        panels.append(
+            chart_image(
+                record_series(record),
+                title=f"{record.title}: step time vs VRAM budget ({device})",
+                x_label="VRAM budget for the weights (% of the model's bytes)",
+                y_label="seconds per step",
+                size=(1280, 520),
+            )
+        )
+    figure = Image.new("RGB", (1280, sum(panel.height for panel in panels)), "white")
+    for number, panel in enumerate(panels):
+        figure.paste(panel, (0, number * panel.height))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.save(path)
+    return path
+
+
+if __name__ == "__main__":
+    repo = Path(__file__).resolve().parents[1]
+    written = records_figure(
+        repo / "docs" / "records" / "h100-2026-11-23",
+        ("wan14b", "flux12b"),
+        repo / "docs" / "h100-2026-11-23.png",
+        device="H100 80GB HBM3, commit 52fc85d",
+    )
+    print(f"wrote {written}")

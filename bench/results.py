@@ -1,9 +1,10 @@
-"""The ComfyUI benchmark's measurements, their ratios, the targets they are held to, and the
+"""The ComfyUI benchmark's measurements, their statistics and ratios, the targets they are held to, and the
 Markdown table and JSON written from them. Plain Python: tested on the CPU with made-up figures."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,33 +12,148 @@ import harness  # noqa: F401 - makes the pack importable as block_offload
 
 from block_offload.offload import GIB
 
-#: Method names of ComfyUI's own partial loading start with this; everything else is this pack.
+#: Method names of ComfyUI's own loading start with this; everything else is this pack.
 COMFYUI = "ComfyUI"
 RESIDENT = "fully resident"
 AUTO = "Partial GPU Residency, auto"
 #: The pack's rows without a budget that stream every block (Async Block Offload, 0 resident).
 ALL_STREAMED = "Async Block Offload, every block streamed"
+#: Appended to the method of a row measured a second time in the same rounds, as a noise control.
+AGAIN = " (again)"
 
 # The issue's targets.
 WAN_BOUND_RATIO = 1.10  # Wan-shaped, 0 resident: within 1.10x of the lower bound
 AUTO_RATIO = 1.05  # automatic placement: within 5 % of the best configuration at its budget
+#: Two measurements of one placement in one run must agree this closely, or the run is too noisy to tell
+#: 3 % apart (issue 19).
+NOISE_TOLERANCE = 0.02
+#: Fewest steady steps per row for a median the tolerance can rest on.
+MIN_STEADY_STEPS = 7
+
+SHARE, CARD = "share", "card"
+
+
+@dataclass(frozen=True, order=True)
+class Budget:
+    """A VRAM budget: a share of the model's bytes handed to ComfyUI's loader, or a card of that many bytes
+    (the rest of the device taken by a filler allocation, so ComfyUI and the pack see that card)."""
+
+    kind: str  # SHARE or CARD
+    nbytes: int
+
+    def label(self, model_bytes: int) -> str:
+        if self.kind == CARD:
+            return f"{self.nbytes / GIB:g} GiB card"
+        return f"{self.nbytes / model_bytes:.0%} ({self.nbytes / GIB:.2f} GiB)"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One load of a configuration and the steps run on it, as one generation would."""
+
+    started_s: float  # the load's start (time.perf_counter): the order the rounds ran in
+    load_first_ms: float  # from the start of the load to the end of the first step
+    step_ms: tuple[float, ...]  # every step after the first, each timed on its own
+    wall_ms: float  # the load and every step
+    peak_vram_bytes: int | None
+    host_rss_bytes: int
+    pinned_host_bytes: int  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One configuration, timed over a few steps after a warm-up."""
+    """One configuration over its rounds: the steady step is the median of every step after each round's
+    first, with its spread."""
 
     method: str
-    budget_bytes: int | None  # None: no budget (fully resident; every block streamed)
-    ms_per_step: float
-    peak_vram_bytes: int | None
-    host_rss_bytes: int
+    budget: Budget | None  # None: no budget (fully resident; every block streamed)
+    rounds: tuple[Round, ...]
     streamed_bytes: int = 0  # copied to the device per step
     overlap: float | None = None  # share of copy time hidden behind compute (the pack's recorder)
     predicted_ms: float | None = None  # the planner's prediction (automatic placement)
     placement: str = ""
-    pinned_host_bytes: int = 0  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
+    #: Equal for two rows that placed the same blocks the same way (the noise check pairs them).
+    placement_key: str = ""
     measuring: bool = False  # an automatic placement's first run, placed by its policy to measure the costs
+
+    @property
+    def steady_ms(self) -> list[float]:
+        return [ms for one in self.rounds for ms in one.step_ms]
+
+    @property
+    def ms_per_step(self) -> float:
+        return statistics.median(self.steady_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.steady_ms)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.steady_ms)
+
+    @property
+    def load_first_ms(self) -> float:
+        return statistics.median(one.load_first_ms for one in self.rounds)
+
+    @property
+    def wall_ms(self) -> float:
+        return statistics.median(one.wall_ms for one in self.rounds)
+
+    @property
+    def steps_per_round(self) -> int:
+        return 1 + len(self.rounds[0].step_ms)
+
+    @property
+    def peak_vram_bytes(self) -> int | None:
+        peaks = [one.peak_vram_bytes for one in self.rounds if one.peak_vram_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def host_rss_bytes(self) -> int:
+        return max(one.host_rss_bytes for one in self.rounds)
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        return max(one.pinned_host_bytes for one in self.rounds)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget is None else self.budget.nbytes
+
+    def summary(self) -> dict:
+        """The figures a row reports, beside the samples they come from."""
+        return {
+            "method": self.method,
+            "budget_kind": None if self.budget is None else self.budget.kind,
+            "budget_bytes": self.budget_bytes,
+            "ms_per_step": self.ms_per_step,
+            "min_ms": self.min_ms,
+            "max_ms": self.max_ms,
+            "steady_steps": len(self.steady_ms),
+            "load_first_ms": self.load_first_ms,
+            "wall_ms": self.wall_ms,
+            "steps_per_round": self.steps_per_round,
+            "peak_vram_bytes": self.peak_vram_bytes,
+            "host_rss_bytes": self.host_rss_bytes,
+            "pinned_host_bytes": self.pinned_host_bytes,
+            "streamed_bytes": self.streamed_bytes,
+            "overlap": self.overlap,
+            "predicted_ms": self.predicted_ms,
+            "placement": self.placement,
+            "placement_key": self.placement_key,
+            "measuring": self.measuring,
+            "rounds": [asdict(one) for one in self.rounds],
+        }
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """Two rows of one placement whose steady steps differ by more than the tolerance."""
+
+    budget: Budget | None
+    methods: tuple[str, ...]
+    spread: float  # (slowest median / fastest median) - 1
 
 
 @dataclass
@@ -59,36 +175,51 @@ class ModelRun:
         return resident
 
     @property
-    def budgets(self) -> list[int]:
-        return sorted({m.budget_bytes for m in self.measurements if m.budget_bytes is not None})
+    def budgets(self) -> list[Budget]:
+        return sorted({m.budget for m in self.measurements if m.budget is not None})
 
     def lower_bound_ms(self, streamed_bytes: int) -> float:
         """No method streaming ``streamed_bytes`` per step beats the resident step or those copies alone."""
         return max(self.resident_ms, streamed_bytes / (self.bandwidth_gbps * 1e6))
 
-    def budget_bound_ms(self, budget_bytes: int) -> float:
+    def budget_bound_ms(self, budget: Budget) -> float:
         """At a budget, at least what does not fit must be copied every step."""
-        return self.lower_bound_ms(max(0, self.model_bytes - budget_bytes))
+        return self.lower_bound_ms(max(0, self.model_bytes - budget.nbytes))
 
-    def at(self, budget_bytes: int, comfyui: bool) -> list[Measurement]:
-        return [
-            m for m in self.measurements if m.budget_bytes == budget_bytes and m.method.startswith(COMFYUI) == comfyui
-        ]
+    def at(self, budget: Budget, comfyui: bool) -> list[Measurement]:
+        return [m for m in self.measurements if m.budget == budget and m.method.startswith(COMFYUI) == comfyui]
+
+    def disagreements(self) -> list[Disagreement]:
+        """Rows of one budget that placed the same blocks the same way (a row measured again, the automatic
+        placement's first run and the policy it used) but whose medians differ by more than the tolerance."""
+        groups: dict[tuple[Budget | None, str], list[Measurement]] = {}
+        for m in self.measurements:
+            groups.setdefault((m.budget, m.placement_key or m.method.removesuffix(AGAIN)), []).append(m)
+        found = []
+        for (budget, _), same in groups.items():
+            if len(same) < 2:
+                continue
+            fastest, slowest = min(same, key=_ms), max(same, key=_ms)
+            spread = slowest.ms_per_step / fastest.ms_per_step - 1
+            if spread > NOISE_TOLERANCE:
+                found.append(Disagreement(budget, tuple(m.method for m in same), spread))
+        return found
+
+    @property
+    def too_noisy(self) -> bool:
+        return bool(self.disagreements() or self.short_rows())
 
     def rows(self) -> list[dict]:
         """Each measurement with its ratios: to resident, to the lower bound, to ComfyUI's best at its budget."""
         rows = []
         for m in self.measurements:
-            if m.budget_bytes is None:
-                bound = self.lower_bound_ms(m.streamed_bytes)
-            else:
-                bound = self.budget_bound_ms(m.budget_bytes)
-            comfyui = self.at(m.budget_bytes, comfyui=True) if m.budget_bytes is not None else []
+            bound = self.lower_bound_ms(m.streamed_bytes) if m.budget is None else self.budget_bound_ms(m.budget)
+            comfyui = self.at(m.budget, comfyui=True) if m.budget is not None else []
             best_comfyui = min((c.ms_per_step for c in comfyui), default=None)
             rows.append(
                 {
-                    **asdict(m),
-                    "budget_fraction": None if m.budget_bytes is None else m.budget_bytes / self.model_bytes,
+                    **m.summary(),
+                    "budget_fraction": None if m.budget is None else m.budget.nbytes / self.model_bytes,
                     "x_resident": m.ms_per_step / self.resident_ms,
                     "lower_bound_ms": bound,
                     "x_lower_bound": m.ms_per_step / bound,
@@ -102,14 +233,14 @@ class ModelRun:
         """The issue's targets, each as (what was checked, with the figures; whether it holds)."""
         found: list[tuple[str, bool]] = []
         for budget in self.budgets:
-            label = f"{budget / self.model_bytes:.0%} budget ({budget / GIB:.2f} GiB)"
+            label = budget.label(self.model_bytes)
             ours, theirs = self.at(budget, comfyui=False), self.at(budget, comfyui=True)
             if ours and theirs:
                 best, rival = min(ours, key=_ms), min(theirs, key=_ms)
                 found.append(
                     (
-                        f"{label}: fastest of this pack ({best.method}, {best.ms_per_step / 1000:.2f} s) vs "
-                        f"ComfyUI's fastest ({rival.method}, {rival.ms_per_step / 1000:.2f} s)",
+                        f"{label}: fastest of this pack ({best.method}, {best.ms_per_step / 1000:.3f} s) vs "
+                        f"ComfyUI's fastest ({rival.method}, {rival.ms_per_step / 1000:.3f} s)",
                         best.ms_per_step < rival.ms_per_step,
                     )
                 )
@@ -117,14 +248,14 @@ class ModelRun:
                 best = min(ours, key=_ms)
                 found.append(
                     (
-                        f"{label}: automatic placement {auto.ms_per_step / 1000:.2f} s within {AUTO_RATIO:.2f}x "
-                        f"of the best at this budget ({best.method}, {best.ms_per_step / 1000:.2f} s)",
+                        f"{label}: automatic placement {auto.ms_per_step / 1000:.3f} s within {AUTO_RATIO:.2f}x "
+                        f"of the best at this budget ({best.method}, {best.ms_per_step / 1000:.3f} s)",
                         auto.ms_per_step <= AUTO_RATIO * best.ms_per_step,
                     )
                 )
         if self.model.startswith("wan"):
             for m in self.measurements:
-                if m.budget_bytes is None and m.method.startswith(ALL_STREAMED):
+                if m.budget is None and m.method.startswith(ALL_STREAMED):
                     ratio = m.ms_per_step / self.lower_bound_ms(m.streamed_bytes)
                     found.append(
                         (
@@ -134,6 +265,26 @@ class ModelRun:
                     )
         return found
 
+    def noise_lines(self) -> list[str]:
+        """What makes the run too noisy to tell 3 % apart, one line each; empty when nothing does."""
+        lines = [
+            f"{budget_text(d.budget, self.model_bytes)}: {' and '.join(d.methods)} placed the same blocks but "
+            f"their medians differ by {d.spread:.1%} (tolerance {NOISE_TOLERANCE:.0%})"
+            for d in self.disagreements()
+        ]
+        short = self.short_rows()
+        if short:
+            lines.append(
+                f"fewer than {MIN_STEADY_STEPS} steady steps in {len(short)} of {len(self.measurements)} rows "
+                f"(e.g. {short[0].method}: {len(short[0].steady_ms)})"
+            )
+        return lines
+
+    def short_rows(self) -> list[Measurement]:
+        """Rows with too few steady steps for their median to hold; an automatic placement's first run has one
+        load by nature (the next load is planned), so it is not held to it."""
+        return [m for m in self.measurements if len(m.steady_ms) < MIN_STEADY_STEPS and not m.measuring]
+
     def as_dict(self) -> dict:
         return {
             "model": self.model,
@@ -141,6 +292,8 @@ class ModelRun:
             "model_bytes": self.model_bytes,
             "bandwidth_gbps": self.bandwidth_gbps,
             "resident_ms": self.resident_ms,
+            "too_noisy": self.too_noisy,
+            "noise": self.noise_lines(),
             "meta": self.meta,
             "rows": self.rows(),
             "checks": [{"check": text, "holds": holds} for text, holds in self.checks()],
@@ -151,8 +304,8 @@ def _ms(m: Measurement) -> float:
     return m.ms_per_step
 
 
-def _at(m: Measurement) -> str:
-    return "" if m.budget_bytes is None else f" at {m.budget_bytes / GIB:.2f} GiB"
+def budget_text(budget: Budget | None, model_bytes: int) -> str:
+    return "no budget" if budget is None else budget.label(model_bytes)
 
 
 def _cell(value: float | None, fmt: str) -> str:
@@ -161,29 +314,36 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def markdown(run: ModelRun) -> str:
     """The model's table and its checks, as the docs show them."""
+    steps = run.measurements[0].steps_per_round if run.measurements else 0
     lines = [
         f"### {run.title}",
         "",
         f"{run.model_bytes / GIB:.1f} GiB of weights; pinned host-to-device bandwidth {run.bandwidth_gbps:.1f} GB/s; "
         f"fully resident {run.resident_ms / 1000:.3f} s per step.",
         "",
-        "| method | budget | s/step | x resident | x lower bound | x ComfyUI | peak VRAM GiB | host RAM GiB "
-        "| pinned GiB | streamed GiB/step | overlap | predicted s | prediction error |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for row in run.rows():
-        budget = (
-            "" if row["budget_bytes"] is None else f"{row['budget_fraction']:.0%} ({row['budget_bytes'] / GIB:.2f} GiB)"
-        )
+    noise = run.noise_lines()
+    if noise:
+        lines += ["**Too noisy to tell 3 % apart:** " + "; ".join(noise) + ".", ""]
+    lines += [
+        f"| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
+        f"| {steps}-step wall s | peak VRAM GiB | host RAM GiB | pinned GiB | streamed GiB/step | overlap "
+        "| predicted s | prediction error |",
+        "| --- | --- " + "| ---: " * 14 + "|",
+    ]
+    for row, m in zip(run.rows(), run.measurements, strict=True):
         peak = None if row["peak_vram_bytes"] is None else row["peak_vram_bytes"] / GIB
         predicted = None if row["predicted_ms"] is None else row["predicted_ms"] / 1000
         cells = [
             row["method"],
-            budget,
+            "" if m.budget is None else m.budget.label(run.model_bytes),
             f"{row['ms_per_step'] / 1000:.3f}",
+            f"{row['min_ms'] / 1000:.3f}-{row['max_ms'] / 1000:.3f}",
             f"{row['x_resident']:.2f}",
             f"{row['x_lower_bound']:.2f}",
             _cell(row["x_comfyui"], ".2f"),
+            f"{row['load_first_ms'] / 1000:.2f}",
+            f"{row['wall_ms'] / 1000:.2f}",
             _cell(peak, ".2f"),
             f"{row['host_rss_bytes'] / GIB:.1f}",
             f"{row['pinned_host_bytes'] / GIB:.2f}",
@@ -196,7 +356,7 @@ def markdown(run: ModelRun) -> str:
     lines += ["", "Targets:", ""]
     lines += [f"- {'holds' if holds else '**misses**'}: {text}" for text, holds in run.checks()]
     lines += ["", "Placements (the pack's plan line, or what ComfyUI loaded):", ""]
-    lines += [f"- {m.method}{_at(m)}: {m.placement}" for m in run.measurements]
+    lines += [f"- {m.method}, {budget_text(m.budget, run.model_bytes)}: {m.placement}" for m in run.measurements]
     meta = ", ".join(f"{key} {value}" for key, value in run.meta.items())
     return "\n".join([*lines, "", f"Measured on: {meta}.", ""])
 
@@ -211,14 +371,18 @@ def write(run: ModelRun, out_dir: Path) -> tuple[Path, Path]:
 
 
 def series(run: ModelRun) -> dict[str, list[tuple[float, float]]]:
-    """Step time (s) against budget (GiB), one line per method; budget-free rows as flat lines."""
+    """Step time (s) against the share budgets (GiB), one line per method; budget-free rows as flat lines.
+    Cards are left out (their budget holds the activations too, so they do not share the axis), and so are
+    the noise controls (a second row of the same configuration)."""
     lines: dict[str, list[tuple[float, float]]] = {}
-    budgets = run.budgets
-    low, high = (budgets[0] / GIB, budgets[-1] / GIB) if budgets else (0.0, run.model_bytes / GIB)
+    budgets = [b for b in run.budgets if b.kind == SHARE]
+    low, high = (budgets[0].nbytes / GIB, budgets[-1].nbytes / GIB) if budgets else (0.0, run.model_bytes / GIB)
     for m in run.measurements:
-        if m.budget_bytes is None:
+        if m.method.endswith(AGAIN) or (m.budget is not None and m.budget.kind != SHARE):
+            continue
+        if m.budget is None:
             lines[m.method] = [(low, m.ms_per_step / 1000), (high, m.ms_per_step / 1000)]
         else:
-            lines.setdefault(m.method, []).append((m.budget_bytes / GIB, m.ms_per_step / 1000))
-    lines["lower bound"] = [(b / GIB, run.budget_bound_ms(b) / 1000) for b in budgets]
+            lines.setdefault(m.method, []).append((m.budget.nbytes / GIB, m.ms_per_step / 1000))
+    lines["lower bound"] = [(b.nbytes / GIB, run.budget_bound_ms(b) / 1000) for b in budgets]
     return {name: sorted(points) for name, points in lines.items()}

@@ -1,4 +1,5 @@
-"""Timing helpers the benchmarks share: milliseconds per call, and pinned host-to-device bandwidth.
+"""Timing helpers the benchmarks share: milliseconds per call, each call's milliseconds, and pinned
+host-to-device bandwidth.
 
 Times come from the engine's ``Clock``: device events on an accelerator, the host clock on the CPU
 (smoke runs only: the figures mean nothing there).
@@ -28,6 +29,20 @@ def ms_per_call(fn: Callable[[], object], device: torch.device, steps: int, warm
     synchronize(device)
     clock.mark(end, None)
     return clock.elapsed_ms(start, end) / steps
+
+
+def ms_of_each_call(fn: Callable[[], object], device: torch.device, calls: int) -> list[float]:
+    """Milliseconds of each of ``calls`` back-to-back calls of ``fn``: a marker between calls and one
+    synchronisation at the end, so the calls queue as a sampler's steps do and each still has its own time
+    (a median and a spread need them one by one)."""
+    clock = Clock(device)
+    markers = [clock.new_marker() for _ in range(calls + 1)]
+    clock.mark(markers[0], None)
+    for marker in markers[1:]:
+        fn()
+        clock.mark(marker, None)
+    synchronize(device)
+    return [clock.elapsed_ms(start, end) for start, end in zip(markers, markers[1:], strict=False)]
 
 
 def h2d_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:

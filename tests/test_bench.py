@@ -1,5 +1,6 @@
-"""The ComfyUI benchmark (bench/comfy_bench.py) without a GPU: it refuses, its smoke mode runs the
-whole script on tiny shapes, and its table, targets and plot come out right from known figures.
+"""The ComfyUI benchmark (bench/comfy_bench.py) without a GPU: it refuses, its smoke mode builds every model
+it offers from this host's own detection and runs it, rows of one budget are measured in interleaved
+rounds, and its statistics, noise check, table, targets and plot come out right from known figures.
 The GPU check (scripts/gpu_check.sh) refuses without CUDA too."""
 
 from __future__ import annotations
@@ -11,15 +12,33 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
+from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS
+from bench.comfy_bench import Config, Placed, measure_all
 from bench.plot import line_chart
-from bench.results import ALL_STREAMED, AUTO, COMFYUI, GIB, RESIDENT, Measurement, ModelRun, markdown, series
+from bench.results import (
+    AGAIN,
+    ALL_STREAMED,
+    AUTO,
+    CARD,
+    COMFYUI,
+    GIB,
+    RESIDENT,
+    SHARE,
+    Budget,
+    Measurement,
+    ModelRun,
+    Round,
+    markdown,
+    series,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench.comfy_bench", *args],
         capture_output=True,
@@ -50,8 +69,21 @@ def test_the_gpu_check_refuses_without_cuda_and_runs_nothing(tmp_path: Path) -> 
     assert not any(tmp_path.iterdir()), "it wrote a report without running anything"
 
 
+def test_the_real_checkpoints_have_the_real_models_sizes() -> None:
+    """The shape descriptions the GPU run builds from, counted without building anything."""
+    params = {
+        name: sum(t.numel() for t in checkpoint.shapes(torch.bfloat16).values())
+        for name, checkpoint in CHECKPOINTS.items()
+    }
+    # Wan 2.1 T2V 14B: 14.29e9 parameters; Flux.1-dev: 11.90e9; Qwen-Image: 20.43e9 (their published sizes).
+    assert params == {"wan14b": pytest.approx(14.29e9, rel=2e-3), "flux12b": pytest.approx(11.90e9, rel=2e-3),
+                      "qwen20b": pytest.approx(20.43e9, rel=2e-3)}  # fmt: skip
+    assert set(SMOKE_CHECKPOINTS) == set(CHECKPOINTS)
+
+
 def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> None:
-    done = bench("--smoke", "--models", "wan14b", "--budgets", "0.5", "--steps", "1", "--out", str(tmp_path))
+    done = bench("--smoke", "--models", "wan14b", "--budgets", "0.5", "--rounds", "2", "--steps", "3",
+                 "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "wan14b.json").read_text())
     rows = {row["method"]: row for row in data["rows"]}
@@ -59,6 +91,7 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
         RESIDENT,
         f"{ALL_STREAMED}, prefetch 1",
         f"{ALL_STREAMED}, prefetch 2",
+        RESIDENT + AGAIN,
         f"{COMFYUI}, async offload on",
         f"{COMFYUI}, async offload off",
         "Async Block Offload, leading blocks that fit, prefetch 1",
@@ -68,29 +101,71 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
         f"{AUTO} (first run: strided, measuring)",
         AUTO,
         "Sequential Offload Wrapper, prefetch 2",
+        f"{COMFYUI}, async offload on" + AGAIN,
     }
     assert set(rows) == expected
-    assert all(row["ms_per_step"] > 0 and row["host_rss_bytes"] > 0 for row in rows.values())
+    for method, row in rows.items():
+        first_run = method.endswith("measuring)")
+        # Two rounds of three steps: each round's first step is the load's; the other two are steady.
+        assert len(row["rounds"]) == (1 if first_run else 2) and row["steady_steps"] == (2 if first_run else 4)
+        steady = [ms for one in row["rounds"] for ms in one["step_ms"]]
+        assert row["min_ms"] == min(steady) and row["max_ms"] == max(steady) and row["min_ms"] > 0
+        assert row["load_first_ms"] > 0 and row["wall_ms"] > row["load_first_ms"] and row["host_rss_bytes"] > 0
+    # Interleaved: every row of a group ran its first round before any row of that group ran its second.
+    for group in ({RESIDENT, f"{ALL_STREAMED}, prefetch 1", RESIDENT + AGAIN},
+                  {f"{COMFYUI}, async offload off", "Partial GPU Residency, strided", AUTO}):  # fmt: skip
+        firsts = [rows[m]["rounds"][0]["started_s"] for m in group]
+        seconds = [rows[m]["rounds"][1]["started_s"] for m in group]
+        assert max(firsts) < min(seconds)
     assert rows[RESIDENT]["x_resident"] == 1.0
-    # The planner placed the second automatic run and said what it expected; the first one measured.
-    assert "chosen by the planner" in rows[AUTO]["placement"] and rows[AUTO]["predicted_ms"] > 0
+    # The planner placed the automatic rows of the rounds and said what it expected; the first one measured.
     assert "not measured on this device yet" in rows[f"{AUTO} (first run: strided, measuring)"]["placement"]
-    # ComfyUI's rows are compared with ComfyUI's best at their budget; the pack's streamed its blocks.
+    assert "not measured" not in rows[AUTO]["placement"]
+    # The strided rows and the automatic first run placed the same blocks: the noise check pairs them.
+    assert rows["Partial GPU Residency, strided"]["placement_key"] == rows[f"{AUTO} (first run: strided, measuring)"][
+        "placement_key"] != ""  # fmt: skip
     assert min(rows[f"{COMFYUI}, async offload {s}"]["x_comfyui"] for s in ("on", "off")) == 1.0
     assert rows[f"{ALL_STREAMED}, prefetch 1"]["streamed_bytes"] > 0
     assert 0 <= rows[f"{ALL_STREAMED}, prefetch 1"]["overlap"] <= 1
+    # Four steady steps per row are fewer than a median needs: the run says it is too noisy, and why.
+    assert data["too_noisy"] and any("fewer than 7 steady steps" in line for line in data["noise"])
+    assert "card budgets" in data["meta"] and "Dynamic VRAM rows" in data["meta"]
     table = (tmp_path / "wan14b.md").read_text()
-    assert table.count("\n| ") == 2 + len(expected) and "Targets:" in table and "Measured on: device cpu" in table
+    assert table.count("\n| ") == 2 + len(expected) and "**Too noisy to tell 3 % apart:**" in table
+    assert "Targets:" in table and "Measured on: device cpu" in table
     with Image.open(tmp_path / "wan14b.png") as image:
         assert image.size == (1280, 600)
 
 
+def test_smoke_builds_and_runs_flux_and_qwen_image_from_the_hosts_own_detection(tmp_path: Path) -> None:
+    """The other models the benchmark offers, built by this host's ComfyUI (its config, its classes) and
+    streamed by the pack; two rows each, since every row's code is the same for all models (above)."""
+    done = bench("--smoke", "--models", "flux12b", "qwen20b", "--budgets", "0.5", "--rounds", "1", "--steps", "2",
+                 "--rows", RESIDENT, "Partial GPU Residency, strided", "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for model, architecture in (("flux12b", "Flux / Flux 2 / Kontext"), ("qwen20b", "Qwen-Image")):
+        data = json.loads((tmp_path / f"{model}.json").read_text())
+        rows = {row["method"]: row for row in data["rows"]}
+        assert set(rows) == {RESIDENT, RESIDENT + AGAIN, "Partial GPU Residency, strided",
+                             "Partial GPU Residency, strided" + AGAIN}  # fmt: skip
+        assert rows["Partial GPU Residency, strided"]["placement"].startswith(architecture)
+        assert rows["Partial GPU Residency, strided"]["streamed_bytes"] > 0
+        assert data["model_bytes"] > GIB  # width 3072: what this host's detection fixes for both
+
+
+def made_up_round(started_s: float, *step_ms: float) -> Round:
+    return Round(started_s, 2 * step_ms[0], step_ms, 3 * sum(step_ms), 0, GIB, 0)
+
+
 def made_up_run() -> ModelRun:
     """Figures worked out by hand: a 100 GiB model, 10 GB/s, resident 1 s per step."""
+    half = Budget(SHARE, 50 * GIB)
 
-    def m(method: str, budget: float | None, ms: float, streamed: float = 0, predicted: float | None = None):
-        budget_bytes = None if budget is None else int(budget * GIB)
-        return Measurement(method, budget_bytes, ms, 0, GIB, int(streamed * GIB), 0.9, predicted)
+    def m(method: str, budget: Budget | None, ms: float, streamed: float = 0, predicted: float | None = None,
+          key: str = "") -> Measurement:  # fmt: skip
+        # Seven steady steps: the median is ``ms``, the spread 0.98 ms to 1.02 ms.
+        steps = (ms, 0.98 * ms, 1.02 * ms, ms, 0.99 * ms, 1.01 * ms, ms)
+        return Measurement(method, budget, (made_up_round(0, *steps),), int(streamed * GIB), 0.9, predicted, "", key)
 
     return ModelRun(
         "wan14b",
@@ -101,19 +176,22 @@ def made_up_run() -> ModelRun:
             m(RESIDENT, None, 1000),
             m(f"{ALL_STREAMED}, prefetch 1", None, 11000, streamed=100),
             m(f"{ALL_STREAMED}, prefetch 2", None, 12500, streamed=100),
-            m(f"{COMFYUI}, async offload on", 50, 9000),
-            m(f"{COMFYUI}, async offload off", 50, 12000),
-            m("Partial GPU Residency, strided", 50, 6000),
-            m(AUTO, 50, 6200, predicted=5890),
+            m(f"{COMFYUI}, async offload on", half, 9000),
+            m(f"{COMFYUI}, async offload off", half, 12000),
+            m("Partial GPU Residency, strided", half, 6000, key="resident [0, 2], prefetch 1"),
+            m(AUTO, half, 6200, predicted=5890),
+            m(f"{COMFYUI}, async offload on" + AGAIN, half, 9100),  # 1.1 % apart: within the tolerance
         ],
         {"device": "made up"},
     )
 
 
-def test_ratios_and_targets_from_known_figures(tmp_path: Path) -> None:
+def test_ratios_targets_and_statistics_from_known_figures(tmp_path: Path) -> None:
     run = made_up_run()
     rows = {row["method"]: row for row in run.rows()}
     bound_at_half = 50 * GIB / 10e9 * 1000  # what does not fit, at 10 GB/s: 5369 ms
+    assert rows[AUTO]["ms_per_step"] == 6200 and rows[AUTO]["min_ms"] == pytest.approx(0.98 * 6200)
+    assert rows[AUTO]["max_ms"] == pytest.approx(1.02 * 6200) and rows[AUTO]["steady_steps"] == 7
     assert rows[AUTO]["lower_bound_ms"] == pytest.approx(bound_at_half)
     assert rows[AUTO]["x_lower_bound"] == pytest.approx(6200 / bound_at_half)
     assert rows[AUTO]["x_comfyui"] == pytest.approx(6200 / 9000)  # against ComfyUI's faster mode
@@ -121,20 +199,93 @@ def test_ratios_and_targets_from_known_figures(tmp_path: Path) -> None:
     assert rows[AUTO]["prediction_error"] == pytest.approx(5890 / 6200 - 1)
     all_streamed = rows[f"{ALL_STREAMED}, prefetch 1"]
     assert all_streamed["x_lower_bound"] == pytest.approx(11000 / (100 * GIB / 10e9 * 1000))
+    assert not run.too_noisy and run.noise_lines() == []
     checks = dict(run.checks())
     assert len(checks) == 4
     (faster, auto, bound, missed) = checks
-    assert checks[faster] and "Partial GPU Residency, strided, 6.00 s" in faster and "9.00 s" in faster
+    assert checks[faster] and "Partial GPU Residency, strided, 6.000 s" in faster and "9.000 s" in faster
     assert checks[auto]  # 6.2 s is within 1.05 x 6.0 s
     # Every block streamed: 100 GiB at 10 GB/s is 10.74 s; 11 s is within 1.10x of it, 12.5 s is not.
     assert checks[bound] and "1.024x the lower bound" in bound
     assert not checks[missed] and "1.164x the lower bound" in missed
     table = markdown(run)
-    assert table.count("\n| ") == 2 + 7  # header, rule, rows
-    assert f"- **misses**: {missed}" in table and f"- holds: {bound}" in table
+    assert table.count("\n| ") == 2 + 8  # header, rule, rows
+    assert f"- **misses**: {missed}" in table and f"- holds: {bound}" in table and "Too noisy" not in table
+    assert "| 6.200 | 6.076-6.324 |" in table  # the median and its spread
     lines = series(run)
     assert lines["lower bound"] == [(50.0, pytest.approx(bound_at_half / 1000))]
     assert lines[RESIDENT] == [(50.0, 1.0), (50.0, 1.0)]
+    assert f"{COMFYUI}, async offload on" + AGAIN not in lines  # the control is not a line of its own
     chart = line_chart(lines, tmp_path / "chart.png", title="t", x_label="x", y_label="y")
     with Image.open(chart) as image:
         assert image.size == (1280, 600) and image.getpixel((5, 5)) == (255, 255, 255)
+
+
+def test_two_measurements_of_one_placement_more_than_2_percent_apart_make_the_run_too_noisy() -> None:
+    run = made_up_run()
+    half = run.budgets[0]
+    strided = next(m for m in run.measurements if m.method == "Partial GPU Residency, strided")
+    # The automatic placement's first run placed the same blocks, and was 2.5 % slower; a third row 1.9 %.
+    first_run = Measurement(f"{AUTO} (first run)", half, (made_up_round(0, 6150),), placement_key=strided.placement_key,
+                            measuring=True)  # fmt: skip
+    run.measurements.append(first_run)
+    assert run.too_noisy
+    (disagreement,) = run.disagreements()
+    assert disagreement.methods == ("Partial GPU Residency, strided", f"{AUTO} (first run)")
+    assert disagreement.spread == pytest.approx(6150 / 6000 - 1)
+    (line,) = run.noise_lines()  # one step in the first run is its nature, not a want of steps
+    assert "differ by 2.5%" in line and line in markdown(run) and json.loads(json.dumps(run.as_dict()))["too_noisy"]
+    run.measurements[-1] = Measurement(first_run.method, half, (made_up_round(0, 6114),),
+                                       placement_key=strided.placement_key, measuring=True)  # fmt: skip
+    assert not run.too_noisy  # 1.9 %
+    # A row with fewer than seven steady steps cannot rest a median on them.
+    run.measurements.append(
+        Measurement("Sequential Offload Wrapper, prefetch 2", half, (made_up_round(0, 7000, 7000),))
+    )
+    assert run.too_noisy and "fewer than 7 steady steps in 1 of 10 rows" in run.noise_lines()[0]
+
+
+def test_card_budgets_are_labelled_and_kept_off_the_share_plot() -> None:
+    run = made_up_run()
+    twelve = Budget(CARD, 12 * GIB)
+    run.measurements.append(Measurement(f"{COMFYUI}, Dynamic VRAM", twelve, (made_up_round(0, *[8000] * 7),)))
+    assert twelve.label(run.model_bytes) == "12 GiB card" and "| 12 GiB card |" in markdown(run)
+    assert all(x != 12.0 for line in series(run).values() for x, _ in line)
+    # At a card the bound is what does not fit that card: 88 GiB at 10 GB/s.
+    assert run.rows()[-1]["lower_bound_ms"] == pytest.approx(88 * GIB / 10e9 * 1000)
+
+
+def test_rows_of_a_budget_take_their_rounds_in_turn_and_a_row_out_of_memory_is_dropped() -> None:
+    """The measuring loop with its measurements injected: the order it measured in, and what it kept."""
+    half = Budget(SHARE, GIB)
+
+    def config(method: str, budget: Budget | None) -> Config:
+        return Config(method, budget, lambda: None)
+
+    resident, streamed = config(RESIDENT, None), config(ALL_STREAMED, None)
+    comfyui, auto, too_big = config(f"{COMFYUI}, async offload on", half), config(AUTO, half), config("big", half)
+    groups = [[resident, streamed, resident.again()], [comfyui, auto, too_big, comfyui.again()]]
+    order: list[str] = []
+
+    def measure(c: Config) -> tuple[Round, Placed]:
+        order.append(c.method)
+        if c is too_big:
+            raise torch.OutOfMemoryError("made up")
+        measuring = c is auto and order.count(AUTO) == 1  # the first load of an automatic placement measures
+        return made_up_round(len(order), 10.0 * len(order)), Placed("", "", 0, None, None, measuring)
+
+    out_of_memory: list[str] = []
+    found = measure_all(groups, 2, measure, out_of_memory)
+    again = RESIDENT + AGAIN
+    comfy_again = comfyui.method + AGAIN
+    assert order == [AUTO,  # its measuring run, before the rounds
+                     RESIDENT, ALL_STREAMED, again, RESIDENT, ALL_STREAMED, again,
+                     comfyui.method, AUTO, "big", comfy_again, comfyui.method, AUTO, comfy_again]  # fmt: skip
+    assert out_of_memory == ["big at 1.00 GiB (share)"]
+    assert [m.method for m in found] == [RESIDENT, ALL_STREAMED, again, comfyui.method,
+                                         f"{AUTO} (first run: strided, measuring)", AUTO, comfy_again]  # fmt: skip
+    by_method = {m.method: m for m in found}
+    # Each row keeps its own rounds, in order: the resident row ran 2nd and 5th (steps of 20 and 50 ms).
+    assert by_method[RESIDENT].steady_ms == [20.0, 50.0] and by_method[RESIDENT].ms_per_step == 35.0
+    assert len(by_method[f"{AUTO} (first run: strided, measuring)"].rounds) == 1
+    assert by_method[AUTO].steady_ms == [90.0, 130.0]

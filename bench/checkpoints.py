@@ -1,0 +1,148 @@
+"""The checkpoints the ComfyUI benchmark builds its models from: every key and shape of the real files
+(Wan 2.1 T2V 14B, Flux.1-dev, Qwen-Image), or of tiny ones for ``--smoke``, as meta tensors, no data.
+
+The host's own ``comfy.model_detection`` reads these shapes and picks the model config and classes, as
+it does for a file on disk, so whatever parameters a ComfyUI version needs come from that version.
+
+Wan and Flux reuse the key layouts of ``harness/tiny_models.py`` (what the test checkpoints are built
+from) at the real sizes: its spec builders read the sizes from module constants when called, so the
+sizes are swapped in for the call. Qwen-Image has no tiny checkpoint; its layout is written here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from harness import tiny_models
+from harness.tiny_models import SpecBuilder, TensorSpec
+
+#: The hidden size ComfyUI 0.3.75 fixes for Flux and Qwen-Image (24 heads of 128): their tiny smoke
+#: checkpoints are shallow, never narrow.
+FIXED_HIDDEN = 3072
+
+
+def resized(layout: Callable[[], list[TensorSpec]], **sizes: object) -> Callable[[], list[TensorSpec]]:
+    """``tiny_models``' key layout of an architecture with other sizes (its module constants, by name).
+
+    ``mock.patch.multiple`` refuses a name the module lacks, so a renamed constant fails loudly."""
+
+    def specs() -> list[TensorSpec]:
+        with mock.patch.multiple(tiny_models, **sizes):
+            return layout()
+
+    return specs
+
+
+def qwen_image_specs(layers: int, text_dim: int = 3584, latent_channels: int = 16, patch: int = 2) -> list[TensorSpec]:
+    """Qwen-Image (``comfy/ldm/qwen_image/model.py``, the diffusers key layout ComfyUI loads as is)."""
+    s, h = SpecBuilder(), FIXED_HIDDEN
+    head_dim = 128
+    s.linear("img_in", h, latent_channels * patch * patch)
+    s.norm("txt_norm", text_dim)
+    s.linear("txt_in", h, text_dim)
+    s.linear("time_text_embed.timestep_embedder.linear_1", h, 256)
+    s.linear("time_text_embed.timestep_embedder.linear_2", h, h)
+    for i in range(layers):
+        p = f"transformer_blocks.{i}"
+        for stream in ("img", "txt"):
+            s.modulation(f"{p}.{stream}_mod.1", 6, (2, 5), h)
+            s.linear(f"{p}.{stream}_mlp.net.0.proj", 4 * h, h)
+            s.linear(f"{p}.{stream}_mlp.net.2", h, 4 * h)
+        for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out"):
+            s.linear(f"{p}.attn.{proj}", h, h)
+        for norm in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            s.norm(f"{p}.attn.{norm}", head_dim)
+    s.linear("norm_out.linear", 2 * h, h)
+    s.linear("proj_out", patch * patch * latent_channels, h)
+    return s.specs
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint's layout, and the inputs of one denoising step at the benchmark's resolution."""
+
+    name: str
+    title: str
+    layout: Callable[[], list[TensorSpec]]
+    latent: tuple[int, ...]
+    text_tokens: int
+    context_key: str  # the checkpoint's text projection: its input width is the text encoder's
+    pooled_key: str | None = None  # likewise for a pooled text vector (Flux's ``y``)
+    guidance: bool = False  # guidance-distilled (Flux dev): a guidance scale per step
+
+    def shapes(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The checkpoint as ComfyUI's detection reads it: every tensor, on the meta device (no memory)."""
+        return {spec.key: torch.empty(spec.shape, dtype=dtype, device="meta") for spec in self.layout()}
+
+    def input_shapes(self, shapes: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """``BaseModel.apply_model``'s tensor inputs, their widths read off the checkpoint."""
+        found = {"x": self.latent, "c_crossattn": (1, self.text_tokens, shapes[self.context_key].shape[1])}
+        if self.pooled_key is not None:
+            found["y"] = (1, shapes[self.pooled_key].shape[1])
+        return found
+
+
+WAN14B, FLUX12B, QWEN20B = "wan14b", "flux12b", "qwen20b"
+
+CHECKPOINTS = {
+    WAN14B: Checkpoint(
+        WAN14B,
+        "Wan 2.1 T2V 14B (40 blocks, dim 5120), 480x832 x 33 frames, bf16",
+        resized(tiny_models.wan21_specs, WAN21_DIM=5120, WAN21_FFN_DIM=13824, WAN21_LAYERS=40),
+        latent=(1, 16, 9, 60, 104),  # 33 frames -> 9 latent frames, 480x832 / 8
+        text_tokens=512,
+        context_key="text_embedding.0.weight",
+    ),
+    FLUX12B: Checkpoint(
+        FLUX12B,
+        "Flux.1-dev 12B (19 double + 38 single blocks, hidden 3072), 1024x1024, bf16",
+        resized(tiny_models.flux_specs, FLUX_DOUBLE_BLOCKS=19, FLUX_SINGLE_BLOCKS=38, FLUX_CONTEXT_DIM=4096),
+        latent=(1, 16, 128, 128),
+        text_tokens=512,
+        context_key="txt_in.weight",
+        pooled_key="vector_in.in_layer.weight",
+        guidance=True,
+    ),
+    QWEN20B: Checkpoint(
+        QWEN20B,
+        "Qwen-Image 20B (60 blocks, hidden 3072), 1024x1024, 256 text tokens, bf16",
+        lambda: qwen_image_specs(layers=60),
+        latent=(1, 16, 1, 128, 128),  # Qwen-Image takes video-shaped latents, one frame
+        text_tokens=256,
+        context_key="txt_in.weight",
+    ),
+}
+
+#: The same architectures as small as ComfyUI's detection allows, for ``--smoke`` on the CPU.
+SMOKE_CHECKPOINTS = {
+    WAN14B: Checkpoint(
+        WAN14B,
+        "Wan 2.1 architecture, tiny (smoke test: times mean nothing)",
+        resized(tiny_models.wan21_specs, WAN21_LAYERS=4),
+        latent=(1, 16, 2, 8, 8),
+        text_tokens=16,
+        context_key="text_embedding.0.weight",
+    ),
+    FLUX12B: Checkpoint(
+        FLUX12B,
+        "Flux architecture, 1 double + 1 single block (smoke test: times mean nothing)",
+        resized(tiny_models.flux_specs, FLUX_DOUBLE_BLOCKS=1, FLUX_SINGLE_BLOCKS=1),
+        latent=(1, 16, 4, 4),
+        text_tokens=4,
+        context_key="txt_in.weight",
+        pooled_key="vector_in.in_layer.weight",
+        guidance=True,
+    ),
+    QWEN20B: Checkpoint(
+        QWEN20B,
+        "Qwen-Image architecture, 1 block (smoke test: times mean nothing)",
+        lambda: qwen_image_specs(layers=1),
+        latent=(1, 16, 1, 4, 4),
+        text_tokens=4,
+        context_key="txt_in.weight",
+    ),
+}
