@@ -2,13 +2,15 @@
 parked when ComfyUI unloads the model or hands it to the next prompt's clone.
 
 ``Engine`` is the pack's main interface between ComfyUI and ``offload/``: the patcher keeps one per
-loaded model, the panel (``nodes/report.py``) and the benchmark read it.
+loaded model, the panel (``nodes/report.py``) and the benchmark read it. The engine imports none of its
+readers: the panel subscribes to engines starting and stopping (``observe_engines``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import comfy.utils
@@ -24,7 +26,6 @@ from ..offload import (
     TimelineRecorder,
     release_freed_host_memory,
 )
-from . import report
 from .architectures import find_blocks
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
 from .placement import Placement
@@ -50,7 +51,21 @@ class Engine:
     def stop(self, park: bool = False) -> None:
         """``park``: the streamed blocks keep their host buffers, for the next engine to adopt."""
         self.runner.disable(park)
-        report.engine_stopped(self)
+        for stopped in _stopped_observers:
+            stopped(self)
+
+
+# Followers of every engine's life, called on the thread that starts or stops it. The panel subscribes as
+# it is imported (nodes/report.py), so the engine needs no import of it: data flows engine -> panel only.
+EngineObserver = Callable[[Engine], None]
+_started_observers: list[EngineObserver] = []
+_stopped_observers: list[EngineObserver] = []
+
+
+def observe_engines(started: EngineObserver, stopped: EngineObserver) -> None:
+    """Has ``started`` called with every engine once it streams, and ``stopped`` once it has stopped."""
+    _started_observers.append(started)
+    _stopped_observers.append(stopped)
 
 
 def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placement, device: torch.device) -> Engine:
@@ -71,7 +86,8 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
         runner.disable()
         raise
     engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner))
-    report.engine_started(engine)
+    for started in _started_observers:
+        started(engine)
     logging.info(f"Block Offload ({request.node}): {placement.summary}")
     return engine
 

@@ -11,7 +11,8 @@
   in full (``timeline``) and the process RSS (``process_rss_bytes``).
 * ``GET /block_offload/timeline``: every step of the current or last sampling run, to download.
 
-The engine's recorder calls a ``_Publisher`` (a ``TimelineListener``) on the sampling thread: a
+Every engine that starts gets a ``_Publisher`` (this module subscribes with ``observe_engines``: the
+engine never imports the panel). Its recorder calls it (a ``TimelineListener``) on the sampling thread: a
 block call costs it one clock read and one compare (~0.15 us on the CPU here); building and
 queueing a message (~50 us) happens only when one is due (bench/recorder_overhead.py measures both). ``send_sync`` hands
 the message to ComfyUI's event loop, which serialises and sends it off the sampling thread. The
@@ -21,11 +22,12 @@ what it shared.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import torch
@@ -33,9 +35,7 @@ import torch
 from ..offload import memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
 from ..offload.timeline import StepTimeline
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .engine import Engine, observe_engines
 
 STATUS_EVENT = "block_offload.status"
 SCHEMA_VERSION = 1
@@ -354,6 +354,9 @@ class _Publisher:
 
 # The publisher whose run the panel shows: the last one that started, ran a run or sent a message.
 _current: _Publisher | None = None
+# The status of the last node that stepped aside, shown while no engine has run since. Only appended to
+# (the routes read it from the server's thread); one entry is kept.
+_aside: collections.deque[dict[str, Any]] = collections.deque(maxlen=1)
 
 
 # Every engine streaming now, for the panel's per-node placement. Replaced, never changed in place:
@@ -385,6 +388,9 @@ def engine_stopped(engine: Engine) -> None:
         engine.recorder.listener = None
 
 
+observe_engines(started=engine_started, stopped=engine_stopped)
+
+
 def run_started(engine: Engine, resident_weights: int) -> None:
     """A sampling run begins on ``engine``; ``resident_weights``: the bytes ComfyUI loaded of the model."""
     global _current
@@ -401,11 +407,22 @@ def run_finished(engine: Engine) -> None:
         publisher.finish_run()
 
 
+def node_stepped_aside(node: str, reason: str) -> None:
+    """A node returned its model unchanged (``offload.step_aside``): the panel says so instead of showing
+    an earlier run as if it were this prompt's."""
+    global _current
+    _current = None
+    status = _empty_status()
+    status.update(node=node, notices=[f"{node} stepped aside; ComfyUI runs the model itself: {reason}."])
+    _aside.append(status)
+    _outbox.send(status, force=True)
+
+
 def snapshot() -> dict[str, Any]:
     """The latest status, its last step in full, and the process's RSS."""
     publisher = _current
     if publisher is None:
-        data = _empty_status()
+        data = dict(_aside[-1]) if _aside else _empty_status()
         data["timeline"] = None
     else:
         last = publisher.last_step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,24 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.accelerator.reset_peak_memory_stats(device)
 
 
+def peak_allocated(device: torch.device) -> int | None:
+    """The most device memory allocated since the last ``reset_peak_memory`` (None on the CPU).
+
+    Read from the allocator's nested statistics: ``torch.accelerator.max_memory_allocated`` reads the
+    same number, but flattens and sorts all of the allocator's statistics (over a hundred) into a new dict first,
+    which is too slow for once per step (the recorder reads a peak at the end of every step).
+    """
+    if not is_accelerator(device):
+        return None
+    device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)  # private: absent from other torch versions
+    if device_stats is None:
+        return torch.accelerator.max_memory_allocated(device)
+    if not torch._C._accelerator_isAllocatorInitialized():
+        return 0  # nothing was ever allocated (what the public function answers too)
+    index = device.index if device.index is not None else torch.accelerator.current_device_index()
+    return device_stats(index)["allocated_bytes"]["all"]["peak"]
+
+
 @dataclass(frozen=True)
 class MemorySnapshot:
     """Device memory in bytes; ``None`` where the device does not report it (the CPU)."""
@@ -121,36 +140,57 @@ def memory_snapshot(device: torch.device) -> MemorySnapshot:
     return MemorySnapshot(
         allocated=torch.accelerator.memory_allocated(device),
         reserved=torch.accelerator.memory_reserved(device),
-        peak_allocated=torch.accelerator.max_memory_allocated(device),
+        peak_allocated=peak_allocated(device),
         free=free,
         total=total,
     )
 
 
+# What a clock marks: a device event on an accelerator, a one-element list holding the host time on the CPU.
+Marker = torch.Event | list[float]
+
+
 class Clock:
     """Timestamps on a stream: device events on an accelerator, host time on the CPU.
 
-    Device events are resolved only when read, so marking costs one event record
-    and never synchronises the host.
+    Marking costs one event record and never blocks the host; a marker is read once the device has
+    reached it (``reached`` asks without waiting, ``wait`` blocks). One object makes every device
+    call the timeline recorder makes, so a subclass can count them (bench/recorder_overhead.py).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.on_device = is_accelerator(device)
 
-    def new_marker(self) -> torch.Event | list[float]:
+    def new_marker(self) -> Marker:
         if self.on_device:
             return torch.Event(device=self.device, enable_timing=True)
         return [0.0]
 
-    def mark(self, marker: torch.Event | list[float], stream: torch.Stream | None) -> None:
+    def mark(self, marker: Marker, stream: torch.Stream | None) -> None:
         if self.on_device:
             marker.record(stream)
         else:
             marker[0] = time.perf_counter()
 
-    def elapsed_ms(self, start: torch.Event | list[float], end: torch.Event | list[float]) -> float:
+    def reached(self, marker: Marker) -> bool:
+        """Whether the device has passed ``marker`` (a query; the host clock is always there)."""
+        return not self.on_device or marker.query()
+
+    def wait(self, marker: Marker) -> None:
+        """Blocks the host until the device has passed ``marker``."""
         if self.on_device:
-            end.synchronize()
-            return start.elapsed_time(end)
-        return (end[0] - start[0]) * 1000.0
+            marker.synchronize()
+
+    def since(self, start: Marker) -> Callable[[Marker], float]:
+        """A reader of the milliseconds from ``start`` to a marker the device has reached: each read is one
+        elapsed-time call on a device, which neither waits nor synchronizes."""
+        if self.on_device:
+            return start.elapsed_time
+        origin = start[0]
+        return lambda marker: (marker[0] - origin) * 1000.0
+
+    def elapsed_ms(self, start: Marker, end: Marker) -> float:
+        """Milliseconds from ``start`` to ``end``, waiting for the device to reach ``end``."""
+        self.wait(end)
+        return self.since(start)(end)

@@ -1,9 +1,16 @@
 """Per-block copy and compute spans, timed on the device.
 
-Marks are device events recorded on the stream that does the work, so they cost
-one event record each and never block the host. A step is resolved (its events
-read) only once it has finished on the device, or when someone asks for it.
-Markers are recycled, so a long run allocates none after its first steps.
+What a block call costs the recorder on the sampling thread: two marks on the compute stream (the
+compute reached the block; its kernels ended) and, for a block copied in, two on the copy stream (the
+copy's start and end), each one event record that never blocks the host. When the compute could start
+is not marked: the compute stream waits for nothing but the slot's ready event, recorded right after
+the copy's end, so it started at the later of its arrival and that end.
+
+A finished step is read (one elapsed time per marker, no synchronization) only when someone asks for
+it: the listener, which follows every step, at the next step boundary once the device has finished
+it; ``latest()`` and ``steps``, which wait for the device. Without a listener, a step that falls out of
+the last ``keep`` is reused unread. Records and their markers are pooled: once a run has as many as
+its steps in flight need (on the CPU, after its first step), it creates none.
 """
 
 from __future__ import annotations
@@ -14,32 +21,43 @@ from typing import Protocol
 
 import torch
 
-from .device import Clock, memory_snapshot, reset_peak_memory
-
-Marker = torch.Event | list[float]
+from .device import Clock, Marker, peak_allocated, reset_peak_memory
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class CopyRecord:
-    """One host-to-device copy of a block, from its issue on the copy stream to its end."""
+    """One host-to-device copy of a block, from its issue on the copy stream to its end (reused)."""
 
     start: Marker
     end: Marker
     nbytes: int = 0
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class CallRecord:
-    """One call of one block: when compute reached it, when it could start, when it ended."""
+    """One call of one block: when compute reached it, when it ended, the copy it waited for (reused)."""
 
-    block: int
     arrive: Marker
-    start: Marker
     end: Marker
+    block: int = 0
     copy: CopyRecord | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
+class _StepRecord:
+    """One step's markers and calls, until it is read (then reused for a later step)."""
+
+    start: Marker
+    end: Marker
+    index: int = 0
+    calls: list[CallRecord] = field(default_factory=list)
+    peak: int | None = None
+
+
+# Not frozen, though nothing changes a span once it is read: a frozen dataclass sets each field through
+# object.__setattr__, which made a span five times as slow to build (2.5 against 0.5 us on the 2-core
+# machine), and the panel has every step's spans built on the sampling thread.
+@dataclass(slots=True)
 class BlockSpan:
     """A resolved call, in milliseconds from the start of its step."""
 
@@ -100,53 +118,60 @@ class TimelineListener(Protocol):
 
 
 class TimelineRecorder:
-    """Collects the spans of each step; keeps the last ``keep`` resolved steps.
+    """Collects the spans of each step; keeps the last ``keep`` read steps.
 
-    ``listener``, when set, hears every block call and every resolved step (a live view's feed).
+    ``listener``, when set, hears every block call and every step once it is read (a live view's feed).
+    ``clock`` makes every device call the recorder makes (by default the device's own).
     """
 
-    def __init__(self, device: torch.device, keep: int = 1) -> None:
-        self.clock = Clock(device)
+    def __init__(self, device: torch.device, keep: int = 1, clock: Clock | None = None) -> None:
+        self.clock = clock if clock is not None else Clock(device)
         self.device = device
         self.enabled = True
-        self.steps: deque[StepTimeline] = deque(maxlen=keep)
         self.listener: TimelineListener | None = None
-        self._free: list[Marker] = []
+        self._keep = keep
+        self._steps: deque[StepTimeline] = deque(maxlen=keep)
         self._step_index = 0
-        self._step_start: Marker | None = None
-        self._step_end: Marker | None = None
-        self._calls: list[CallRecord] = []
-        self._pending: deque[tuple[int, Marker, Marker, list[CallRecord], int | None]] = deque()
+        self._open: _StepRecord | None = None
+        self._pending: deque[_StepRecord] = deque()  # finished on the host, not read yet
+        self._free_steps: list[_StepRecord] = []
+        self._free_calls: list[CallRecord] = []
+        self._free_copies: list[CopyRecord] = []
 
-    def _marker(self) -> Marker:
-        return self._free.pop() if self._free else self.clock.new_marker()
+    @property
+    def steps(self) -> tuple[StepTimeline, ...]:
+        """The last ``keep`` finished steps, oldest first, waiting for the device if they still run."""
+        self._resolve(wait=True)
+        return tuple(self._steps)
 
     def begin_step(self, stream: torch.Stream | None) -> None:
         if not self.enabled:
             return
-        self._resolve(wait=False)
+        if self._open is not None:  # a step that never ended (the recorder was off meanwhile): dropped
+            self._recycle(self._open)
+        self._settle()
         reset_peak_memory(self.device)  # the step's own peak, not the process's
-        self._step_start = self._marker()
-        self.clock.mark(self._step_start, stream)
-        self._calls = []
+        step = self._free_steps.pop() if self._free_steps else _StepRecord(*self._new_markers())
+        step.index = self._step_index
+        self.clock.mark(step.start, stream)
+        self._open = step
 
     def end_step(self, stream: torch.Stream | None) -> None:
-        if not self.enabled or self._step_start is None:
+        step = self._open
+        if not self.enabled or step is None:
             return
-        end = self._marker()
-        self.clock.mark(end, stream)
-        peak = memory_snapshot(self.device).peak_allocated
-        self._pending.append((self._step_index, self._step_start, end, self._calls, peak))
+        self.clock.mark(step.end, stream)
+        step.peak = peak_allocated(self.device)
+        self._pending.append(step)
+        self._open = None
         self._step_index += 1
-        self._step_start = None
-        self._calls = []
-        # On the CPU the step resolves now; on a device only if it already finished (one event query).
-        self._resolve(wait=False)
+        self._settle()
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
         if not self.enabled:
             return None
-        record = CopyRecord(self._marker(), self._marker(), nbytes)
+        record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
+        record.nbytes = nbytes
         self.clock.mark(record.start, stream)
         return record
 
@@ -155,19 +180,23 @@ class TimelineRecorder:
             self.clock.mark(record.end, stream)
 
     def call_arrived(self, block: int, stream: torch.Stream | None) -> CallRecord | None:
-        if not self.enabled or self._step_start is None:
+        step = self._open
+        if not self.enabled or step is None:
             return None
-        record = CallRecord(block, self._marker(), self._marker(), self._marker())
+        record = self._free_calls.pop() if self._free_calls else CallRecord(*self._new_markers())
+        record.block = block
+        record.copy = None
         self.clock.mark(record.arrive, stream)
-        self._calls.append(record)
+        step.calls.append(record)
         if self.listener is not None:
             self.listener.block_called(self._step_index, block)
         return record
 
     def call_started(self, record: CallRecord | None, copy: CopyRecord | None, stream: torch.Stream | None) -> None:
+        """The call's compute is queued after the wait for ``copy`` (None when its block was on the device
+        already); nothing is marked on ``stream``: the start is read off the arrival and the copy's end."""
         if record is not None:
             record.copy = copy
-            self.clock.mark(record.start, stream)
 
     def call_finished(self, record: CallRecord | None, stream: torch.Stream | None) -> None:
         if record is not None:
@@ -176,42 +205,53 @@ class TimelineRecorder:
     def latest(self) -> StepTimeline | None:
         """The last finished step, waiting for the device if it is still running."""
         self._resolve(wait=True)
-        return self.steps[-1] if self.steps else None
+        return self._steps[-1] if self._steps else None
+
+    def _new_markers(self) -> tuple[Marker, Marker]:
+        return self.clock.new_marker(), self.clock.new_marker()
+
+    def _settle(self) -> None:
+        """At a step boundary: the listener hears the steps the device has finished; without one, steps
+        nobody can ask for any more (older than the last ``keep``) are reused unread."""
+        if self.listener is not None:
+            self._resolve(wait=False)
+            return
+        while len(self._pending) > self._keep:
+            self._recycle(self._pending.popleft())
 
     def _resolve(self, wait: bool) -> None:
         while self._pending:
-            index, start, end, calls, peak = self._pending[0]
-            if not wait and isinstance(end, torch.Event) and not end.query():
+            step = self._pending[0]
+            if wait:
+                self.clock.wait(step.end)
+            elif not self.clock.reached(step.end):
                 return
             self._pending.popleft()
-            timeline = self._resolved(index, start, end, calls, peak)
-            self.steps.append(timeline)
+            timeline = self._read(step)
+            self._recycle(step)
+            self._steps.append(timeline)
             if self.listener is not None:
                 self.listener.step_resolved(timeline)
 
-    def _resolved(
-        self, index: int, start: Marker, end: Marker, calls: list[CallRecord], peak: int | None
-    ) -> StepTimeline:
-        def at(marker: Marker) -> float:
-            return self.clock.elapsed_ms(start, marker)
-
+    def _read(self, step: _StepRecord) -> StepTimeline:
+        """The step's spans: each of its markers read once, against its start. Every marker of the step
+        was reached once its end was: a call's copy ended before the compute stream went past its wait."""
+        at = self.clock.since(step.start)
         spans = []
-        for call in calls:
-            copy = call.copy
-            spans.append(
-                BlockSpan(
-                    block=call.block,
-                    compute_start=at(call.start),
-                    compute_end=at(call.end),
-                    stall=max(0.0, at(call.start) - at(call.arrive)),
-                    copy_start=at(copy.start) if copy else None,
-                    copy_end=at(copy.end) if copy else None,
-                    bytes_copied=copy.nbytes if copy else 0,
-                )
-            )
-            self._free += (call.arrive, call.start, call.end)
-            if copy is not None:
-                self._free += (copy.start, copy.end)
-        timeline = StepTimeline(index, at(end), tuple(spans), peak)
-        self._free += (start, end)
-        return timeline
+        for call in step.calls:
+            arrive, end, copy = at(call.arrive), at(call.end), call.copy
+            if copy is None:
+                spans.append(BlockSpan(call.block, arrive, end, 0.0))
+                continue
+            copy_start, copy_end = at(copy.start), at(copy.end)
+            start = max(arrive, copy_end)
+            spans.append(BlockSpan(call.block, start, end, start - arrive, copy_start, copy_end, copy.nbytes))
+        return StepTimeline(step.index, at(step.end), tuple(spans), step.peak)
+
+    def _recycle(self, step: _StepRecord) -> None:
+        for call in step.calls:
+            if call.copy is not None:
+                self._free_copies.append(call.copy)
+            self._free_calls.append(call)
+        step.calls.clear()
+        self._free_steps.append(step)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+from collections.abc import Callable
 
 import psutil
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.stack_offloader import BlockOffloader
 from harness.transformer_stack import assert_same_tensors, forward_steps, fp8_stack, snapshot, transformer_stack
@@ -23,6 +26,7 @@ from block_offload.offload import (
     buffer_bytes,
     module_bytes,
 )
+from block_offload.offload.layout import BlockLayout
 
 CPU = torch.device("cpu")
 
@@ -222,4 +226,42 @@ def test_streaming_keeps_no_second_copy_in_ram() -> None:
     # The originals are freed as their packed copies replace them; only slots are new.
     grown = (after - before) / 2**20
     assert after - before < 0.25 * size, f"RSS grew by {grown:.0f} MiB for a {size / 2**20:.0f} MiB model"
+    streamer.disable()
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Every tensor storage an operator creates while active, by address: its output's storage when it is
+    none of its inputs' (views and in-place results share theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {
+            t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in given:
+                self.storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16])
+def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_dtype: torch.dtype | None) -> None:
+    """What the engine allocates on the device when a placement is applied is its slot pool, and
+    ``device_buffer_bytes`` (which the panel and the CUDA peak-memory test count) is exactly that: dim 40
+    gives tensors of odd sizes, padded in the slots to the layout's alignment."""
+    model = transformer_stack(num_blocks=4, dim=40)
+    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=2, storage_dtype=storage_dtype)
+    streamer.enable()
+    with AllocationCounter() as counter:
+        streamer.allocate_device_buffers()
+    largest = max(BlockLayout.of(block).nbytes for block in model.blocks)
+    staging = max(BlockLayout.of(block, storage_dtype).nbytes for block in model.blocks) if storage_dtype else 0
+    assert sorted(counter.storages.values()) == sorted([largest] * 3 + ([staging] * 3 if staging else []))
+    assert streamer.device_buffer_bytes == sum(counter.storages.values())
+    assert largest > module_bytes(model.blocks[1])  # the alignment padding, counted
     streamer.disable()
