@@ -51,7 +51,8 @@ def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
     )
 
 
-def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: int = 1):
+def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: int = 1, policy: str = "leading"):
+    """Async Block Offload on ``model``: the first ``resident`` blocks stay, unless ``policy`` says otherwise."""
     return comfy.nodes.AsyncBlockOffload.execute(
-        model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True
+        model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True, policy=policy
     ).result[0]

@@ -24,7 +24,7 @@ ASYNC, PARTIAL, SEQUENTIAL = "async", "partial", "sequential"
 NODES: dict[str, tuple[str, dict[str, Any], str]] = {
     ASYNC: (
         "AsyncBlockOffload",
-        {"resident_blocks": 1, "prefetch_blocks": 1, "pin_memory": True},
+        {"resident_blocks": 1, "prefetch_blocks": 1, "pin_memory": True, "policy": "leading"},
         "Async Block Offload",
     ),
     PARTIAL: (

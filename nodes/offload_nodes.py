@@ -17,8 +17,9 @@ from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed
 
 CATEGORY = "offload"
-# Partial GPU Residency's default policy: the planner picks the resident blocks and the prefetch depth.
+# The placing nodes' default policy: the planner picks the resident blocks and the prefetch depth.
 AUTO_POLICY = "auto"
+POLICIES = [AUTO_POLICY, *(p.value for p in ResidencyPolicy)]
 # The widgets' ranges. A node that validates an input itself is not range-checked by ComfyUI, so
 # ``validate_inputs`` checks them against these too (API clients can send any value).
 MAX_PREFETCH = 8
@@ -114,6 +115,14 @@ def _storage_dtype_problem(name: str | None) -> str | None:
     return None
 
 
+def _policy(name: str) -> dict[str, ResidencyPolicy | bool]:
+    """A policy widget's request fields. An automatic placement's first, measuring run is strided."""
+    if name not in POLICIES:
+        raise ValueError(f"policy is {name!r}; use one of: {', '.join(POLICIES)}.")
+    auto = name == AUTO_POLICY
+    return {"policy": ResidencyPolicy.STRIDED if auto else ResidencyPolicy(name), "auto_placement": auto}
+
+
 def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
     """Checks what can only be checked against the model, then returns the streaming clone."""
     node = request.node
@@ -167,11 +176,21 @@ class AsyncBlockOffload(io.ComfyNode):
                     default=0,
                     min=0,
                     max=MAX_RESIDENT_BLOCKS,
-                    tooltip="How many blocks stay on the GPU (the first ones). The rest stream. More resident "
+                    tooltip="How many blocks stay on the GPU (which ones: policy). The rest stream. More resident "
                     "blocks: faster, more VRAM.",
                 ),
                 _prefetch_input("blocks"),
                 PIN_INPUT,
+                io.Combo.Input(
+                    "policy",
+                    options=POLICIES,
+                    default=AUTO_POLICY,
+                    optional=True,  # workflows and API prompts from before it still load, planned
+                    tooltip="Which of the resident blocks stay: the first (leading), the last (trailing), or spread "
+                    "evenly (strided). auto: the first run is strided and measures each block's compute time and "
+                    "the copy speed; from the next run on, the blocks and the prefetch depth (up to "
+                    "prefetch_blocks) are the ones predicted fastest.",
+                ),
             ],
             outputs=[OUTPUT],
         )
@@ -189,10 +208,21 @@ class AsyncBlockOffload(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model: ModelPatcher, resident_blocks: int, prefetch_blocks: int, pin_memory: bool):
+    def execute(
+        cls,
+        model: ModelPatcher,
+        resident_blocks: int,
+        prefetch_blocks: int,
+        pin_memory: bool,
+        policy: str = AUTO_POLICY,
+    ):
         _refuse(cls.validate_inputs(resident_blocks, prefetch_blocks))
         request = OffloadRequest(
-            "Async Block Offload", resident_blocks=resident_blocks, prefetch=prefetch_blocks, pin_memory=pin_memory
+            "Async Block Offload",
+            resident_blocks=resident_blocks,
+            prefetch=prefetch_blocks,
+            pin_memory=pin_memory,
+            **_policy(policy),
         )
         return _prepare(model, request)
 
@@ -218,7 +248,7 @@ class PartialGPUResidency(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "policy",
-                    options=[AUTO_POLICY, *(p.value for p in ResidencyPolicy)],
+                    options=POLICIES,
                     default=AUTO_POLICY,
                     tooltip="Which blocks stay: the first (leading), the last (trailing), or spread evenly "
                     "(strided), which gives each streamed block's copy a resident block to hide behind. "
@@ -242,15 +272,12 @@ class PartialGPUResidency(io.ComfyNode):
     @classmethod
     def execute(cls, model: ModelPatcher, vram_budget_gb: float, policy: str, prefetch_blocks: int, pin_memory: bool):
         _refuse(cls.validate_inputs(vram_budget_gb, prefetch_blocks))
-        auto = policy == AUTO_POLICY
         request = OffloadRequest(
             "Partial GPU Residency",
             budget_bytes=int(vram_budget_gb * GIB),
-            # An automatic placement's first, measuring run is strided (its prefetch, the node's).
-            policy=ResidencyPolicy.STRIDED if auto else ResidencyPolicy(policy),
             prefetch=prefetch_blocks,
             pin_memory=pin_memory,
-            auto_placement=auto,
+            **_policy(policy),
         )
         return _prepare(model, request)
 

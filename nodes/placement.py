@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload import (
     GIB,
+    PREFETCH_CHOICES,
     CostCache,
     OffloadPlan,
     StackCosts,
@@ -130,14 +132,22 @@ def _blocks(
     planner's, from measured costs, for an automatic placement; the request's policy otherwise."""
     pin_memory = request.pin_memory and can_pin_memory()
     measuring, unplanned = False, ""  # why an automatic placement fell back to the request's policy
-    if request.auto_placement and budget_bytes is not None:
+    # Partial GPU Residency plans within a budget; Async Block Offload plans which of its count of blocks stay.
+    if request.auto_placement and (budget_bytes is not None or request.resident_blocks is not None):
         costs = _cost_cache().get(cache_key(device_name(model.load_device), arch, sizes))
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
             unplanned = "; not measured on this device yet, so this run measures it and the next one is planned"
         else:
             try:
-                predicted = _best_plan(costs, budget_bytes, pin_memory=pin_memory, inline_copies=_inline(model))
+                predicted = _best_plan(
+                    costs,
+                    sys.maxsize if budget_bytes is None else budget_bytes,
+                    resident_count=None if budget_bytes is not None else count,
+                    prefetch_choices=_prefetch_choices(request),
+                    pin_memory=pin_memory,
+                    inline_copies=_inline(model),
+                )
             except ValueError as error:  # not even the stream buffers fit: the fallback decides
                 unplanned = f"; the planner found no placement: {error}"
             else:
@@ -154,6 +164,15 @@ def _blocks(
     )
     described = describe(plan, model)
     return Placement(plan, described.streamed, described.summary + unplanned, plan.slot_bytes, measuring=measuring)
+
+
+def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
+    """The prefetch depths an automatic placement may pick: Async Block Offload's ``prefetch_blocks`` is an
+    upper limit (the blocks it copies ahead cost device memory the user counted on); a budget bounds them
+    for Partial GPU Residency."""
+    if request.resident_blocks is None:
+        return PREFETCH_CHOICES
+    return tuple(depth for depth in PREFETCH_CHOICES if depth <= request.prefetch)
 
 
 def describe(plan: OffloadPlan, model: ModelPatcher) -> Placement:

@@ -13,7 +13,16 @@ from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot
 from .host_memory import release_freed_host_memory
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
-from .planner import CostCache, Prediction, StackCosts, best_plan, cache_key, lower_bound_ms, simulate
+from .planner import (
+    PREFETCH_CHOICES,
+    CostCache,
+    Prediction,
+    StackCosts,
+    best_plan,
+    cache_key,
+    lower_bound_ms,
+    simulate,
+)
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
@@ -23,6 +32,7 @@ from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
     "GIB",
+    "PREFETCH_CHOICES",
     "BlockSpan",
     "BlockStreamer",
     "CostCache",

@@ -284,26 +284,33 @@ def _fits(sizes: Sequence[int], resident: Iterable[int], prefetch: int, budget_b
 
 
 def _greedy(
-    costs: StackCosts, budget_bytes: int, prefetch: int, pin_memory: bool, inline_copies: bool
+    costs: StackCosts,
+    budget_bytes: int,
+    prefetch: int,
+    pin_memory: bool,
+    inline_copies: bool,
+    count: int | None = None,
 ) -> Prediction | None:
-    """Adds, one at a time, the block whose residency shortens the predicted step most."""
+    """Adds, one at a time, the block whose residency shortens the predicted step most: the best set of
+    any size that fits, or the set once it holds ``count`` blocks (None if it cannot)."""
     sizes = costs.block_bytes
     if not _fits(sizes, (), prefetch, budget_bytes):
         return None
     resident: frozenset[int] = frozenset()
     best = simulate(costs, OffloadPlan(sizes, resident, prefetch, pin_memory, None), inline_copies=inline_copies)
-    while True:
+    while count is None or len(resident) < count:
         options = [
             simulate(costs, OffloadPlan(sizes, resident | {i}, prefetch, pin_memory, None), inline_copies=inline_copies)
             for i in range(len(sizes))
             if i not in resident and _fits(sizes, resident | {i}, prefetch, budget_bytes)
         ]
         if not options:
-            return best
+            return best if count is None else None
         chosen = min(options, key=lambda p: p.step_ms)
         resident = chosen.plan.resident
-        if _better(chosen, best):
+        if count is not None or _better(chosen, best):
             best = chosen
+    return best
 
 
 def _better(a: Prediction, b: Prediction) -> bool:
@@ -320,31 +327,33 @@ def best_plan(
     costs: StackCosts,
     budget_bytes: int,
     *,
+    resident_count: int | None = None,
     prefetch_choices: Sequence[int] = PREFETCH_CHOICES,
     pin_memory: bool = True,
     inline_copies: bool = False,
 ) -> Prediction:
-    """The fastest placement whose resident blocks and slots fit ``budget_bytes``.
+    """The fastest placement whose resident blocks and slots fit ``budget_bytes`` (with exactly
+    ``resident_count`` resident blocks, when given: which ones, and the prefetch depth, are chosen).
 
     Candidates, for every prefetch depth: the three residency policies at the largest
-    count that fits, and a greedy set grown block by block on the predicted step time
-    (it finds the positions where residency hides the most copy time, which the fixed
-    policies cannot when blocks differ in size or compute). Everything resident is a
+    count that fits (or at ``resident_count``), and a greedy set grown block by block on the
+    predicted step time (it finds the positions where residency hides the most copy time, which
+    the fixed policies cannot when blocks differ in size or compute). Everything resident is a
     candidate too when it fits.
     """
     sizes = costs.block_bytes
     candidates: list[Prediction] = []
-    if sum(sizes) <= budget_bytes:
+    if sum(sizes) <= budget_bytes and resident_count in (None, len(sizes)):
         every = OffloadPlan(sizes, frozenset(range(len(sizes))), min(prefetch_choices), pin_memory, None)
         candidates.append(simulate(costs, every, inline_copies=inline_copies))
+    # Each policy's plan: as many blocks as fit the budget, or the count asked for.
+    size = {"budget_bytes": budget_bytes} if resident_count is None else {"resident_count": resident_count}
     for prefetch in prefetch_choices:
         for policy in ResidencyPolicy:
-            plan = OffloadPlan.build(
-                sizes, budget_bytes=budget_bytes, policy=policy, prefetch=prefetch, pin_memory=pin_memory
-            )
+            plan = OffloadPlan.build(sizes, **size, policy=policy, prefetch=prefetch, pin_memory=pin_memory)
             if plan.device_bytes() <= budget_bytes:
                 candidates.append(simulate(costs, plan, inline_copies=inline_copies))
-        greedy = _greedy(costs, budget_bytes, prefetch, pin_memory, inline_copies)
+        greedy = _greedy(costs, budget_bytes, prefetch, pin_memory, inline_copies, resident_count)
         if greedy is not None:
             candidates.append(greedy)
     if not candidates:

@@ -11,12 +11,14 @@ import re
 import statistics
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
+from harness.inprocess import async_offload, sample, wan
 from harness.prompts import ARCHS, PromptBuilder, plan_lines, run
 from harness.transformer_stack import transformer_stack
 
@@ -144,6 +146,34 @@ def test_search_matches_brute_force_on_small_stacks() -> None:
     print(f"search vs brute force: {sum(g < 1e-9 for g in gaps)}/{len(gaps)} optimal, worst {max(gaps):.2%}")
     assert max(gaps) <= 0.05, f"worst {max(gaps):.1%}"
     assert statistics.mean(gaps) <= 0.01, f"mean {statistics.mean(gaps):.2%}"
+
+
+def test_search_for_a_resident_count_matches_brute_force() -> None:
+    """Async Block Offload's ``auto``: the count is the user's, which blocks and the prefetch the planner's."""
+    rng = random.Random(11)
+    for case in range(20):
+        costs = random_stack(rng, n=rng.randint(5, 7), uniform=case < 5)
+        n = len(costs.block_bytes)
+        count = rng.randint(0, n - 1)
+        unlimited = sum(costs.block_bytes) + (max(PREFETCH_CHOICES) + 1) * max(costs.block_bytes)
+        found = best_plan(costs, unlimited, resident_count=count)
+        assert len(found.plan.resident) == count
+        optimum = min(
+            simulate(costs, plan_of(costs, set(resident), prefetch)).step_ms
+            for prefetch in PREFETCH_CHOICES
+            for resident in itertools.combinations(range(n), count)
+        )
+        assert optimum * (1 - 1e-9) <= found.step_ms <= optimum * 1.05, case
+
+
+def test_a_spread_placement_beats_the_leading_blocks_when_copies_matter() -> None:
+    """The Flux case of the H100 records, scaled down: copies longer than a block's compute. Leading blocks
+    leave the tail copy-bound; the planner spreads the same count so each copy hides behind resident ones."""
+    costs = StackCosts.uniform(12, compute_ms=3.0, block_bytes=100 * MB, bandwidth_gbps=100 * MB / 4.8e6)
+    leading = simulate(costs, OffloadPlan.build(costs.block_bytes, resident_count=6, prefetch=1))
+    planned = best_plan(costs, 10**12, resident_count=6, prefetch_choices=(0, 1))
+    assert len(planned.plan.resident) == 6 and planned.plan.prefetch <= 1
+    assert planned.step_ms < 0.9 * leading.step_ms, (planned.step_ms, leading.step_ms)
 
 
 def test_search_uses_the_budget_and_refuses_an_impossible_one() -> None:
@@ -313,3 +343,24 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
     assert key.startswith(f"cpu | Wan 2.1/2.2 | {tm.WAN21_LAYERS} blocks")
     costs = StackCosts.from_dict(entries[key]["costs"])
     assert costs.calls == tuple(range(tm.WAN21_LAYERS)) and costs.bandwidth_gbps > 0
+
+
+# -- Async Block Offload with policy "auto": the count is the user's, the planner picks which blocks ----------
+
+
+@pytest.mark.usefixtures("allow_cpu_streaming")
+def test_async_block_offload_plans_which_of_its_blocks_stay(comfy: SimpleNamespace) -> None:
+    cache = comfy.placement._cost_cache()
+    cache.path.unlink(missing_ok=True)  # this model must not have been measured on this "device" yet
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=2, prefetch=1, policy="auto")
+    assert torch.equal(sample(comfy, patched), reference)
+    measuring = patched.offload_engine.placement
+    assert measuring.measuring and measuring.plan.policy is ResidencyPolicy.STRIDED
+    assert torch.equal(sample(comfy, patched), reference)  # the next prompt's load is planned
+    planned = patched.offload_engine.placement
+    assert "chosen by the planner, predicted" in planned.summary, planned.summary
+    assert len(planned.plan.resident) == 2 and planned.plan.prefetch <= 1  # prefetch_blocks is the limit
+    assert planned.predicted_ms is not None
+    comfy.mm.unload_all_models()
