@@ -46,7 +46,9 @@ own writer orders the metadata differently in every process).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -55,7 +57,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -135,6 +137,14 @@ WAN21_LORA_FILE = "block_offload_tiny_wan21_lora.safetensors"
 FLUX_LORA_FILE = "block_offload_tiny_flux_lora.safetensors"
 SD3_LORA_FILE = "block_offload_tiny_sd3_lora.safetensors"
 
+#: The tiny Wan 2.1 quantized as users' small-GPU checkpoints are (see "Quantized checkpoints" below).
+WAN21_FP8 = "wan21_fp8"  # ComfyUI's per-layer ``comfy_quant``, float8_e4m3fn: QuantizedTensor on 0.33
+WAN21_FP8_METADATA = "wan21_fp8_metadata"  # the same, configs in the file's metadata: also 0.3.75's QuantizedTensor
+WAN21_INT8 = "wan21_int8"  # ComfyUI's per-layer ``comfy_quant``, int8_tensorwise: QuantizedTensor on 0.33
+WAN21_SCALED_FP8 = "wan21_scaled_fp8"  # the older ``scaled_fp8`` marker: plain fp8 on 0.3.75, converted on 0.33
+WAN21_Q8_0 = "wan21_q8_0"  # GGUF Q8_0, for ComfyUI-GGUF
+WAN21_Q4_K = "wan21_q4_k"  # GGUF Q4_K, for ComfyUI-GGUF
+
 #: ComfyUI model folder of each file; node widgets take the bare file name.
 FOLDERS: dict[str, str] = {
     WAN21: "diffusion_models",
@@ -144,6 +154,12 @@ FOLDERS: dict[str, str] = {
     WAN21_LORA: "loras",
     FLUX_LORA: "loras",
     SD3_LORA: "loras",
+    WAN21_FP8: "diffusion_models",
+    WAN21_FP8_METADATA: "diffusion_models",
+    WAN21_INT8: "diffusion_models",
+    WAN21_SCALED_FP8: "diffusion_models",
+    WAN21_Q8_0: "diffusion_models",
+    WAN21_Q4_K: "diffusion_models",
 }
 FILES: dict[str, str] = {
     WAN21: WAN21_FILE,
@@ -153,6 +169,12 @@ FILES: dict[str, str] = {
     WAN21_LORA: WAN21_LORA_FILE,
     FLUX_LORA: FLUX_LORA_FILE,
     SD3_LORA: SD3_LORA_FILE,
+    WAN21_FP8: "block_offload_tiny_wan21_fp8.safetensors",
+    WAN21_FP8_METADATA: "block_offload_tiny_wan21_fp8_metadata.safetensors",
+    WAN21_INT8: "block_offload_tiny_wan21_int8.safetensors",
+    WAN21_SCALED_FP8: "block_offload_tiny_wan21_scaled_fp8.safetensors",
+    WAN21_Q8_0: "block_offload_tiny_wan21_q8_0.gguf",
+    WAN21_Q4_K: "block_offload_tiny_wan21_q4_k.gguf",
 }
 
 #: CLIPLoader ``type`` to use with the tiny CLIP-L for each diffusion model, and the
@@ -407,19 +429,22 @@ class Artifact:
     def seed(self) -> int:
         return SEED + zlib.crc32(self.name.encode())
 
+    def is_current(self, path: Path) -> bool:
+        return _up_to_date(path, self.name)
 
-ARTIFACTS: dict[str, Artifact] = {
-    a.name: a
-    for a in (
-        Artifact(WAN21, wan21_specs, torch.float32),
-        Artifact(FLUX, flux_specs, torch.bfloat16),
-        Artifact(SD3, sd3_specs, torch.float32),
-        Artifact(CLIP_L, clip_l_specs, torch.float16),
-        Artifact(WAN21_LORA, wan21_lora_specs, torch.float32),
-        Artifact(FLUX_LORA, flux_lora_specs, torch.float32),
-        Artifact(SD3_LORA, sd3_lora_specs, torch.float32),
-    )
-}
+    def write(self, path: Path) -> None:
+        write_artifact(self, path)
+
+
+FLOAT_ARTIFACTS: tuple[Artifact, ...] = (
+    Artifact(WAN21, wan21_specs, torch.float32),
+    Artifact(FLUX, flux_specs, torch.bfloat16),
+    Artifact(SD3, sd3_specs, torch.float32),
+    Artifact(CLIP_L, clip_l_specs, torch.float16),
+    Artifact(WAN21_LORA, wan21_lora_specs, torch.float32),
+    Artifact(FLUX_LORA, flux_lora_specs, torch.float32),
+    Artifact(SD3_LORA, sd3_lora_specs, torch.float32),
+)
 
 
 def tensor_seed(artifact_seed: int, key: str) -> int:
@@ -455,7 +480,14 @@ def build_state_dict(artifact: Artifact) -> dict[str, torch.Tensor]:
     return {spec.key: make_tensor(artifact, spec) for spec in artifact.specs()}
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+}
 
 
 def save_safetensors(
@@ -523,6 +555,226 @@ def write_artifact(artifact: Artifact, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# --- Quantized checkpoints ----------------------------------------------------------------
+# What people run on small GPUs: the tiny Wan 2.1's own weights, quantized the way each format's tools do
+# it. Every Linear weight is quantized (2-D, more than QUANTIZE_MIN elements: the rule of ComfyUI-GGUF's
+# convert.py); everything else (norms, biases, modulations, the patch embedding) is kept in fp32.
+
+QUANTIZE_MIN = 1024
+_QK_K = 256  # values per GGML k-quant super-block
+
+
+def _quantized(key: str, tensor: torch.Tensor) -> bool:
+    return key.endswith(".weight") and tensor.dim() == 2 and tensor.numel() > QUANTIZE_MIN
+
+
+def _per_tensor(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` / scale in ``dtype``, and the fp32 scale that maps its largest magnitude onto the dtype's."""
+    limit = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
+    scale = weight.abs().amax().float() / limit
+    scaled = weight.float() / scale
+    if not dtype.is_floating_point:
+        scaled = scaled.round()
+    return scaled.clamp(-limit, limit).to(dtype), scale
+
+
+def _comfy_quant_layer(layer: str, weight: torch.Tensor, quant_format: str, dtype: torch.dtype) -> dict:
+    """One layer in ComfyUI's per-layer format: quantized weight, ``weight_scale``, and its ``comfy_quant``
+    entry (the layer's JSON config as bytes), which 0.33 loads as a QuantizedTensor."""
+    data, scale = _per_tensor(weight, dtype)
+    config = torch.tensor(list(json.dumps({"format": quant_format}).encode()), dtype=torch.uint8)
+    return {f"{layer}.weight": data, f"{layer}.weight_scale": scale, f"{layer}.comfy_quant": config}
+
+
+def _scaled_fp8_layer(layer: str, weight: torch.Tensor) -> dict:
+    """One layer in the older ``scaled_fp8`` format: an fp8 weight and its ``scale_weight``."""
+    data, scale = _per_tensor(weight, torch.float8_e4m3fn)
+    return {f"{layer}.weight": data, f"{layer}.scale_weight": scale}
+
+
+@dataclass(frozen=True)
+class SafetensorsQuant:
+    """A quantized safetensors format: how a Linear layer is written, the file-wide marker tensors, and
+    where the layers' configs go: ComfyUI 0.3.7x read them from the file's ``_quantization_metadata`` (0.33
+    still does), 0.33's own files carry a ``comfy_quant`` entry per layer."""
+
+    layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+    markers: dict[str, torch.Tensor] = field(default_factory=dict)
+    config_in_metadata: bool = False
+
+
+_FP8_LAYER = functools.partial(_comfy_quant_layer, quant_format="float8_e4m3fn", dtype=torch.float8_e4m3fn)
+SAFETENSORS_QUANT: dict[str, SafetensorsQuant] = {
+    "float8_e4m3fn": SafetensorsQuant(_FP8_LAYER),
+    "float8_e4m3fn in metadata": SafetensorsQuant(_FP8_LAYER, config_in_metadata=True),
+    "int8_tensorwise": SafetensorsQuant(
+        functools.partial(_comfy_quant_layer, quant_format="int8_tensorwise", dtype=torch.int8)
+    ),
+    # An empty marker: ComfyUI reads its dtype (and a 2-element one as "no fp8 matrix multiply").
+    "scaled_fp8": SafetensorsQuant(_scaled_fp8_layer, {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}),
+}
+
+
+def q4_k(weight: torch.Tensor) -> torch.Tensor:
+    """GGML Q4_K blocks of ``weight`` (rows a multiple of 256 long), as the bytes GGUF stores.
+
+    The ``gguf`` package reads Q4_K but cannot write it. Each super-block of 256 values holds fp16 ``d`` and
+    ``dmin``, six-bit scales and mins for its eight sub-blocks of 32 (packed into 12 bytes), and a 4-bit
+    quant per value: a value is ``d * scale * q - dmin * min``. Each sub-block maps [min(its values, 0),
+    its max] onto 0..15, its scale and min rounded to multiples of the super-block's ``d`` and ``dmin``."""
+    values = weight.float().reshape(-1, 8, 32)
+    low = values.amin(-1).clamp(max=0)
+    step, offset = (values.amax(-1) - low) / 15, -low
+    d = (step.amax(-1) / 63).half()
+    dmin = (offset.amax(-1) / 63).half()
+
+    def sixths(wanted: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+        unit = unit.float().unsqueeze(-1)
+        return torch.where(unit > 0, (wanted / unit).round(), 0).clamp(0, 63).to(torch.uint8)
+
+    scales, mins = sixths(step, d), sixths(offset, dmin)
+    real_step = (d.float().unsqueeze(-1) * scales).unsqueeze(-1)
+    real_offset = (dmin.float().unsqueeze(-1) * mins).unsqueeze(-1)
+    quants = torch.where(real_step > 0, ((values + real_offset) / real_step).round(), 0).clamp(0, 15).to(torch.uint8)
+    # Scales and mins 0-3 in the low six bits of bytes 0-3 and 4-7; those of 4-7 split: their low nibbles in
+    # bytes 8-11 (scale low, min high), their top two bits in the top bits of bytes 0-3 and 4-7.
+    packed_scales = torch.cat(
+        [
+            scales[:, :4] | (scales[:, 4:] >> 4) << 6,
+            mins[:, :4] | (mins[:, 4:] >> 4) << 6,
+            (scales[:, 4:] & 0x0F) | (mins[:, 4:] & 0x0F) << 4,
+        ],
+        dim=1,
+    )
+    # Sub-blocks 2g and 2g+1 share 32 bytes: low nibbles the first, high nibbles the second.
+    pairs = quants.reshape(-1, 4, 2, 32)
+    packed_quants = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(-1, 128)
+    header = torch.stack([d, dmin], dim=1).view(torch.uint8)
+    blocks = torch.cat([header, packed_scales, packed_quants], dim=1)
+    return blocks.reshape(weight.shape[0], weight.shape[1] // _QK_K * blocks.shape[1])
+
+
+@dataclass(frozen=True)
+class QuantizedArtifact:
+    """A quantized copy of a float artifact: ``quant`` is a key of :data:`SAFETENSORS_QUANT` or a GGML
+    quantization type name (``Q8_0``, ``Q4_K``), written as GGUF for ComfyUI-GGUF."""
+
+    name: str
+    source: str
+    quant: str
+
+    @property
+    def relpath(self) -> Path:
+        return Path(FOLDERS[self.name]) / FILES[self.name]
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.quant not in SAFETENSORS_QUANT
+
+    def metadata(self) -> dict[str, str]:
+        """What identifies the file as ours (and up to date)."""
+        return {META_VERSION: GENERATOR_VERSION, META_NAME: self.name, "quantization": self.quant}
+
+    def is_current(self, path: Path) -> bool:
+        if not self.is_gguf:
+            return _up_to_date(path, self.name)
+        try:
+            fields = _gguf_strings(path)
+        except Exception:  # missing, truncated, not GGUF, or no gguf package: (re)write or refuse there
+            return False
+        return all(fields.get(key) == value for key, value in self.metadata().items())
+
+    def contents(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A safetensors format's tensors (the source's, each Linear layer quantized) and metadata."""
+        quant = SAFETENSORS_QUANT[self.quant]
+        tensors = dict(quant.markers)
+        for key, tensor in build_state_dict(ARTIFACTS[self.source]).items():
+            if _quantized(key, tensor):
+                tensors.update(quant.layer(key.removesuffix(".weight"), tensor))
+            else:
+                tensors[key] = tensor
+        metadata = self.metadata()
+        if quant.config_in_metadata:
+            configs = {key.removesuffix(".comfy_quant"): key for key in tensors if key.endswith(".comfy_quant")}
+            layers = {layer: json.loads(tensors.pop(key).numpy().tobytes()) for layer, key in configs.items()}
+            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+        return tensors, metadata
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            if self.is_gguf:
+                self._write_gguf(tmp)
+            else:
+                tensors, metadata = self.contents()
+                layout = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+                save_safetensors(tmp, layout, tensors.__getitem__, metadata)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _write_gguf(self, path: Path) -> None:
+        """As ComfyUI-GGUF's convert.py writes one: architecture ``wan``, the Linear weights in the
+        quantization type, the rest in F32, a tensor of more than 4 dimensions stored flat with its
+        ``comfy.gguf.orig_shape``."""
+        import gguf  # requirements-dev.txt; only the GGUF files need it
+
+        qtype = gguf.GGMLQuantizationType[self.quant]
+        writer = gguf.GGUFWriter(path=None, arch="wan")
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, value in self.metadata().items():
+            writer.add_string(key, value)
+        for key, tensor in sorted(build_state_dict(ARTIFACTS[self.source]).items()):
+            if _quantized(key, tensor):
+                data = (
+                    q4_k(tensor)
+                    if self.quant == "Q4_K"
+                    else torch.from_numpy(gguf.quants.quantize(tensor.numpy(), qtype))
+                )
+                writer.add_tensor(key, data.numpy(), raw_dtype=qtype)
+                continue
+            if tensor.dim() > 4:
+                writer.add_array(f"comfy.gguf.orig_shape.{key}", list(tensor.shape))
+                tensor = tensor.reshape(tensor.shape[0], -1)
+            writer.add_tensor(key, tensor.float().numpy())
+        writer.write_header_to_file(path=path)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with open(path, "rb+") as f:  # on disk before the rename, as save_safetensors does
+            os.fsync(f.fileno())
+
+
+def _gguf_strings(path: Path) -> dict[str, str]:
+    """The string fields of a GGUF file's header."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return {
+        name: str(bytes(field.parts[field.data[-1]]), encoding="utf-8")
+        for name, field in reader.fields.items()
+        if field.types == [gguf.GGUFValueType.STRING]
+    }
+
+
+QUANTIZED_ARTIFACTS: tuple[QuantizedArtifact, ...] = (
+    QuantizedArtifact(WAN21_FP8, WAN21, "float8_e4m3fn"),
+    QuantizedArtifact(WAN21_FP8_METADATA, WAN21, "float8_e4m3fn in metadata"),
+    QuantizedArtifact(WAN21_INT8, WAN21, "int8_tensorwise"),
+    QuantizedArtifact(WAN21_SCALED_FP8, WAN21, "scaled_fp8"),
+    QuantizedArtifact(WAN21_Q8_0, WAN21, "Q8_0"),
+    QuantizedArtifact(WAN21_Q4_K, WAN21, "Q4_K"),
+)
+
+ARTIFACTS: dict[str, Artifact | QuantizedArtifact] = {a.name: a for a in (*FLOAT_ARTIFACTS, *QUANTIZED_ARTIFACTS)}
+
+
+def gguf_writable() -> bool:
+    """Whether the ``gguf`` package (requirements-dev.txt) is there to write the GGUF checkpoints."""
+    return importlib.util.find_spec("gguf") is not None
+
+
 def generate(
     models_dir: Path,
     only: Iterable[str] | None = None,
@@ -532,7 +784,8 @@ def generate(
     """Write the tiny checkpoints under ``models_dir`` and return ``{name: path}``.
 
     ``only`` restricts to some of :data:`ARTIFACTS` (default: all); ``force`` rewrites files
-    that are already up to date; ``log`` receives one line per file.
+    that are already up to date; ``log`` receives one line per file. The GGUF files are left out,
+    with a line saying so, where the ``gguf`` package is missing.
     """
     models_dir = Path(models_dir)
     names = list(ARTIFACTS) if only is None else list(only)
@@ -543,11 +796,15 @@ def generate(
     for name in names:
         artifact = ARTIFACTS[name]
         path = models_dir / artifact.relpath
-        if not force and _up_to_date(path, name):
+        if isinstance(artifact, QuantizedArtifact) and artifact.is_gguf and not gguf_writable():
+            if log is not None:
+                log(f"{name:<11} skipped: the gguf package is not installed (pip install -r requirements-dev.txt)")
+            continue
+        if not force and artifact.is_current(path):
             status = "up to date"
         else:
             t0 = time.monotonic()
-            write_artifact(artifact, path)
+            artifact.write(path)
             status = f"written in {time.monotonic() - t0:.1f} s"
         if log is not None:
             log(f"{name:<11} {path} ({path.stat().st_size / 2**20:.1f} MiB, {status})")

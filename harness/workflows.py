@@ -62,18 +62,23 @@ def text_to_latent(
     latent: dict[str, Any],
     cfg: float,
     prefix: str,
+    loader: tuple[str, str, dict[str, Any]] | None = None,
 ) -> Prompt:
     """loader -> offload node -> KSampler -> SaveLatent, conditioned by the tiny CLIP-L.
 
-    ``offload`` is (class_type, title, widget inputs); ``latent`` the empty-latent node's inputs.
+    ``offload`` and ``loader`` are (class_type, title, widget inputs), the loader by default Load
+    Diffusion Model with ``arch``'s tiny checkpoint; ``latent`` the empty-latent node's inputs.
     """
     label = {tm.WAN21: "Wan 2.1", tm.FLUX: "Flux", tm.SD3: "SD3"}[arch]
     offload_class, offload_title, offload_inputs = offload
+    loader_class, loader_title, loader_inputs = loader or (
+        "UNETLoader",
+        f"Load Diffusion Model (tiny {label})",
+        {"unet_name": tm.FILES[arch], "weight_dtype": "default"},
+    )
     latent_class = tm.EMPTY_LATENT_NODE[arch]
     return {
-        "1": _node(
-            "UNETLoader", f"Load Diffusion Model (tiny {label})", unet_name=tm.FILES[arch], weight_dtype="default"
-        ),
+        "1": _node(loader_class, loader_title, **loader_inputs),
         "2": _node(offload_class, offload_title, model=["1", 0], **offload_inputs),
         "3": _node(
             "CLIPLoader",
@@ -147,10 +152,35 @@ def sequential_offload_wrapper_sd3_t2i() -> Prompt:
     )
 
 
+def partial_gpu_residency_wan21_gguf_t2v() -> Prompt:
+    """Wan 2.1 from a GGUF file (Q4_K) loaded by city96's ComfyUI-GGUF (Unet Loader (GGUF)), its blocks
+    streamed as they are stored, quantized, and dequantized by ComfyUI-GGUF as each layer runs. The
+    tiny Q4_K file is 3 MiB, so only a budget of a few MiB makes its blocks stream: the widget shows
+    0.001 GiB as 0.0, but queues it as is. For a real model give the budget your card has for it
+    (say 6 GiB of an 8 GiB card for a 10 GiB Wan 14B Q4_K)."""
+    return text_to_latent(
+        tm.WAN21,
+        (
+            "PartialGPUResidency",
+            "Partial GPU Residency",
+            {"vram_budget_gb": 0.001, "policy": "strided", "prefetch_blocks": 1, "pin_memory": True},
+        ),
+        {"width": 32, "height": 32, "length": 5, "batch_size": 1},
+        cfg=6.0,
+        prefix="partial_gpu_residency_wan21_gguf_t2v",
+        loader=("UnetLoaderGGUF", "Unet Loader (GGUF) (tiny Wan 2.1, Q4_K)", {"unet_name": tm.FILES[tm.WAN21_Q4_K]}),
+    )
+
+
 #: name -> builder of its API-format prompt; the files are example_workflows/<name>.json and api/<name>.json.
 WORKFLOWS: dict[str, Callable[[], Prompt]] = {
     f.__name__: f
-    for f in (async_block_offload_wan21_t2v, partial_gpu_residency_flux_t2i, sequential_offload_wrapper_sd3_t2i)
+    for f in (
+        async_block_offload_wan21_t2v,
+        partial_gpu_residency_flux_t2i,
+        sequential_offload_wrapper_sd3_t2i,
+        partial_gpu_residency_wan21_gguf_t2v,
+    )
 }
 
 

@@ -78,6 +78,14 @@ def _offload_class(base: type) -> type:
 class BlockOffloadPatcher(ModelPatcher):
     """Mixin: must come before the patcher class in the MRO (see ``_offload_class``)."""
 
+    def clone(self, *args, **kwargs):
+        cloned = super().clone(*args, **kwargs)
+        # ComfyUI builds ``self.__class__``, but a patcher class may set its own on every clone
+        # (ComfyUI-GGUF's GGUFModelPatcher does): a LoRA loaded after the node must still stream.
+        if not isinstance(cloned, BlockOffloadPatcher):
+            cloned.__class__ = _offload_class(type(cloned))
+        return cloned
+
     @property
     def offload_request(self) -> OffloadRequest:
         return self.get_attachment(ATTACHMENT)

@@ -1,13 +1,28 @@
 """Byte layout of one module's tensors inside a single flat buffer.
 
-A block is moved with one copy of one contiguous buffer instead of one copy per
-tensor. Each tensor gets an aligned byte range; a typed view of that range is what
-the module's parameter points at while it lives in that buffer.
+A block is moved with one copy of one contiguous buffer instead of one copy per tensor. Every tensor is
+kept as the bytes it is stored in: a plain tensor as itself, a tensor subclass as the plain tensors it is
+made of (a quantized weight's quantized data, scales and other inner tensors; never a dequantized copy).
+Each of those parts gets an aligned byte range of the buffer, and the module's tensor is put back
+together around typed views of its parts' ranges, wherever the buffer is (pinned host memory, a device
+slot), so the code that owns the subclass (ComfyUI's quantized ops, ComfyUI-GGUF) computes with it as
+it does with a resident one.
+
+The kinds are told apart by what they are made of, not by their class, so the engine imports none of
+the libraries that define them:
+
+* plain: ``torch.Tensor`` or ``nn.Parameter``, one part: itself;
+* wrapper: a subclass that implements PyTorch's ``__tensor_flatten__`` / ``__tensor_unflatten__``
+  protocol (ComfyUI's ``QuantizedTensor``, both 0.3.75's and 0.33's comfy-kitchen one): its parts are its
+  inner tensors, and it is rebuilt by ``__tensor_unflatten__`` around their views;
+* storage subclass: a subclass with memory of its own and no ``__torch_dispatch__`` of its own, whose
+  extra Python attributes say how to read its bytes (ComfyUI-GGUF's ``GGMLTensor``: raw quantized bytes,
+  ``tensor_type``, ``tensor_shape``, LoRA ``patches``), one part: its bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,18 +31,87 @@ from torch import nn
 # Keeps every view aligned for vectorised kernels and for dtype reinterpretation.
 ALIGNMENT = 256
 
+KINDS = (
+    "plain tensors of any dtype (fp8 weights with a separate scale included)",
+    "wrapper subclasses implementing __tensor_flatten__/__tensor_unflatten__ (ComfyUI's QuantizedTensor)",
+    "subclasses with memory of their own and no __torch_dispatch__ (ComfyUI-GGUF's GGMLTensor)",
+)
+
 
 def _align(offset: int) -> int:
     return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor of a module lives inside the module's flat buffer."""
+def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over the memory of ``tensor``: a subclass's own ``detach`` or ``data`` (GGMLTensor
+    returns itself) would hand back the subclass."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.detach(tensor)
 
-    owner: nn.Module
-    name: str
-    is_parameter: bool
+
+@dataclass(frozen=True)
+class TensorForm:
+    """How one tensor is made of plain tensors (its parts, in the order ``parts_of`` lists them).
+
+    ``inner`` is empty for the two kinds stored as one part and put in place by swapping ``.data``
+    (plain tensors and storage subclasses: the Python object, its attributes and whoever holds it, stay);
+    a wrapper has an inner form per inner tensor and is rebuilt around them."""
+
+    kind: type[torch.Tensor]
+    context: object = None
+    inner: tuple[tuple[str, TensorForm], ...] = ()
+    size: torch.Size | None = None
+    stride: tuple[int, ...] | None = None
+
+    @property
+    def is_wrapper(self) -> bool:
+        return self.size is not None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.kind in (torch.Tensor, nn.Parameter)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, where: str) -> TensorForm:
+        kind = type(tensor)
+        if kind in (torch.Tensor, nn.Parameter):
+            return cls(kind)
+        if hasattr(kind, "__tensor_flatten__") and hasattr(kind, "__tensor_unflatten__"):
+            names, context = tensor.__tensor_flatten__()
+            inner = tuple((name, cls.of(getattr(tensor, name), f"{where}.{name}")) for name in names)
+            return cls(kind, context, inner, tensor.size(), tensor.stride())
+        if kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+            return cls(kind)
+        raise TypeError(
+            f"{where} is a {kind.__name__}, a tensor subclass that block streaming cannot store as its bytes: "
+            f"it has a __torch_dispatch__ of its own but no __tensor_flatten__. Streaming handles "
+            + "; ".join(KINDS)
+            + "."
+        )
+
+    def parts_of(self, tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The plain tensors ``tensor`` is stored as (aliases of its memory), in layout order."""
+        if not self.is_wrapper:
+            yield _own_memory(tensor)
+            return
+        # Asked of the tensor itself: a wrapper may expose its inner tensors only once flattened.
+        names, _ = tensor.__tensor_flatten__()
+        for name, (_, form) in zip(names, self.inner, strict=True):
+            yield from form.parts_of(getattr(tensor, name))
+
+    def assemble(self, parts: Iterator[torch.Tensor]) -> torch.Tensor:
+        """The tensor rebuilt around ``parts`` (consumed in layout order); for the kinds put in place by
+        swapping ``.data``, the part itself."""
+        if not self.is_wrapper:
+            return next(parts)
+        inner = {name: form.assemble(parts) for name, form in self.inner}
+        return self.kind.__tensor_unflatten__(inner, self.context, self.size, self.stride)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where one plain part lives inside the module's flat buffer."""
+
     offset: int
     shape: torch.Size
     dtype: torch.dtype
@@ -36,12 +120,37 @@ class TensorSlot:
     def nbytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
 
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor of a module: where the module holds it, what it is made of, where its parts live."""
+
+    owner: nn.Module
+    name: str
+    is_parameter: bool
+    form: TensorForm
+    parts: tuple[Part, ...]
+
     def tensor(self) -> torch.Tensor:
         table = self.owner._parameters if self.is_parameter else self.owner._buffers
         return table[self.name]
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+    def place(self, tensor: torch.Tensor) -> None:
+        """Makes the module hold ``tensor`` (from ``TensorForm.assemble``) here.
+
+        Swapping ``.data`` keeps the Python object itself, so code that holds a reference to a weight
+        (optimisers, ComfyUI's patcher) still sees it, with its attributes (ComfyUI-GGUF's quant type and
+        LoRA patches). A wrapper's device is fixed when it is made, so the rebuilt one takes the old one's
+        place; ComfyUI itself replaces its quantized Parameters whenever it moves or patches them."""
+        if not self.form.is_wrapper:
+            self.tensor().data = tensor
+        elif self.is_parameter:
+            self.owner._parameters[self.name] = tensor
+        else:
+            self.owner._buffers[self.name] = tensor
 
 
 def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Module, str, bool, torch.Tensor]]:
@@ -54,13 +163,21 @@ def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Modul
                 yield owner, name, False, buf
 
 
-def _is_plain(tensor: torch.Tensor) -> bool:
-    return type(tensor) in (torch.Tensor, nn.Parameter)
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` is stored in: a quantized weight's data and scales, not its dequantized size."""
+    return sum(part.nbytes for part in TensorForm.of(tensor, type(tensor).__name__).parts_of(tensor))
+
+
+def module_stored_bytes(module: nn.Module, recurse: bool = True) -> int:
+    """The stored bytes of every parameter and buffer of ``module`` (its own only, unless ``recurse``),
+    each counted once."""
+    unique = {id(tensor): tensor for _, _, _, tensor in _module_tensors(module, recurse)}
+    return sum(stored_bytes(tensor) for tensor in unique.values())
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """All tensors of a module, packed back to back; ``nbytes`` is the buffer size."""
+    """All tensors of a module, their parts packed back to back; ``nbytes`` is the buffer size."""
 
     slots: tuple[TensorSlot, ...]
     nbytes: int
@@ -69,8 +186,8 @@ class BlockLayout:
     def of(cls, module: nn.Module, storage_dtype: torch.dtype | None = None, recurse: bool = True) -> BlockLayout:
         """Lays out ``module``'s tensors (its own only, unless ``recurse``).
 
-        ``storage_dtype`` applies to floating-point parameters only: buffers such as
-        rotary tables lose precision badly and are small.
+        ``storage_dtype`` applies to plain floating-point parameters only: buffers such as rotary tables
+        lose precision badly and are small, and a subclass's parts mean something only in their own dtypes.
         """
         slots = []
         offset = 0
@@ -82,35 +199,61 @@ class BlockLayout:
                     "a shared tensor cannot be streamed as part of one block."
                 )
             seen.add(id(tensor))
-            if not _is_plain(tensor):
-                raise TypeError(
-                    f"{type(module).__name__}.{name} is a {type(tensor).__name__}; block streaming "
-                    "handles plain tensors of any dtype (fp8 weights with a separate scale included)."
-                )
-            dtype = tensor.dtype
-            if storage_dtype is not None and is_parameter and dtype.is_floating_point:
-                dtype = storage_dtype
-            offset = _align(offset)
-            slots.append(TensorSlot(owner, name, is_parameter, offset, tensor.shape, dtype))
-            offset += tensor.numel() * dtype.itemsize
+            form = TensorForm.of(tensor, f"{type(owner).__name__}.{name}")
+            parts = []
+            for part in form.parts_of(tensor):
+                dtype = part.dtype
+                if storage_dtype is not None and is_parameter and form.is_plain and dtype.is_floating_point:
+                    dtype = storage_dtype
+                offset = _align(offset)
+                parts.append(Part(offset, part.shape, dtype))
+                offset += part.numel() * dtype.itemsize
+            slots.append(TensorSlot(owner, name, is_parameter, form, tuple(parts)))
         return cls(tuple(slots), _align(offset))
 
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return tuple(part for slot in self.slots for part in slot.parts)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where the module's tensors are now (None when it has none)."""
+        first = next(self._current_parts(), None)
+        return None if first is None else first.device
+
+    def part_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A typed view of ``flat`` per part, in layout order."""
+        return tuple(part.view(flat) for part in self.parts)
+
+    def assemble(self, parts: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The module's tensors rebuilt around ``parts`` (one per part, in layout order), for ``point_at``."""
+        remaining = iter(parts)
+        tensors = []
+        for slot in self.slots:
+            tensor = slot.form.assemble(remaining)
+            if slot.is_parameter and slot.form.is_wrapper:
+                tensor._is_param = True  # what nn.Parameter marks a subclass with, without its copy
+            tensors.append(tensor)
+        return tuple(tensors)
+
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(slot.view(flat) for slot in self.slots)
+        """The module's tensors living in ``flat``."""
+        return self.assemble(self.part_views(flat))
 
     def pack_into(self, flat: torch.Tensor) -> None:
-        """Copies the module's current tensors into ``flat`` (casting to the layout's dtypes)."""
-        for slot, view in zip(self.slots, self.views(flat), strict=True):
-            view.copy_(slot.tensor())
+        """Copies the module's current parts into ``flat`` (casting to the layout's dtypes)."""
+        for view, part in zip(self.part_views(flat), self.current(), strict=True):
+            view.copy_(part)
 
-    def point_at(self, views: tuple[torch.Tensor, ...]) -> None:
-        """Makes every tensor of the module use the given views as its storage.
-
-        Swapping ``.data`` keeps the Parameter objects themselves, so code that
-        holds a reference to a weight (optimisers, ComfyUI's patcher) still sees it.
-        """
-        for slot, view in zip(self.slots, views, strict=True):
-            slot.tensor().data = view
+    def point_at(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Makes the module hold ``tensors`` (from ``views`` or ``assemble``); see ``TensorSlot.place``."""
+        for slot, tensor in zip(self.slots, tensors, strict=True):
+            slot.place(tensor)
 
     def current(self) -> tuple[torch.Tensor, ...]:
-        return tuple(slot.tensor().data for slot in self.slots)
+        """The parts of the module's tensors as they are now, in layout order."""
+        return tuple(self._current_parts())
+
+    def _current_parts(self) -> Iterator[torch.Tensor]:
+        for slot in self.slots:
+            yield from slot.form.parts_of(slot.tensor())

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .layout import module_stored_bytes
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 
 GIB = 1024**3
@@ -26,8 +27,9 @@ def slot_pool_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int 
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of all parameters and buffers of ``module``, counted once each."""
-    return sum(t.numel() * t.element_size() for t in module.state_dict(keep_vars=True).values())
+    """Bytes of all parameters and buffers of ``module`` as they are stored (and streamed): a quantized
+    weight counts its quantized data and scales, not the size it dequantizes to. Counted once each."""
+    return module_stored_bytes(module)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .layout import BlockLayout
+from .layout import BlockLayout, module_stored_bytes
 from .pinning import PinnedMemoryBudget
 from .plan import slot_pool_bytes
 from .streamer import BlockStreamer, eager
@@ -35,7 +35,7 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _own_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in _own_tensors(module))
+    return module_stored_bytes(module, recurse=False)
 
 
 def streamed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -125,6 +125,7 @@ class _ParkedBuffer:
     nbytes: int
     signature: tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]
     pinned: bool
+    recurse: bool  # laid out with the block's submodules, or its own tensors only
     # Its pinned bytes' reservation, released when the buffer is freed, or taken back by an adopting share.
     reservation: weakref.finalize | None
 
@@ -141,7 +142,11 @@ _PARKED: weakref.WeakKeyDictionary[nn.Module, _ParkedBuffer] = weakref.WeakKeyDi
 
 def _signature(layout: BlockLayout) -> tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]:
     # No owner modules: a value of the weak registry must not keep its key alive.
-    return tuple((slot.name, slot.is_parameter, slot.offset, slot.shape, slot.dtype) for slot in layout.slots)
+    return tuple(
+        (slot.name, slot.is_parameter, part.offset, part.shape, part.dtype)
+        for slot in layout.slots
+        for part in slot.parts
+    )
 
 
 def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
@@ -163,11 +168,12 @@ def unpark(modules: Iterable[nn.Module]) -> None:
         if host is None:
             continue
         start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
-        for owner in module.modules():
-            for table in (owner._parameters, owner._buffers):
-                for tensor in table.values():
-                    if tensor is not None and tensor.device.type == "cpu" and start <= tensor.data_ptr() < end:
-                        tensor.data = tensor.data.clone()
+        layout = BlockLayout.of(module, recurse=parked.recurse)
+        parts = tuple(
+            part.clone() if part.device.type == "cpu" and start <= part.data_ptr() < end else part
+            for part in layout.current()
+        )
+        layout.point_at(layout.assemble(parts))
 
 
 @dataclass
@@ -346,7 +352,7 @@ class BlockStreamer:
         storage = layout
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
-        origin = layout.slots[0].tensor().device if layout.slots else self.device
+        origin = layout.device or self.device
         pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(storage.nbytes))
         host = pinned_host_buffer(storage.nbytes) if pinned else None
         if host is None:
@@ -366,14 +372,14 @@ class BlockStreamer:
         """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
         state = self._state[index]
         if state.originals is not None:
-            state.layout.point_at(state.originals)  # the rounded host copy must not replace them
+            state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
             self._unpin(state)
             return
         storage = state.host.untyped_storage()
         nbytes = state.host.numel()
         reservation = self._pinned.park(nbytes, storage) if state.pinned and self._pinned is not None else None
         _PARKED[self.blocks[index]] = _ParkedBuffer(
-            weakref.ref(storage), nbytes, _signature(state.layout), state.pinned, reservation
+            weakref.ref(storage), nbytes, _signature(state.layout), state.pinned, self.recurse, reservation
         )
 
     def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
@@ -385,15 +391,15 @@ class BlockStreamer:
         host = parked.host()
         if host is None or parked.signature != _signature(layout):
             return None
-        views = layout.views(host)
-        if not all(_same_memory(tensor, view) for tensor, view in zip(layout.current(), views, strict=True)):
+        parts = layout.part_views(host)
+        if not all(_same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
             return None
         if parked.reservation is not None:
             if self._pinned is None or not self._pinned.adopt(parked.reservation):
                 return None
         elif parked.pinned and self._pinned is not None:
             return None  # pinned outside this budget: adopting it would leave the budget short
-        return _StreamedBlock(layout, layout, host, views, host.device, pinned=parked.pinned)
+        return _StreamedBlock(layout, layout, host, layout.assemble(parts), host.device, pinned=parked.pinned)
 
     def _unpin(self, state: _StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
@@ -402,12 +408,12 @@ class BlockStreamer:
 
     def _restore(self, index: int, device: torch.device) -> None:
         state = self._state[index]
-        sources = state.originals if state.originals is not None else state.host_views
+        sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
         restored = tuple(
-            source.to(device=device, dtype=slot.dtype, copy=True)
-            for slot, source in zip(state.layout.slots, sources, strict=True)
+            source.to(device=device, dtype=part.dtype, copy=True)
+            for part, source in zip(state.layout.parts, sources, strict=True)
         )
-        state.layout.point_at(restored)
+        state.layout.point_at(state.layout.assemble(restored))
 
     # -- device side -------------------------------------------------------------------------
 
@@ -474,7 +480,8 @@ class BlockStreamer:
             slot.flat[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
             return
         slot.staging[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
-        for target, source in zip(self._views(slot, index), state.storage.views(slot.staging), strict=True):
+        targets = state.layout.part_views(slot.flat)
+        for target, source in zip(targets, state.storage.part_views(slot.staging), strict=True):
             target.copy_(source)
 
     def _upcoming(self) -> list[int]:

