@@ -7,12 +7,16 @@ it does for a file on disk, so whatever parameters a ComfyUI version needs come 
 Wan and Flux reuse the key layouts of ``harness/tiny_models.py`` (what the test checkpoints are built
 from) at the real sizes: its spec builders read the sizes from module constants when called, so the
 sizes are swapped in for the call. Qwen-Image has no tiny checkpoint; its layout is written here.
+
+Flux also comes quantized as users' small-GPU files are: ComfyUI's per-layer ``comfy_quant`` fp8 e4m3 and
+GGUF Q8_0, each Linear weight quantized by ``tiny_models``' rule (its ``quant`` names the format as
+``tiny_models.QuantizedArtifact`` does).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
@@ -73,6 +77,18 @@ class Checkpoint:
     context_key: str  # the checkpoint's text projection: its input width is the text encoder's
     pooled_key: str | None = None  # likewise for a pooled text vector (Flux's ``y``)
     guidance: bool = False  # guidance-distilled (Flux dev): a guidance scale per step
+    #: None: the weights in the benchmark's float dtype; else a key of ``tiny_models.SAFETENSORS_QUANT`` or a
+    #: GGML quantization type name (written as GGUF, loaded by ComfyUI-GGUF).
+    quant: str | None = None
+    gguf_arch: str = ""  # ``general.architecture`` of the checkpoint written as GGUF (ComfyUI-GGUF checks it)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.quant is not None and self.quant not in tiny_models.SAFETENSORS_QUANT
+
+    def quantized(self, name: str, quant: str, label: str, gguf_arch: str) -> Checkpoint:
+        """The same checkpoint as ``name``, its Linear weights in ``quant`` (``label`` says how in the title)."""
+        return replace(self, name=name, title=f"{self.title}, {label}", quant=quant, gguf_arch=gguf_arch)
 
     def shapes(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The checkpoint as ComfyUI's detection reads it: every tensor, on the meta device (no memory)."""
@@ -87,6 +103,10 @@ class Checkpoint:
 
 
 WAN14B, FLUX12B, QWEN20B = "wan14b", "flux12b", "qwen20b"
+FP8, Q8_0 = "float8_e4m3fn", "Q8_0"
+FP8_LABEL = "weights fp8 e4m3 (ComfyUI per-layer comfy_quant)"
+Q8_0_LABEL = "weights GGUF Q8_0 (ComfyUI-GGUF)"
+FLUX12B_FP8, FLUX12B_Q8_0 = "flux12b_fp8", "flux12b_q8_0"
 
 CHECKPOINTS = {
     WAN14B: Checkpoint(
@@ -116,6 +136,8 @@ CHECKPOINTS = {
         context_key="txt_in.weight",
     ),
 }
+CHECKPOINTS[FLUX12B_FP8] = CHECKPOINTS[FLUX12B].quantized(FLUX12B_FP8, FP8, FP8_LABEL, "flux")
+CHECKPOINTS[FLUX12B_Q8_0] = CHECKPOINTS[FLUX12B].quantized(FLUX12B_Q8_0, Q8_0, Q8_0_LABEL, "flux")
 
 #: The same architectures as small as ComfyUI's detection allows, for ``--smoke`` on the CPU.
 SMOKE_CHECKPOINTS = {
@@ -146,3 +168,7 @@ SMOKE_CHECKPOINTS = {
         context_key="txt_in.weight",
     ),
 }
+# Quantized, the smoke runs the tiny Wan: the tiny Flux (width 3072, 0.5 GB quantized) takes about a minute
+# a model on the CPU, most of it dequantizing every weight at every step.
+SMOKE_CHECKPOINTS[FLUX12B_FP8] = SMOKE_CHECKPOINTS[WAN14B].quantized(FLUX12B_FP8, FP8, FP8_LABEL, "wan")
+SMOKE_CHECKPOINTS[FLUX12B_Q8_0] = SMOKE_CHECKPOINTS[WAN14B].quantized(FLUX12B_Q8_0, Q8_0, Q8_0_LABEL, "wan")

@@ -9,6 +9,16 @@ own ``comfy.model_detection.model_config_from_unet`` picks the config and classe
 model it builds gets random bf16 weights N(0, 0.02) in host memory (nothing is downloaded), wrapped in
 ComfyUI's ``ModelPatcher``.
 
+``flux12b_fp8`` and ``flux12b_q8_0`` are the same Flux with every Linear weight quantized (the rule of
+``harness/tiny_models.py``), each tensor drawn on the device and quantized there: fp8 e4m3 in ComfyUI's
+per-layer ``comfy_quant`` format (its scale and config entries beside each weight), handed as a state dict
+to the host's ``comfy.sd.load_diffusion_model_state_dict`` (ComfyUI 0.33 loads it as ``QuantizedTensor``);
+and GGUF Q8_0, written to a temporary file (the non-quantized tensors in F32) and loaded by city96's
+ComfyUI-GGUF's ``Unet Loader (GGUF)`` (``GGMLTensor``), the pack loaded as ComfyUI loads a custom node
+(from the host's ``custom_nodes`` or this repo's test host's). A host that cannot load one (0.3.75 has no
+per-layer ``comfy_quant``; no ComfyUI-GGUF) skips it and writes why. Budgets, bytes streamed and the lower
+bound count the weights as stored (``offload.module_bytes``): quantized data and scales.
+
 Every configuration is loaded, then runs the diffusion model's forward (``apply_model``) on fixed inputs
 for ``--steps`` steps, as one generation would; that is a round. Rows of one budget take their rounds in
 turn (A B C A B C ...), so a drift of the machine touches them alike, and the group's first row is
@@ -40,10 +50,12 @@ tiny shapes (the times mean nothing), so the test suite can check the script its
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import gc
 import importlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -59,7 +71,8 @@ from typing import Any, TypeVar
 import psutil
 import torch
 
-from harness.comfy_host import REPO, resolve_comfyui_path
+from harness import tiny_models
+from harness.comfy_host import HOST_DIR, REPO, resolve_comfyui_path
 from harness.pack import PACK
 
 from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS, Checkpoint
@@ -80,11 +93,13 @@ from bench.results import (
     markdown,
     series,
     write,
+    write_skipped,
 )
 from bench.timing import h2d_bandwidth_gbps, ms_of_each_call
 from block_offload.offload.device import synchronize
 
 NO_CUDA_EXIT = 2
+GGUF_PACK = "ComfyUI-GGUF"
 DYNAMIC = "on a Dynamic VRAM model"
 COMFYUI_DYNAMIC = f"{COMFYUI}, Dynamic VRAM"
 
@@ -181,10 +196,121 @@ def build_model(comfy: Comfy, shapes: dict[str, torch.Tensor], device: torch.dev
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, device=device, dtype=param.dtype).mul_(0.02))
+            param.copy_(random_weight(param.shape, generator, device, param.dtype))
     model.eval()
     # Offloading is to host memory, whatever ComfyUI's VRAM state would pick for a model this size.
     return comfy.patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
+
+
+def random_weight(
+    shape: Sequence[int], generator: torch.Generator, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """N(0, 0.02), drawn on ``device``."""
+    return torch.randn(tuple(shape), generator=generator, device=device, dtype=dtype).mul_(0.02)
+
+
+def quantized_weights(
+    shapes: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: Callable[[str, torch.Tensor], dict],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, random, in host memory one at a time: each drawn in ``dtype`` on ``device``
+    and, where ``tiny_models``' rule quantizes it, replaced by what ``quantize(key, weight)`` makes of it
+    there (quantized data, scales, configs by key)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    for key, meta in shapes.items():
+        weight = random_weight(meta.shape, generator, device, dtype)
+        made = quantize(key, weight) if tiny_models._quantized(key, weight) else {key: weight}
+        yield from ((name, tensor.cpu()) for name, tensor in made.items())
+
+
+def load_comfy_quant(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device,
+                     dtype: torch.dtype):  # fmt: skip
+    """A classic ModelPatcher over what the host's own loader makes of the checkpoint in ComfyUI's per-layer
+    ``comfy_quant`` format (``tiny_models``' writer of that format, layer by layer)."""
+    layer = tiny_models.SAFETENSORS_QUANT[checkpoint.quant].layer
+    weights = dict(quantized_weights(shapes, device, dtype, lambda key, w: layer(key.removesuffix(".weight"), w)))
+    options = {"dtype": dtype, "load_device": device, "offload_device": torch.device("cpu")}
+    return comfy.sd.load_diffusion_model_state_dict(weights, model_options=options, disable_dynamic=True)
+
+
+def q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """GGML Q8_0 blocks of ``weight`` (rows a multiple of 32 long) as the bytes GGUF stores, on its device:
+    per 32 values an fp16 scale ``d`` (their largest magnitude / 127) and 32 int8 rounded away from zero,
+    as the ``gguf`` package quantizes (on the CPU, minutes for 12B values; here, seconds on a GPU)."""
+    blocks = weight.float().reshape(-1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d == 0, 0, 1 / d)
+    quants = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    packed = torch.cat([d.half().view(torch.uint8), quants.view(torch.uint8)], dim=1)
+    return packed.reshape(weight.shape[0], -1)
+
+
+def import_gguf_loader() -> type:
+    """ComfyUI-GGUF's ``UnetLoaderGGUF``, its pack loaded as ComfyUI loads a custom node
+    (``nodes.load_custom_node``) from the host's ``custom_nodes`` or this repo's test host's; raises
+    LookupError saying why it cannot be."""
+    import folder_paths
+
+    import nodes as comfy_nodes  # ComfyUI's
+
+    if importlib.util.find_spec("gguf") is None:
+        raise LookupError("the gguf package is not installed (requirements-dev.txt)")
+    folders = [*folder_paths.get_folder_paths("custom_nodes"), str(HOST_DIR / "custom_nodes")]
+    found = next((Path(f) / GGUF_PACK for f in folders if (Path(f) / GGUF_PACK / "nodes.py").is_file()), None)
+    if found is None:
+        raise LookupError(f"{GGUF_PACK} is in none of {folders}")
+    if "UnetLoaderGGUF" not in comfy_nodes.NODE_CLASS_MAPPINGS:
+        asyncio.run(comfy_nodes.load_custom_node(str(found)))
+    if "UnetLoaderGGUF" not in comfy_nodes.NODE_CLASS_MAPPINGS:
+        raise LookupError(f"ComfyUI did not load {found} (its log says why)")
+    return comfy_nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]
+
+
+def load_gguf(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device, folder: Path):
+    """ComfyUI-GGUF's Unet Loader (GGUF) on the checkpoint written as GGUF into ``folder`` (its
+    architecture, the Linear weights in Q8_0, the one GGML type written here, the rest in F32, as its
+    convert.py writes them)."""
+    import folder_paths
+    import gguf
+
+    loader = import_gguf_loader()
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    path = folder / f"{checkpoint.name}.gguf"
+    writer = gguf.GGUFWriter(path, arch=checkpoint.gguf_arch)
+    for key, tensor in quantized_weights(shapes, device, torch.float32, lambda key, w: {key: q8_0(w)}):
+        writer.add_tensor(key, tensor.numpy(), raw_dtype=qtype if tensor.dtype == torch.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder_paths.add_model_folder_path("diffusion_models", str(folder))
+    return loader().load_unet(path.name)[0]
+
+
+def load_model(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device,
+               dtype: torch.dtype, folder: Path):  # fmt: skip
+    """The classic ModelPatcher the benchmark measures, as the host (and ComfyUI-GGUF) load the checkpoint."""
+    if checkpoint.quant is None:
+        return build_model(comfy, shapes, device, dtype)
+    if checkpoint.is_gguf:
+        return load_gguf(checkpoint, shapes, device, folder)
+    return load_comfy_quant(comfy, checkpoint, shapes, device, dtype)
+
+
+def cannot_load(checkpoint: Checkpoint) -> str | None:
+    """Why this host cannot load ``checkpoint`` as its format's tensors, or None."""
+    import comfy.utils
+
+    if checkpoint.is_gguf:
+        try:
+            import_gguf_loader()
+        except LookupError as error:
+            return f"ComfyUI-GGUF cannot be loaded: {error}"
+    elif checkpoint.quant is not None and not hasattr(comfy.utils, "detect_layer_quantization"):
+        return "this ComfyUI reads no per-layer comfy_quant entries (0.3.75 reads only a file's _quantization_metadata)"
+    return None
 
 
 def dynamic_twin(comfy: Comfy, classic, dtype: torch.dtype):
@@ -345,6 +471,7 @@ class Placed:
     overlap: float | None
     predicted_ms: float | None
     measuring: bool
+    copied_bytes: int | None = None  # the pack's engine, its last step (its recorder)
 
 
 def placed(patcher) -> Placed:
@@ -360,7 +487,8 @@ def placed(patcher) -> Placed:
     key = "" if plan is None else f"resident {sorted(plan.resident)}, prefetch {plan.prefetch}, pin {plan.pin_memory}"
     placement = engine.placement
     overlap = step.overlap if step is not None else None
-    return Placed(placement.summary, key, streamed, overlap, placement.predicted_ms, placement.measuring)
+    copied = step.bytes_copied if step is not None else None
+    return Placed(placement.summary, key, streamed, overlap, placement.predicted_ms, placement.measuring, copied)
 
 
 @contextlib.contextmanager
@@ -478,33 +606,42 @@ def _measurement(method: str, config: Config, rounds: list[Round], where: Placed
         where.placement,
         where.placement_key,
         where.measuring,
+        where.copied_bytes,
     )
 
 
-def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device, bandwidth: float):
+def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device, bandwidth: float,
+              folder: Path):  # fmt: skip
+    """Every configuration on ``checkpoint``'s model (a GGUF one written into ``folder`` first)."""
     dtype = torch.float32 if args.smoke else torch.bfloat16
     started = time.perf_counter()
     shapes = checkpoint.shapes(dtype)
-    classic = build_model(comfy, shapes, device, dtype)
-    dynamic = None if comfy.no_dynamic_vram else dynamic_twin(comfy, classic, dtype)
-    model_bytes = classic.model_size()
+    classic = load_model(comfy, checkpoint, shapes, device, dtype, folder)
+    notes = {}
+    if comfy.no_dynamic_vram:
+        notes["Dynamic VRAM rows"] = f"skipped: {comfy.no_dynamic_vram}"
+    elif checkpoint.is_gguf:
+        notes["Dynamic VRAM rows"] = "skipped: ComfyUI-GGUF's loader makes its own classic patcher (GGUFModelPatcher)"
+    dynamic = None if "Dynamic VRAM rows" in notes else dynamic_twin(comfy, classic, dtype)
+    # As stored (quantized data and scales), as the pack's plan counts them: budgets and lower bounds in these.
+    model_bytes = comfy.offload.module_bytes(classic.model.diffusion_model)
     progress(f"{checkpoint.name}: built in {time.perf_counter() - started:.0f} s, {model_bytes / GIB:.2f} GiB")
     inputs = make_inputs(checkpoint, shapes, device)
     _, blocks = comfy.find_blocks(classic.model.diffusion_model)
     block_bytes = [comfy.offload.module_bytes(block) for _, block in blocks]
+    # What the host holds a block's Linear weights as (a quantized model's tensor kind).
+    weight = next(w for _, block in blocks for w in block.parameters() if w.dim() == 2)
+    notes["block weights"] = f"{type(weight).__name__}, {weight.dtype}"
     # ComfyUI's own estimate of the sampling activations (what its sampler asks load_models_gpu to leave free).
     need = int(classic.model.memory_required(inputs["x"].shape))
     bases = Bases(
         classic, dynamic, block_bytes, model_bytes - sum(block_bytes), need + comfy.mm.minimum_inference_memory()
     )
     budgets = [Budget(SHARE, int(share * model_bytes)) for share in args.budgets]
-    notes = {}
     if device.type == "cuda":
         budgets += [Budget(CARD, int(gib * GIB)) for gib in args.cards]
     elif args.cards:
         notes["card budgets"] = "skipped: a card is imposed by a filler allocation on a CUDA device"
-    if comfy.no_dynamic_vram:
-        notes["Dynamic VRAM rows"] = f"skipped: {comfy.no_dynamic_vram}"
     out_of_memory: list[str] = []
     measurements = measure_all(
         configs(comfy, bases, budgets, args.rows),
@@ -598,7 +735,13 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = h2d_bandwidth_gbps(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
         for name in args.models:
             checkpoint = (SMOKE_CHECKPOINTS if args.smoke else CHECKPOINTS)[name]
-            run = run_model(comfy, checkpoint, args, device, bandwidth)
+            reason = cannot_load(checkpoint)
+            if reason is not None:
+                progress(f"{name}: skipped: {reason}")
+                data, table = write_skipped(name, checkpoint.title, reason, run_meta(device, args), args.out)
+                print(f"wrote {data}, {table}")
+                continue
+            run = run_model(comfy, checkpoint, args, device, bandwidth, Path(user_dir))
             data, table = write(run, args.out)
             chart = line_chart(
                 series(run),

@@ -75,6 +75,7 @@ class Measurement:
     #: Equal for two rows that placed the same blocks the same way (the noise check pairs them).
     placement_key: str = ""
     measuring: bool = False  # an automatic placement's first run, placed by its policy to measure the costs
+    copied_bytes: int | None = None  # what the pack's engine copied in the last step (its recorder); None: ComfyUI
 
     @property
     def steady_ms(self) -> list[float]:
@@ -138,6 +139,7 @@ class Measurement:
             "host_rss_bytes": self.host_rss_bytes,
             "pinned_host_bytes": self.pinned_host_bytes,
             "streamed_bytes": self.streamed_bytes,
+            "copied_bytes": self.copied_bytes,
             "overlap": self.overlap,
             "predicted_ms": self.predicted_ms,
             "placement": self.placement,
@@ -367,6 +369,16 @@ def write(run: ModelRun, out_dir: Path) -> tuple[Path, Path]:
     data, table = out_dir / f"{run.model}.json", out_dir / f"{run.model}.md"
     data.write_text(json.dumps(run.as_dict(), indent=1) + "\n")
     table.write_text(markdown(run))
+    return data, table
+
+
+def write_skipped(model: str, title: str, reason: str, meta: dict[str, str], out_dir: Path) -> tuple[Path, Path]:
+    """``<model>.json`` and ``<model>.md`` for a model this host cannot load, saying why."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data, table = out_dir / f"{model}.json", out_dir / f"{model}.md"
+    data.write_text(json.dumps({"model": model, "title": title, "skipped": reason, "meta": meta}, indent=1) + "\n")
+    details = ", ".join(f"{key} {value}" for key, value in meta.items())
+    table.write_text(f"### {title}\n\nSkipped: {reason}.\n\nOn: {details}.\n")
     return data, table
 
 
