@@ -109,10 +109,14 @@ def text_to_latent(
 
 
 def async_block_offload_wan21_t2v() -> Prompt:
-    """Wan 2.1 text-to-video: the first block stays on the GPU, the other four stream."""
+    """Wan 2.1 text-to-video: one block stays on the GPU (the planner's pick, once measured), four stream."""
     return text_to_latent(
         tm.WAN21,
-        ("AsyncBlockOffload", "Async Block Offload", {"resident_blocks": 1, "prefetch_blocks": 1, "pin_memory": True}),
+        (
+            "AsyncBlockOffload",
+            "Async Block Offload",
+            {"resident_blocks": 1, "prefetch_blocks": 1, "pin_memory": True, "policy": "auto"},
+        ),
         {"width": 32, "height": 32, "length": 5, "batch_size": 1},
         cfg=6.0,
         prefix="async_block_offload_wan21_t2v",

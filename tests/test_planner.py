@@ -19,7 +19,7 @@ import torch
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
 from harness.inprocess import async_offload, sample, wan
-from harness.prompts import ARCHS, PromptBuilder, plan_lines, run
+from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_lines, run
 from harness.transformer_stack import transformer_stack
 
 from block_offload.offload import BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
@@ -294,6 +294,9 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
     """First prompt: no measurements, so the strided policy places the blocks and the run is
     measured; second prompt (same MODEL, sampled again): the planner places them, says so with
     its predicted step time, and the latent is bit for bit the reference's."""
+    # An automatic engine another test left on this server records its costs when it stops: stop it first.
+    comfy_host.free()
+    evict_cached_models(comfy_host)
     cache = comfy_host.base_dir / "user" / "block_offload" / "block_costs.json"
     cache.unlink(missing_ok=True)  # this model must not have been measured on this "device" yet
     arch = ARCHS[tm.WAN21]
