@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterator
 
 import comfy.model_management
 import torch
@@ -71,19 +72,24 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _recorded_dtypes(model: torch.nn.Module) -> Iterator[tuple[dict, str, torch.Tensor, torch.dtype | None]]:
+    """Every parameter and buffer with its table, name and the dtype ComfyUI recorded for it
+    (``<name>_comfy_model_dtype``); None where it recorded none or the tensor is quantized (a subclass)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    dtype = getattr(module, f"{name}_comfy_model_dtype", None)
+                    yield table, name, tensor, dtype if type(tensor) in _PLAIN else None
+
+
 def weight_bytes(model: ModelPatcher) -> int:
     """The model's weights in the dtypes ComfyUI computes them in: a Dynamic VRAM model holds them as
     stored until it pages them in (so ``model_size()`` counts an fp32 file run in fp16 twice over)."""
-    total = 0
-    for module in model.model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                dtype = getattr(module, f"{name}_comfy_model_dtype", None)
-                plain = dtype is not None and type(tensor) in _PLAIN
-                total += tensor.numel() * dtype.itemsize if plain else tensor.nbytes
-    return total
+    return sum(
+        tensor.numel() * dtype.itemsize if dtype is not None else tensor.nbytes
+        for _, _, tensor, dtype in _recorded_dtypes(model.model)
+    )
 
 
 def room_for_weights(model: ModelPatcher, request: OffloadRequest) -> int:
@@ -96,13 +102,10 @@ def room_for_weights(model: ModelPatcher, request: OffloadRequest) -> int:
 def cast_to_recorded_dtypes(model: torch.nn.Module) -> None:
     """Casts every plain parameter and buffer to the dtype ComfyUI recorded for it, as ModelPatcherDynamic
     does when it pages a weight in. Quantized tensors (a tensor subclass) are ComfyUI's ops' to handle."""
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                dtype = getattr(module, f"{name}_comfy_model_dtype", None)
-                if tensor is None or dtype is None or tensor.dtype == dtype or type(tensor) not in _PLAIN:
-                    continue
-                if isinstance(tensor, torch.nn.Parameter):
-                    tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
-                else:
-                    table[name] = tensor.to(dtype)
+    for table, name, tensor, dtype in _recorded_dtypes(model):
+        if dtype is None or tensor.dtype == dtype:
+            continue
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
+        else:
+            table[name] = tensor.to(dtype)
