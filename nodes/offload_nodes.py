@@ -132,6 +132,9 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
             f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
         )
         return io.NodeOutput(model)
+    # Whether the request streams some weights whatever the device: the sequential wrapper, or a fixed count
+    # below all the blocks. A budget's placement depends on the device (``room_for_weights``).
+    streams_any = True
     if not request.sequential:
         try:
             _, blocks = find_blocks(model.model.diffusion_model)
@@ -142,22 +145,15 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
                 f"resident_blocks is {request.resident_blocks} but this model has {len(blocks)} blocks; "
                 f"use 0 to {len(blocks)}."
             )
+        streams_any = request.resident_blocks is None or request.resident_blocks < len(blocks)
     refuse_cudagraphs(model, node)
     if uses_dynamic_vram(model) and may_step_aside():
-        aside = step_aside(weight_bytes(model), room_for_weights(model, request), _streams_any(model, request))
+        aside = step_aside(weight_bytes(model), room_for_weights(model, request), streams_any)
         if aside is not None:
             logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")
             report.node_stepped_aside(node, aside.reason)
             return io.NodeOutput(model)
     return io.NodeOutput(with_offload(model, request))
-
-
-def _streams_any(model: ModelPatcher, request: OffloadRequest) -> bool:
-    """Whether the request streams some weights whatever the device: a fixed count below all the blocks,
-    or the sequential wrapper. A budget's placement depends on the device (``room_for_weights``)."""
-    if request.resident_blocks is None:
-        return True
-    return request.resident_blocks < len(find_blocks(model.model.diffusion_model)[1])
 
 
 class AsyncBlockOffload(io.ComfyNode):
