@@ -146,11 +146,24 @@ class TensorSlot:
         LoRA patches). A wrapper's device is fixed when it is made, so the rebuilt one takes the old one's
         place; ComfyUI itself replaces its quantized Parameters whenever it moves or patches them."""
         if not self.form.is_wrapper:
-            self.tensor().data = tensor
+            held = self.tensor()
+            if held.is_inference() and not tensor.is_inference():
+                tensor = _inference_alias(tensor)
+            held.data = tensor
         elif self.is_parameter:
             self.owner._parameters[self.name] = tensor
         else:
             self.owner._buffers[self.name] = tensor
+
+
+def _inference_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as an inference tensor. A tensor made under ``torch.inference_mode`` (ComfyUI
+    builds and moves its Parameters inside it) that takes a normal tensor's memory through ``.data`` loses
+    its version counter, and every view of it then fails ("Inference tensors do not track version
+    counter"); one that takes an inference tensor's memory stays whole."""
+    with torch.inference_mode():
+        alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Module, str, bool, torch.Tensor]]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.transformer_stack import Stack, forward_steps
+from harness.transformer_stack import Stack, forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, SequentialOffloader, module_bytes, unpark
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
@@ -148,8 +148,8 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
     seen: list[bool] = []
 
     def in_the_slot(module: nn.Module, args: tuple) -> None:
-        slot = streamer._slots[streamer.slot_of(1)].flat
-        memory = range(slot.data_ptr(), slot.data_ptr() + slot.numel())
+        start, end = streamer.region_of(1)
+        memory = range(streamer._buffer.data_ptr() + start, streamer._buffer.data_ptr() + end)
         rows, scaled = module.rows, module.scaled
         seen.append(rows.qdata.data_ptr() in memory and rows.scale.data_ptr() in memory)
         seen.append(scaled.data_ptr() in memory and scaled.scale == 0.002)
@@ -214,3 +214,27 @@ def test_a_subclass_of_unknown_make_is_refused_naming_the_kinds_streamed() -> No
     assert "Module.weight is a DispatchOnly" in message
     assert "__tensor_flatten__/__tensor_unflatten__ (ComfyUI's QuantizedTensor)" in message
     assert "ComfyUI-GGUF's GGMLTensor" in message and "plain tensors of any dtype" in message
+
+
+def test_parameters_made_in_inference_mode_stay_usable_after_streaming_stops_outside_it() -> None:
+    """ComfyUI 0.33 builds and moves its Parameters inside ``torch.inference_mode`` (the prompt's execution;
+    ``comfy.ops`` re-creates them as it moves them), but unloads models outside it (``POST /free`` runs
+    ``unload_all_models`` in the prompt worker). A Parameter made in inference mode that takes a normal
+    tensor's memory through ``.data`` loses its version counter: the next prompt's first view of it failed
+    with "Inference tensors do not track version counter"."""
+    model = transformer_stack()
+    with torch.inference_mode():
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
+    x = torch.randn(1, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    assert all(p.is_inference() for p in model.parameters())
+    for park in (True, False):
+        streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], root=model)
+        with torch.inference_mode():
+            streamer.enable()
+        assert all(torch.equal(out, reference) for out in forward_steps(model, x))
+        streamer.disable(park=park)  # outside inference mode, as ComfyUI unloads
+        unpark(model.blocks)
+        assert all(torch.equal(out, reference) for out in forward_steps(model, x))

@@ -304,6 +304,9 @@ def limited_host(
     base = comfy_host if cpu else gpu_hosts(request.param)
     loaded = {}
     for resident in (1, 2):
+        # Unloaded first: an earlier prompt with the same settings left its resident blocks loaded (parked), and
+        # ComfyUI logs no load for a model that is already loaded.
+        base.free(unload_models=True, free_memory=False)
         _, log = run_offload(base, offload_prompt(name="measure", resident_blocks=resident, seed=1000 + resident))
         # What ComfyUI loaded of the streaming model, from its own log line of that load (the only partial load
         # of the prompt; to 0.01 MB, well inside the half block of slack below).
