@@ -8,22 +8,17 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .layout import module_stored_bytes
+from .layout import ALIGNMENT, module_stored_bytes
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
+from .ring import aligned, ring_capacity
 
 GIB = 1024**3
 
 
-def slot_count(prefetch: int, nesting: int = 1) -> int:
-    """Device slots a stream needs: one per block copied ahead (``prefetch``) and one per block running
-    (``nesting``: more than one where streamed modules run inside each other)."""
-    return prefetch + nesting
-
-
-def slot_pool_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int = 0) -> int:
-    """Device bytes of that slot pool: each slot as large as the largest streamed block, plus, with a
-    storage dtype, a staging copy of it in that dtype (copied into before the cast)."""
-    return slot_count(prefetch, nesting) * (largest + staging)
+def stream_buffer_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int = 0) -> int:
+    """Device bytes a stream allocates by default: its ring (``ring_capacity``) and, with a storage dtype,
+    one staging buffer as large as the largest block in that dtype (copied into before the cast)."""
+    return ring_capacity(largest, prefetch, nesting) + staging
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -42,6 +37,8 @@ class OffloadPlan:
     pin_memory: bool = True
     # None: the resident set was chosen block by block (offload.planner), not by a position policy.
     policy: ResidencyPolicy | None = ResidencyPolicy.LEADING
+    # The device ring's bytes, as the planner sized it from a budget; 0: ``prefetch + 1`` of the largest block.
+    ring_bytes: int = 0
 
     @classmethod
     def build(
@@ -63,8 +60,8 @@ class OffloadPlan:
         if resident_count is not None:
             resident = resident_indices(len(sizes), resident_count, policy)
         else:
-            # The slot pool comes out of the same budget as the resident blocks.
-            slots = slot_pool_bytes(max(sizes, default=0), prefetch)
+            # The ring comes out of the same budget as the resident blocks.
+            slots = ring_capacity(max(sizes, default=0), prefetch)
             resident = resident_for_budget(sizes, max(0, budget_bytes - slots), policy)
         return cls(sizes, resident, prefetch, pin_memory, policy)
 
@@ -82,10 +79,31 @@ class OffloadPlan:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of the reusable buffers the streamed blocks pass through."""
+        """Device bytes of the ring the streamed blocks pass through."""
         if not self.streamed:
             return 0
-        return slot_pool_bytes(max(self.block_bytes[i] for i in self.streamed), self.prefetch)
+        return ring_capacity(max(self.block_bytes[i] for i in self.streamed), self.prefetch, ring_bytes=self.ring_bytes)
+
+    @classmethod
+    def with_ring(
+        cls,
+        block_bytes: Sequence[int],
+        resident: frozenset[int],
+        budget_bytes: int,
+        pin_memory: bool = True,
+        policy: ResidencyPolicy | None = None,
+    ) -> OffloadPlan | None:
+        """``resident`` blocks, and a ring of what ``budget_bytes`` leaves (no more than every streamed block
+        takes), copies running as far ahead as it has room; None when it leaves less than the largest
+        streamed block. The planner's placements within a budget are these."""
+        streamed = [size for i, size in enumerate(block_bytes) if i not in resident]
+        if not streamed:
+            return None
+        room = budget_bytes - sum(block_bytes[i] for i in resident)
+        ring = min(room - room % ALIGNMENT, sum(aligned(size) for size in streamed))
+        if ring < aligned(max(streamed)):
+            return None
+        return cls(tuple(block_bytes), resident, len(block_bytes), pin_memory, policy, ring)
 
     def device_bytes(self, outside_blocks: int = 0) -> int:
         """Weights on the device at the peak: resident blocks, slots, and what lies outside the blocks."""
@@ -96,13 +114,17 @@ class OffloadPlan:
         block already streams synchronously.
 
         Half the resident blocks first (the ones kept are picked from the resident set by the
-        same policy, so leading stays leading and strided stays spread), then one block less
-        of prefetch, which frees one stream buffer.
+        same policy, so leading stays leading and strided stays spread), then a ring sized in
+        bytes gives way to two blocks' worth (prefetch 1) or, when it was no larger, to one;
+        then one block less of prefetch, which frees one block's worth of the ring.
         """
         if self.resident:
             ordered = sorted(self.resident)
             picked = resident_indices(len(ordered), len(ordered) // 2, self.policy or ResidencyPolicy.STRIDED)
             return replace(self, resident=frozenset(ordered[i] for i in picked))
+        if self.ring_bytes:
+            pool = replace(self, ring_bytes=0, prefetch=1)
+            return pool if pool.slot_bytes < self.slot_bytes else replace(pool, prefetch=0)
         if self.prefetch > 0:
             return replace(self, prefetch=self.prefetch - 1)
         return None
@@ -112,9 +134,14 @@ class OffloadPlan:
         count = len(self.block_bytes)
         resident = _ranges(sorted(self.resident)) or "none"
         chosen_by = self.policy.value if self.policy else "planned"
+        streamed = len(self.streamed)
+        copies = f"with prefetch {self.prefetch}"
+        if self.ring_bytes:
+            limit = f", at most {self.prefetch} ahead" if self.prefetch < streamed else ""
+            copies = f"through a {self.slot_bytes / GIB:.2f} GiB ring{limit}"
         return (
             f"{len(self.resident)}/{count} blocks resident ({resident}, {chosen_by}), "
-            f"{len(self.streamed)} streamed with prefetch {self.prefetch}"
+            f"{streamed} streamed {copies}"
             f"{' from pinned memory' if self.pin_memory and self.streamed else ''}; "
             f"resident {self.resident_bytes / GIB:.2f} GiB, streamed {self.streamed_bytes / GIB:.2f} GiB, "
             f"buffers {self.slot_bytes / GIB:.2f} GiB, weights on device at peak "

@@ -19,7 +19,7 @@ from torch import nn
 
 from .layout import BlockLayout, module_stored_bytes
 from .pinning import PinnedMemoryBudget
-from .plan import slot_pool_bytes
+from .plan import stream_buffer_bytes
 from .streamer import BlockStreamer, eager
 from .timeline import TimelineRecorder
 
@@ -45,9 +45,9 @@ def streamed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | None = None) -> int:
-    """Device bytes of the slot pool a ``SequentialOffloader`` of ``root`` allocates (before any module is
-    kept on the device): one slot per prefetched module and per level of nesting, each as large as the
-    largest module, plus as large again in the storage dtype to copy into before the cast."""
+    """Device bytes a ``SequentialOffloader`` of ``root`` allocates for streaming (before any module is kept
+    on the device): its ring (``ring_capacity``: room for the prefetched modules and every level of
+    nesting, each as large as the largest module), plus that module in the storage dtype to cast from."""
     modules = [module for _, module in streamed_modules(root)]
     if not modules:
         return 0
@@ -55,11 +55,11 @@ def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | No
     staging = 0
     if storage_dtype is not None:
         staging = max(BlockLayout.of(module, storage_dtype, recurse=False).nbytes for module in modules)
-    return slot_pool_bytes(largest, prefetch, _nesting(modules), staging)
+    return stream_buffer_bytes(largest, prefetch, _nesting(modules), staging)
 
 
 def _nesting(modules: list[nn.Module]) -> int:
-    """The deepest chain of wrapped modules inside one another: each needs its own slot."""
+    """The deepest chain of wrapped modules inside one another: each holds a region of the ring while it runs."""
     wrapped = {id(m) for m in modules}
 
     def depth(module: nn.Module) -> int:
@@ -144,7 +144,7 @@ class SequentialOffloader:
         index = next(i for i, m in enumerate(self.modules) if m is module)
         if index not in self.streamer.streamed:
             return ModuleState.KEPT
-        if self.streamer.slot_of(index) is not None:
+        if self.streamer.region_of(index) is not None:
             return ModuleState.ONLOADED
         return ModuleState.OFFLOADED
 
@@ -154,7 +154,7 @@ class SequentialOffloader:
         calls = Counter(self.streamer.last_order)
         # Most calls first; among equals the smaller module, so more of them fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
-        limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the slots too
+        limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too
         kept, used = [], 0
         for index in ranked:
             size = _own_bytes(self.modules[index])

@@ -1,19 +1,23 @@
-"""Streams blocks that do not live on the device into a small pool of reusable
-device buffers, each copy issued ahead of use on a dedicated copy stream.
+"""Streams blocks that do not live on the device through one reusable device
+buffer, the ring (``offload/ring.py``), each copy issued ahead of use on a
+dedicated copy stream.
 
-How one step runs, with prefetch ``k``:
+How one step runs:
 
 * Each streamed block's tensors live once, in one flat (pinned) host buffer; the
   module's parameters point at views of it while the block is offloaded.
-* ``k + 1`` device slots, each as large as the largest streamed block, are
-  allocated once. Before block ``i`` runs, the next ``k`` streamed blocks of the
-  expected call order are already being copied into free slots.
+* The ring is allocated once, sized in bytes: by default as ``prefetch + 1``
+  blocks as large as the largest streamed one; a planner may give it whatever
+  its budget leaves. Before block ``i`` runs, the next streamed blocks of the
+  expected call order are copied into it, each into a region of its own size,
+  as far ahead as the ring has room and at most ``prefetch`` blocks.
 * The compute stream waits on the block's *ready* event, not on the host, and
-  the block's parameters are pointed at the slot for the duration of its call.
-* After the call the slot records a *released* event on the compute stream; the
-  copy stream waits on it before overwriting the slot. That ordering is what
-  prevents the use-after-free race of freeing a buffer the compute stream has
-  not finished reading. Weights are only read, so nothing is copied back.
+  the block's parameters are pointed at its region for the duration of its call.
+* After the call the block records a *released* event on the compute stream; a
+  copy that overwrites any of its bytes waits on it first on the copy stream.
+  That ordering is what prevents the use-after-free race of overwriting memory
+  the compute stream has not finished reading; later copies on the same stream
+  come after it. Weights are only read, so nothing is copied back.
 
 The call order is learned: the first step assumes list order, later steps
 follow the order the previous step really used, so blocks that run twice, run
@@ -30,10 +34,9 @@ every prompt) neither copies nor pins the streamed weights again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -42,29 +45,12 @@ from torch.utils.hooks import RemovableHandle
 from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, pinned_host_buffer, synchronize
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
-from .plan import slot_count
+from .ring import ByteRing, ring_capacity, ring_granule
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
 
-
-class SlotState(Protocol):
-    """What the slot choice reads of a slot (offload.planner replays it on slots of its own)."""
-
-    block: int | None
-    in_use: bool
-    last_used: int
-
-
-def pick_slot(slots: Sequence[SlotState], protected: Container[int]) -> int | None:
-    """A free slot, preferring empty ones, then the least recently used block not about to run."""
-    best = None
-    for number, slot in enumerate(slots):
-        if slot.in_use or (slot.block is not None and slot.block in protected):
-            continue
-        if slot.block is None:
-            return number
-        if best is None or slot.last_used < slots[best].last_used:
-            best = number
-    return best
+#: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
+#: to step once the ring's cycle and the step's line up; when they drift, views are made again.
+_VIEWS_KEPT = 16
 
 
 def eager(hook: Callable) -> Callable:
@@ -74,32 +60,34 @@ def eager(hook: Callable) -> Callable:
     return torch.compiler.disable(hook, recursive=True)
 
 
-def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> list[int]:
+def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> Iterator[int]:
     """The next ``count`` streamed blocks of the call ``order`` from ``position``, wrapping into the next step."""
-    ahead: list[int] = []
-    for offset in range(len(order) if count > 0 else 0):
+    seen: set[int] = set()
+    for offset in range(len(order)):
+        if len(seen) == count:
+            return
         index = order[(position + offset) % len(order)]
-        if index in streamed and index not in ahead:
-            ahead.append(index)
-            if len(ahead) == count:
-                break
-    return ahead
+        if index in streamed and index not in seen:
+            seen.add(index)
+            yield index
 
 
-@dataclass
-class _Slot:
-    """A device buffer that holds one streamed block at a time."""
-
-    flat: torch.Tensor
-    staging: torch.Tensor | None
-    ready: torch.Event | None
-    released: torch.Event | None
-    block: int | None = None
-    in_use: bool = False
-    released_once: bool = False
-    last_used: int = -1
-    copy: CopyRecord | None = None
-    views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+def copy_ahead(
+    upcoming: Iterable[int],
+    held: set[int],
+    loaded: Container[int],
+    load: Callable[[int, set[int]], bool],
+    skip: Callable[[int], bool] = lambda index: False,
+) -> None:
+    """Copies the ``upcoming`` blocks not ``loaded`` yet, in order, until one does not fit. Each is ``held``
+    (not to be overwritten) from its turn on, so a nearer block is never overwritten for a further one;
+    ``skip`` leaves a block for later without stopping. The engine and the planner's replay both copy so."""
+    for index in upcoming:
+        held.add(index)
+        if index in loaded or skip(index):
+            continue
+        if not load(index, held):
+            return
 
 
 @dataclass
@@ -113,8 +101,13 @@ class _StreamedBlock:
     origin_device: torch.device
     # Kept only with a lossy storage dtype: restoring from the rounded copy would change the model.
     originals: tuple[torch.Tensor, ...] | None = None
-    slot: int | None = None
     pinned: bool = False
+    # The device side: events made once, with the ring; the copy that filled its region, until its call.
+    ready: torch.Event | None = None
+    released: torch.Event | None = None
+    released_once: bool = False
+    copy: CopyRecord | None = None
+    device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
 
 
 @dataclass(frozen=True)
@@ -179,7 +172,7 @@ def unpark(modules: Iterable[nn.Module]) -> None:
 @dataclass
 class _ActiveCall:
     block: int
-    slot: int | None
+    streamed: bool
     record: CallRecord | None
 
 
@@ -188,6 +181,8 @@ class BlockStreamer:
 
     ``prefetch=0`` is the synchronous mode kept for comparison: each copy is issued
     when its block is called and the compute waits for it at once.
+    ``ring_bytes`` sizes the device ring (see the module docstring); ``prefetch`` then
+    still caps how many blocks are copied ahead.
     ``storage_dtype`` keeps floating-point parameters in another dtype on the host;
     they are cast back on the copy stream, right after the copy, so the cast and
     the copy are ordered on one stream. It shrinks what each step copies; the
@@ -209,6 +204,7 @@ class BlockStreamer:
         recurse: bool = True,
         nesting: int = 1,
         pin_budget: PinnedMemoryBudget | None = None,
+        ring_bytes: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -225,16 +221,18 @@ class BlockStreamer:
         self.recorder = recorder
         self.root = root
         self.recurse = recurse
-        # Nested streamed modules (a wrapped module inside another) each hold a slot.
-        self.num_slots = slot_count(prefetch, nesting)
+        # Nested streamed modules (a wrapped module inside another) each hold a region while they run.
+        self.nesting = nesting
+        self.ring_bytes = ring_bytes
         self.copy_stream = copy_stream(self.device)
         self._state: dict[int, _StreamedBlock] = {}
-        self._slots: list[_Slot] = []
+        self._ring: ByteRing | None = None
+        self._buffer: torch.Tensor | None = None  # the ring's memory
+        self._staging: torch.Tensor | None = None  # with a storage dtype: one copy in it, cast into the ring
         self._handles: list[RemovableHandle] = []
         self._active: list[_ActiveCall] = []
         self._expected: list[int] = list(range(len(self.blocks)))
         self._order: list[int] = []
-        self._tick = 0
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
         self.enabled = False
 
@@ -278,16 +276,19 @@ class BlockStreamer:
                 self._restore(index, self._state[index].origin_device)
                 self._unpin(self._state[index])
         self._state.clear()
-        self._slots.clear()
+        self._free_ring()
         self.enabled = False
 
     def release_device_buffers(self) -> None:
-        """Frees the slot pool; it is allocated again by the next call that needs it."""
+        """Frees the ring; it is allocated again by the next call that needs it."""
         self._finish_active()
         synchronize(self.device)
+        self._free_ring()
+
+    def _free_ring(self) -> None:
         for state in self._state.values():
-            state.slot = None
-        self._slots.clear()
+            state.device_views.clear()  # views keep the memory they view alive
+        self._ring = self._buffer = self._staging = None
 
     def make_resident(self, indices: Iterable[int]) -> None:
         """Stops streaming these blocks: their tensors move to the device for good."""
@@ -295,9 +296,8 @@ class BlockStreamer:
         synchronize(self.device)
         for index in indices:
             if index in self._state:
-                slot = self._state[index].slot
-                if slot is not None:
-                    self._slots[slot].block = None
+                if self._ring is not None:
+                    self._ring.drop(index)
                 self._restore(index, self.device)
                 self._unpin(self._state[index])
                 del self._state[index]
@@ -308,10 +308,19 @@ class BlockStreamer:
         """The block calls of the last finished step, in order (list order before the first step)."""
         return tuple(self._expected)
 
-    def slot_of(self, index: int) -> int | None:
-        """The slot holding streamed block ``index`` on the device, or None while it is only on the host."""
-        state = self._state.get(index)
-        return None if state is None else state.slot
+    def region_of(self, index: int) -> tuple[int, int] | None:
+        """The bytes of the ring (start, end) holding streamed block ``index``, or None while it is only on
+        the host."""
+        return None if self._ring is None else self._ring.regions.get(index)
+
+    @property
+    def capacity(self) -> int:
+        """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
+        return ring_capacity(self._largest, self.prefetch, self.nesting, self.ring_bytes or 0)
+
+    @property
+    def _largest(self) -> int:
+        return max((state.layout.nbytes for state in self._state.values()), default=0)
 
     @property
     def unit(self) -> str:
@@ -327,8 +336,8 @@ class BlockStreamer:
 
     @property
     def device_buffer_bytes(self) -> int:
-        """Device bytes the slot pool holds now (0 before the first call and after a release)."""
-        return sum(s.flat.numel() + (s.staging.numel() if s.staging is not None else 0) for s in self._slots)
+        """Device bytes the ring (and its staging buffer) hold now (0 before the first call and after a release)."""
+        return sum(buffer.numel() for buffer in (self._buffer, self._staging) if buffer is not None)
 
     @property
     def refused_pinning(self) -> dict[int, int]:
@@ -418,90 +427,87 @@ class BlockStreamer:
     # -- device side -------------------------------------------------------------------------
 
     def allocate_device_buffers(self) -> None:
-        """Allocates the slot pool now rather than at the first block call, so running out of device
+        """Allocates the ring now rather than at the first block call, so running out of device
         memory shows while the model is being placed, where the caller can still fall back."""
-        if self._state and not self._slots:
-            self._allocate_slots()
+        if self._state and self._ring is None:
+            self._allocate_ring()
 
-    def _allocate_slots(self) -> None:
-        largest = max(state.layout.nbytes for state in self._state.values())
+    def _allocate_ring(self) -> None:
+        capacity = self.capacity
         staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
-        on_device = is_accelerator(self.device)
-        for _ in range(self.num_slots):
-            self._slots.append(
-                _Slot(
-                    flat=torch.empty(largest, dtype=torch.uint8, device=self.device),
-                    staging=torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None,
-                    ready=torch.Event(device=self.device) if on_device else None,
-                    released=torch.Event(device=self.device) if on_device else None,
-                )
-            )
+        self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
+        self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
+        self._ring = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
+        if is_accelerator(self.device):
+            for state in self._state.values():
+                if state.ready is None:
+                    state.ready = torch.Event(device=self.device)
+                    state.released = torch.Event(device=self.device)
         if self.copy_stream is not None:
             # The allocator hands out memory on the compute stream: its last reader there may still be
-            # queued. The first copy into a fresh slot has no released event to wait on, so order the
+            # queued. The first copy into fresh memory has no released event to wait on, so order the
             # copy stream after everything the compute stream has issued so far.
             self.copy_stream.wait_stream(current_stream(self.device))
 
-    def _views(self, slot: _Slot, index: int) -> tuple[torch.Tensor, ...]:
-        views = slot.views.get(index)
+    def _views(self, state: _StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
+        views = state.device_views.get(start)
         if views is None:
-            views = slot.views[index] = self._state[index].layout.views(slot.flat)
+            if len(state.device_views) == _VIEWS_KEPT:
+                state.device_views.clear()
+            views = state.device_views[start] = state.layout.views(self._buffer[start:])
         return views
 
-    def _load(self, index: int, protected: set[int]) -> int | None:
-        """Issues the copy of block ``index`` into a slot; returns the slot, or None if none is free."""
-        if not self._slots:
-            self._allocate_slots()
-        number = pick_slot(self._slots, protected)
-        if number is None:
-            return None
-        slot = self._slots[number]
-        if slot.block is not None:
-            self._state[slot.block].slot = None
+    def _load(self, index: int, held: Container[int]) -> bool:
+        """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
+        if self._ring is None:
+            self._allocate_ring()
         state = self._state[index]
+        placed = self._ring.place(index, state.layout.nbytes, held)
+        if placed is None:
+            return False
+        start, overwritten = placed
         stream = self.copy_stream
         with stream if stream is not None else nullcontext():
-            if stream is not None and slot.released_once:
-                stream.wait_event(slot.released)
+            if stream is not None:
+                for other in overwritten:
+                    if self._state[other].released_once:
+                        stream.wait_event(self._state[other].released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            self._copy_in(state, slot, index)
+            self._copy_in(state, start)
             if self.recorder:
                 self.recorder.copy_finished(record, stream)
-            if slot.ready is not None:
-                slot.ready.record(stream)
-        slot.block = index
-        slot.copy = record
-        state.slot = number
-        return number
+            if state.ready is not None:
+                state.ready.record(stream)
+        state.copy = record
+        return True
 
-    def _copy_in(self, state: _StreamedBlock, slot: _Slot, index: int) -> None:
+    def _copy_in(self, state: _StreamedBlock, start: int) -> None:
         non_blocking = state.host.is_pinned()
-        if slot.staging is None:
-            slot.flat[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
+        size = state.host.numel()
+        if self._staging is None:
+            self._buffer[start : start + size].copy_(state.host, non_blocking=non_blocking)
             return
-        slot.staging[: state.host.numel()].copy_(state.host, non_blocking=non_blocking)
-        targets = state.layout.part_views(slot.flat)
-        for target, source in zip(targets, state.storage.part_views(slot.staging), strict=True):
+        self._staging[:size].copy_(state.host, non_blocking=non_blocking)
+        targets = state.layout.part_views(self._buffer[start:])
+        for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
             target.copy_(source)
 
-    def _upcoming(self) -> list[int]:
-        return look_ahead(self._expected, len(self._order), self._state, self.prefetch)
-
     def _prefetch(self, defer_pageable: bool = False) -> None:
-        """Issues the copies of the next ``prefetch`` streamed blocks into free slots.
+        """Issues the copies of the next streamed blocks, as far ahead as the ring has room.
 
         ``defer_pageable``: skip blocks in pageable memory. A copy from pageable memory holds the host
         thread until it is done (the driver stages it), so issued before a block's kernels are launched
         it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
         just launched computing meanwhile."""
-        ahead = self._upcoming()
-        protected = set(ahead)
-        for index in ahead:
-            state = self._state[index]
-            if state.slot is not None or (defer_pageable and self._deferred(state)):
-                continue
-            if self._load(index, protected) is None:
-                return
+        if not self._state:
+            return
+        if self._ring is None:
+            self._allocate_ring()
+        upcoming = look_ahead(self._expected, len(self._order), self._state, self.prefetch)
+        held = {call.block for call in self._active}
+        skip = (lambda index: self._deferred(self._state[index])) if defer_pageable else (lambda index: False)
+        copy_ahead(upcoming, held, self._ring.regions, self._load, skip)
 
     def _deferred(self, state: _StreamedBlock) -> bool:
         return self.copy_stream is not None and not state.pinned
@@ -521,7 +527,7 @@ class BlockStreamer:
 
         The hooks that close a step run with ``always_call``, which PyTorch honours for ``Exception``
         only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
-        leaves the block's slot in use and its weights pointing at the device until this is called."""
+        leaves the block's region held and its weights pointing at the device until this is called."""
         if self._active or self._order:
             self.end_step()
 
@@ -551,28 +557,22 @@ class BlockStreamer:
         compute = current_stream(self.device)
         record = self.recorder.call_arrived(index, compute) if self.recorder else None
         self._order.append(index)
-        self._tick += 1
-        number = None
         copy = None
-        if index in self._state:
-            state = self._state[index]
-            number = state.slot
-            if number is None:
-                protected = {call.block for call in self._active}
-                number = self._load(index, protected)
-                if number is None:
+        state = self._state.get(index)
+        if state is not None:
+            region = self.region_of(index)
+            if region is None:
+                if not self._load(index, {call.block for call in self._active}):
                     raise RuntimeError(
-                        f"no free device slot for block {index}: {len(self._active)} streamed blocks are "
-                        f"running nested inside each other but the pool has {self.num_slots} slots"
+                        f"no room for {self.unit} {index} in the device ring of {self.capacity} bytes: "
+                        f"{len(self._active)} streamed {self.unit}s are running nested inside each other"
                     )
-            slot = self._slots[number]
+                region = self.region_of(index)
             if compute is not None:
-                compute.wait_event(slot.ready)
-            slot.in_use = True
-            slot.last_used = self._tick
-            copy, slot.copy = slot.copy, None
-            state.layout.point_at(self._views(slot, index))
-        self._active.append(_ActiveCall(index, number, record))
+                compute.wait_event(state.ready)
+            copy, state.copy = state.copy, None
+            state.layout.point_at(self._views(state, region[0]))
+        self._active.append(_ActiveCall(index, state is not None, record))
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
         self._prefetch(defer_pageable=True)
@@ -588,14 +588,12 @@ class BlockStreamer:
         compute = current_stream(self.device)
         if self.recorder:
             self.recorder.call_finished(call.record, compute)
-        if call.slot is None:
+        if not call.streamed:
             return
-        slot = self._slots[call.slot]
-        if slot.released is not None:
-            slot.released.record(compute)
-            slot.released_once = True
-        slot.in_use = False
         state = self._state[call.block]
+        if state.released is not None:
+            state.released.record(compute)
+            state.released_once = True
         state.layout.point_at(state.host_views)
 
     def _finish_active(self) -> None:

@@ -26,7 +26,8 @@ from block_offload.offload import (
     buffer_bytes,
     module_bytes,
 )
-from block_offload.offload.layout import BlockLayout
+from block_offload.offload.layout import ALIGNMENT, BlockLayout
+from block_offload.offload.ring import aligned
 
 CPU = torch.device("cpu")
 
@@ -64,8 +65,12 @@ def test_replan_with_other_settings() -> None:
     sizes = offloader.block_bytes()
     offloader.apply(OffloadPlan.build(sizes, resident_count=0, prefetch=1))
     assert offloader.streamer.streamed == {0, 1, 2, 3}
-    offloader.apply(OffloadPlan.build(sizes, budget_bytes=sizes[0] * 4, prefetch=1))
-    # Two slots of one block each come out of the budget, leaving room for two resident blocks.
+    # Two blocks' worth of ring (each rounded up to the ring's alignment) come out of the budget, leaving
+    # room for two resident blocks, and not three.
+    ring = 2 * aligned(sizes[0])
+    offloader.apply(OffloadPlan.build(sizes, budget_bytes=2 * sizes[0] + ring, prefetch=1))
+    assert offloader.streamer.streamed == {2, 3}
+    offloader.apply(OffloadPlan.build(sizes, budget_bytes=3 * sizes[0] + ring - 1, prefetch=1))
     assert offloader.streamer.streamed == {2, 3}
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
 
@@ -112,13 +117,15 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
         forward_steps(model, x, steps=1)
     handle.remove()
     # Block 3's parameters went back to the host although its call never returned.
-    assert all(not slot.in_use for slot in streamer._slots)
+    host = streamer._state[3].host
+    inside = range(host.data_ptr(), host.data_ptr() + host.numel())
+    assert not streamer._active and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
-    assert not streamer._slots and all(streamer.slot_of(i) is None for i in (1, 2, 3))
+    assert streamer.device_buffer_bytes == 0 and all(streamer.region_of(i) is None for i in (1, 2, 3))
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
-    assert len(streamer._slots) == streamer.num_slots
+    assert streamer.device_buffer_bytes == streamer.capacity
     streamer.disable()
 
 
@@ -196,10 +203,12 @@ def test_recorder_times_every_call_and_exports_json() -> None:
 
 
 def test_plan_budget_and_summary() -> None:
-    sizes = [100] * 10
-    plan = OffloadPlan.build(sizes, budget_bytes=600, policy=ResidencyPolicy.STRIDED, prefetch=1)
-    assert plan.slot_bytes == 200 and plan.resident_bytes == 400 and len(plan.resident) == 4
-    assert plan.device_bytes() <= 600
+    sizes = [1024] * 10
+    plan = OffloadPlan.build(sizes, budget_bytes=6 * 1024, policy=ResidencyPolicy.STRIDED, prefetch=1)
+    assert plan.slot_bytes == 2 * 1024 and plan.resident_bytes == 4 * 1024 and len(plan.resident) == 4
+    assert plan.device_bytes() <= 6 * 1024
+    # Blocks of sizes off the ring's alignment take their rounded-up size in it.
+    assert OffloadPlan.build([100] * 10, resident_count=0, prefetch=1).slot_bytes == 2 * ALIGNMENT
     assert OffloadPlan.build(sizes, resident_count=3, policy=ResidencyPolicy.TRAILING).resident == {7, 8, 9}
     text = OffloadPlan.build(sizes, resident_count=3).describe()
     assert text.startswith("3/10 blocks resident (0-2, leading), 7 streamed with prefetch 1")
@@ -251,9 +260,10 @@ class AllocationCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("storage_dtype", [None, torch.bfloat16])
 def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_dtype: torch.dtype | None) -> None:
-    """What the engine allocates on the device when a placement is applied is its slot pool, and
-    ``device_buffer_bytes`` (which the panel and the CUDA peak-memory test count) is exactly that: dim 40
-    gives tensors of odd sizes, padded in the slots to the layout's alignment."""
+    """What the engine allocates on the device when a placement is applied is its ring (three blocks' worth
+    with prefetch 2) and, with a storage dtype, one staging buffer; ``device_buffer_bytes`` (which the panel
+    and the CUDA peak-memory test count) is exactly that: dim 40 gives tensors of odd sizes, padded in the
+    ring to the layout's alignment."""
     model = transformer_stack(num_blocks=4, dim=40)
     streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=2, storage_dtype=storage_dtype)
     streamer.enable()
@@ -261,7 +271,7 @@ def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_
         streamer.allocate_device_buffers()
     largest = max(BlockLayout.of(block).nbytes for block in model.blocks)
     staging = max(BlockLayout.of(block, storage_dtype).nbytes for block in model.blocks) if storage_dtype else 0
-    assert sorted(counter.storages.values()) == sorted([largest] * 3 + ([staging] * 3 if staging else []))
+    assert sorted(counter.storages.values()) == sorted([largest * 3] + ([staging] if staging else []))
     assert streamer.device_buffer_bytes == sum(counter.storages.values())
     assert largest > module_bytes(model.blocks[1])  # the alignment padding, counted
     streamer.disable()

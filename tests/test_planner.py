@@ -107,15 +107,17 @@ def test_inline_copies_add_up() -> None:
 
 
 def brute_force(costs: StackCosts, budget: int) -> float:
-    """The fastest of every resident subset x prefetch depth that fits, by the engine's budget rule."""
+    """The fastest of every resident subset x (prefetch depth, or a ring of the rest of the budget) that
+    fits, by the engine's budget rule."""
     sizes, n = costs.block_bytes, len(costs.block_bytes)
     best = simulate(costs, plan_of(costs, set(range(n)), 0)).step_ms if sum(sizes) <= budget else float("inf")
-    for prefetch in PREFETCH_CHOICES:
-        slots = (prefetch + 1) * max(sizes)
-        for count in range(n + 1):
-            for resident in itertools.combinations(range(n), count):
-                if sum(sizes[i] for i in resident) + slots <= budget:
-                    best = min(best, simulate(costs, plan_of(costs, set(resident), prefetch)).step_ms)
+    for count in range(n + 1):
+        for resident in map(frozenset, itertools.combinations(range(n), count)):
+            plans = [OffloadPlan.with_ring(sizes, resident, budget)]
+            plans += [plan_of(costs, set(resident), prefetch) for prefetch in PREFETCH_CHOICES]
+            for plan in plans:
+                if plan is not None and plan.device_bytes() <= budget:
+                    best = min(best, simulate(costs, plan).step_ms)
     return best
 
 

@@ -41,9 +41,9 @@ def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 def assert_idle(streamer) -> None:
-    """No call left open, every slot free, the pool its planned size, every streamed block on its host copy."""
+    """No call left open, the ring its planned size, every streamed block on its host copy."""
     assert not streamer._active
-    assert len(streamer._slots) == streamer.num_slots and not any(slot.in_use for slot in streamer._slots)
+    assert streamer._buffer is not None and streamer._buffer.numel() == streamer.capacity
     for index in streamer.streamed:
         state = streamer._state[index]
         host = state.host.data_ptr(), state.host.data_ptr() + state.host.numel()

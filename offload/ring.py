@@ -1,0 +1,101 @@
+"""Where streamed blocks live on the device: one buffer of a byte capacity (the ring), each block copied
+into a region of its own size, regions placed one after the other in the order blocks are copied.
+
+Sizing the buffer in bytes rather than in blocks lets the copies run as far ahead as memory allows: while
+resident blocks compute, the copy stream fills the whole ring, and small blocks take less of it than the
+largest one would. The ring only keeps the books (which block holds which bytes); ``BlockStreamer`` owns
+the memory and the events, and ``offload.planner`` replays the same books with clocks.
+
+A region is placed where the previous one ended (wrapping to the start when the rest is too short), so
+the blocks copied longest ago are overwritten first; regions start at multiples of a granule
+(``ring_granule``). Blocks the caller *holds* (running, or about to run)
+are never overwritten: the region goes to the start of another stretch between held regions, the one
+nearest after the head. That is complete: a region that fits anywhere can slide down until it starts at
+0 or at a held region's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from .layout import ALIGNMENT
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the alignment every region starts at (the layouts' own)."""
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def ring_capacity(largest: int, prefetch: int, nesting: int = 1, ring_bytes: int = 0) -> int:
+    """The bytes of a stream's ring: by default one slot per block copied ahead (``prefetch``) and per
+    block running (``nesting``), each as large as the ``largest`` block; else ``ring_bytes``, and no less
+    than the least that always works.
+
+    With ``nesting`` blocks running inside each other, ``2 * nesting - 1`` of the largest are that least
+    for regions placed anywhere: the ``nesting - 1`` regions held around the innermost one split the rest
+    into at most ``nesting`` stretches, one of which is then at least as large as the largest block.
+    """
+    if not ring_bytes:
+        return (prefetch + nesting) * aligned(largest)
+    return max(aligned(ring_bytes), (2 * nesting - 1) * aligned(largest))
+
+
+def ring_granule(largest: int, ring_bytes: int = 0) -> int:
+    """Where regions may start (multiples of this). In a default ring, at slots as large as the
+    ``largest`` block, so it fragments no more than a pool of equal slots: a large block never waits
+    because the small ones before it straddle two slots. In a ring sized in bytes, anywhere aligned."""
+    return ALIGNMENT if ring_bytes else aligned(largest)
+
+
+@dataclass
+class ByteRing:
+    """The regions of a ring of ``capacity`` bytes: ``regions[block] = (start, end)``."""
+
+    capacity: int
+    granule: int = ALIGNMENT  # regions start at its multiples (``ring_granule``)
+    regions: dict[int, tuple[int, int]] = field(default_factory=dict)
+    head: int = 0  # where the next region goes when it fits there
+
+    def place(self, block: int, nbytes: int, held: Container[int]) -> tuple[int, list[int]] | None:
+        """A region of ``nbytes`` for ``block``: its start and the blocks it overwrites (their regions are
+        dropped), or None when every stretch that fits would overwrite a ``held`` block."""
+        size = aligned(nbytes)
+        start, end = self.head, self.head + size
+        overwritten = [other for other, (a, b) in self.regions.items() if a < end and start < b]
+        if end > self.capacity or any(other in held for other in overwritten):
+            start = self._free_start(size, held)
+            if start is None:
+                return None
+            end = start + size
+            overwritten = [other for other, (a, b) in self.regions.items() if a < end and start < b]
+        for other in overwritten:
+            del self.regions[other]
+        self.regions[block] = (start, end)
+        after = (end + self.granule - 1) // self.granule * self.granule
+        self.head = after if after < self.capacity else 0
+        return start, overwritten
+
+    def _free_start(self, size: int, held: Container[int]) -> int | None:
+        """Where a region of ``size`` overwrites nothing held: the head when it can, else the start of the
+        free stretch (between held regions) nearest after it."""
+        bounds = sorted(region for other, region in self.regions.items() if other in held)
+        best = None
+        low = 0
+        for high, next_low in [*bounds, (self.capacity, self.capacity)]:
+            # The stretch [low, high) holds nothing held; a region fits at its start, or at the head inside it.
+            for start in (self.head, low) if low <= self.head < high else (low,):
+                if start + size <= high and (best is None or self._after_head(start) < self._after_head(best)):
+                    best = start
+            low = (max(low, next_low) + self.granule - 1) // self.granule * self.granule
+        return best
+
+    def _after_head(self, start: int) -> int:
+        return (start - self.head) % self.capacity
+
+    def drop(self, block: int) -> None:
+        self.regions.pop(block, None)
+
+    def clear(self) -> None:
+        self.regions.clear()
+        self.head = 0
