@@ -69,6 +69,7 @@ class BlockOffloader:
             pin_memory=plan.pin_memory,
             recorder=self.recorder,
             root=self.root,
+            ring_bytes=plan.ring_bytes or None,
         )
         self.streamer.enable()
         self._move_unstreamed(self.device)

@@ -122,6 +122,7 @@ def _runner(
         recorder=recorder,
         root=diffusion_model,
         pin_budget=PINNED_MEMORY,
+        ring_bytes=plan.ring_bytes or None,
     )
 
 

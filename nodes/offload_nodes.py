@@ -250,7 +250,9 @@ class PartialGPUResidency(io.ComfyNode):
                     "(strided), which gives each streamed block's copy a resident block to hide behind. "
                     "auto: the first run is strided and measures each block's compute time and the copy "
                     "speed (kept per GPU and model in ComfyUI's user folder); from the next run on, the "
-                    "resident blocks and the prefetch depth are the ones predicted fastest within the budget.",
+                    "resident blocks and the stream buffers are the ones predicted fastest within the budget: "
+                    "a prefetch depth, or a ring of every byte the resident blocks leave, copying as far ahead "
+                    "as it holds (prefetch_blocks then applies to the other policies only).",
                 ),
                 _prefetch_input("blocks"),
                 PIN_INPUT,

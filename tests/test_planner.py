@@ -18,11 +18,11 @@ import torch
 
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
-from harness.inprocess import async_offload, sample, wan
+from harness.inprocess import async_offload, flux, sample, wan
 from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_lines, run
 from harness.transformer_stack import transformer_stack
 
-from block_offload.offload import BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
+from block_offload.offload import GIB, BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
 from block_offload.offload.planner import (
     PREFETCH_CHOICES,
     CostCache,
@@ -196,7 +196,7 @@ def test_search_uses_the_budget_and_refuses_an_impossible_one() -> None:
 # -- the pipeline model against a recorded run (CPU) --------------------------------------------
 
 
-def record_side_by_side(streamed: set[int], prefetch: int, steps: int = 16) -> tuple[list, list]:
+def record_side_by_side(streamed: set[int], prefetch: int, ring_bytes: int = 0, steps: int = 16) -> tuple[list, list]:
     """The recorded steps of two copies of one stack, stepped in turn: one with nothing streamed, one
     with ``streamed`` streamed. Taking turns exposes both to the same load on a shared machine. The
     first two steps of each (the engine learning the order, slots filling) are dropped."""
@@ -204,7 +204,10 @@ def record_side_by_side(streamed: set[int], prefetch: int, steps: int = 16) -> t
     for streams in (set(), streamed):
         model = transformer_stack(num_blocks=6, dim=384, heads=4)
         recorder = TimelineRecorder(CPU, keep=steps)
-        BlockStreamer(model.blocks, CPU, streams, prefetch=prefetch, recorder=recorder, root=model).enable()
+        streamer = BlockStreamer(
+            model.blocks, CPU, streams, prefetch=prefetch, recorder=recorder, root=model, ring_bytes=ring_bytes or None
+        )
+        streamer.enable()
         runs.append((model, recorder))
     x = torch.randn(1, 64, 384)
     with torch.inference_mode():
@@ -226,22 +229,33 @@ def one_thread():
 @pytest.mark.usefixtures("one_thread")
 def test_prediction_matches_a_recorded_cpu_run() -> None:
     """On the CPU there is no copy stream: copies run inline on the host, so this checks the
-    bookkeeping (which call copies what, slot reuse across steps, the step's sum) against the real
+    bookkeeping (which call copies what, ring reuse across steps, the step's sum) against the real
     engine, not the overlap of two streams, which only a GPU run can check. Each streamed step is
     predicted from the compute of the step without copies taken just before it and the copy speed
     of its own copies (memory bandwidth on a shared machine varies from step to step)."""
     sizes = tuple(module_bytes(block) for block in transformer_stack(num_blocks=6, dim=384, heads=4).blocks)
+    # Rings sized in bytes too: two and a half blocks (so where each block lands shifts from step to step),
+    # and three blocks around resident ones; every tensor of these blocks is a multiple of the alignment,
+    # so the engine's regions are the plan's sizes.
+    placements = (
+        ({1, 2, 4, 5}, 1, 0),
+        ({0, 1, 2, 3, 4, 5}, 2, 0),
+        ({0, 2, 3, 5}, 0, 0),
+        ({2, 5}, 1, 0),
+        ({0, 1, 2, 3, 4, 5}, 6, sizes[0] * 5 // 2),
+        ({1, 2, 4, 5}, 6, sizes[0] * 3),
+    )
     errors, recovered = [], []
-    for streamed, prefetch in (({1, 2, 4, 5}, 1), ({0, 1, 2, 3, 4, 5}, 2), ({0, 2, 3, 5}, 0), ({2, 5}, 1)):
-        plan = OffloadPlan(sizes, frozenset(range(6)) - streamed, prefetch, False, None)
+    for streamed, prefetch, ring in placements:
+        plan = OffloadPlan(sizes, frozenset(range(6)) - streamed, prefetch, False, None, ring)
         step_errors = []
-        for reference, step in zip(*record_side_by_side(streamed, prefetch), strict=True):
+        for reference, step in zip(*record_side_by_side(streamed, prefetch, ring), strict=True):
             # Two streamed blocks in two slots are copied in the (dropped) first step only.
             bandwidth = step.bandwidth_gbps or 1.0
             costs = StackCosts.from_timeline(reference, sizes, bandwidth)
             predicted = simulate(costs, plan, inline_copies=True)
             # The bookkeeping is exact: the same calls consume a copy, the same bytes move.
-            assert predicted.copied == tuple(s.bytes_copied > 0 for s in step.spans), (streamed, prefetch)
+            assert predicted.copied == tuple(s.bytes_copied > 0 for s in step.spans), (streamed, prefetch, ring)
             assert predicted.bytes_copied == step.bytes_copied
             step_errors.append(predicted.step_ms / step.duration_ms - 1)
             # From the streamed step alone, the compute comes back once the inline copies are taken out.
@@ -368,4 +382,48 @@ def test_async_block_offload_plans_which_of_its_blocks_stay(comfy: SimpleNamespa
     assert "chosen by the planner, predicted" in planned.summary, planned.summary
     assert len(planned.plan.resident) == 2 and planned.plan.prefetch <= 1  # prefetch_blocks is the limit
     assert planned.predicted_ms is not None
+    comfy.mm.unload_all_models()
+
+
+# -- Partial GPU Residency with policy "auto": a ring of what the budget leaves, through ComfyUI's loader --
+
+
+@pytest.mark.usefixtures("allow_cpu_streaming")
+def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_placed(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU copies inline, where a larger ring cannot hide a copy, so the planner never picks one there.
+    Planned as for a device with a copy stream, with copies as slow as twice the mean block's compute, the
+    tiny Flux (double blocks twice the size of single ones) gets a ring sized in bytes; run on the CPU it
+    streams bitwise, and what ComfyUI was told the stream buffers take is what the engine allocated."""
+    cache = comfy.placement._cost_cache()
+    cache.path.unlink(missing_ok=True)
+    model = flux(comfy)
+    reference = sample(comfy, model)
+    sizes = [module_bytes(block) for block in model.model.diffusion_model.double_blocks]
+    sizes += [module_bytes(block) for block in model.model.diffusion_model.single_blocks]
+    outside = model.model_size() - sum(sizes)
+    budget_gb = (outside + sum(sizes) / 2) / GIB  # half the blocks' bytes for blocks and their ring
+
+    def partial_auto():
+        node = comfy.nodes.PartialGPUResidency
+        return node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
+
+    patched = partial_auto().result[0]
+    assert torch.equal(sample(comfy, patched), reference)  # the measuring run
+    assert patched.offload_engine.placement.measuring
+    comfy.mm.unload_all_models()
+    (key, entry), *_ = json.loads(cache.path.read_text())["entries"].items()
+    measured = StackCosts.from_dict(entry["costs"])
+    copy_ms = 2 * statistics.mean(measured.compute_ms)
+    slow = StackCosts.from_dict({**measured.as_dict(), "bandwidth_gbps": statistics.mean(sizes) / (copy_ms * 1e6)})
+    cache.put(key, slow)
+    monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
+    patched = partial_auto().result[0]
+    assert torch.equal(sample(comfy, patched), reference)
+    engine = patched.offload_engine
+    plan = engine.placement.plan
+    assert plan.ring_bytes > 0 and "GiB ring" in engine.placement.summary, engine.placement.summary
+    assert engine.runner.device_buffer_bytes == plan.slot_bytes == engine.placement.buffer_bytes
+    assert plan.resident_bytes + plan.slot_bytes <= budget_gb * GIB - outside
     comfy.mm.unload_all_models()
