@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.transformer_stack import Fp8Block, Stack, TransformerBlock, forward_steps
 
-from block_offload.offload import BlockStreamer
+from block_offload.offload import BlockStreamer, OffloadPlan, StackCosts, simulate
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
 from block_offload.offload.ring import ByteRing, aligned, ring_capacity, ring_granule
 
@@ -137,9 +137,9 @@ def replay(events: list[tuple], streamed: set[int]) -> tuple[int, int]:
     return most, misses
 
 
-def run_recorded(streamed: set[int], **options: object) -> tuple[int, int, int]:
-    """Six steps of the mixed stack streaming ``streamed``, bitwise equal to resident ones; the replay's
-    two counts and the ring's capacity."""
+def record(streamed: set[int], **options: object) -> tuple[list[tuple], int]:
+    """Six steps of the mixed stack streaming ``streamed``, bitwise equal to resident ones: the events
+    recorded and the ring's capacity."""
     model = mixed_stack()
     x = torch.randn(1, 5, DIM)
     reference = forward_steps(model, x, steps=6)
@@ -150,10 +150,15 @@ def run_recorded(streamed: set[int], **options: object) -> tuple[int, int, int]:
     with log:
         outputs = forward_steps(model, x, steps=6)
     assert all(torch.equal(out, ref) for out, ref in zip(outputs, reference, strict=True))
-    most, misses = replay(log.events, streamed)
     capacity = streamer.capacity
     streamer.disable()
-    return most, misses, capacity
+    return log.events, capacity
+
+
+def run_recorded(streamed: set[int], **options: object) -> tuple[int, int, int]:
+    """``record``, checked by ``replay``: its two counts and the ring's capacity."""
+    events, capacity = record(streamed, **options)
+    return *replay(events, streamed), capacity
 
 
 def test_a_byte_ring_copies_as_far_ahead_as_it_has_room_and_overwrites_nothing_live() -> None:
@@ -176,3 +181,23 @@ def test_a_ring_of_one_block_copies_each_block_as_it_is_called() -> None:
     begins, with no block running."""
     sizes = [BlockLayout.of(block).nbytes for block in mixed_stack().blocks]
     assert run_recorded(set(range(8)), prefetch=8, ring_bytes=1) == (1, 4 * 7, max(sizes))
+
+
+def test_the_planner_replays_the_engines_copies_and_calls_exactly() -> None:
+    """The planner's pipeline, given the engine's block sizes, issues the same copies into the same bytes
+    of the ring, between the same calls, as the engine did, every step from the first (cold) one."""
+    sizes = tuple(BlockLayout.of(block).nbytes for block in mixed_stack().blocks)
+    costs = StackCosts(sizes, tuple(range(8)), (1.0,) * 8, (0.0,) * 8, 0.0, 1.0)
+    placements = [
+        (set(range(1, 8)), 8, 2 * sizes[2] + 2 * sizes[1]),  # a byte ring around resident block 0
+        (set(range(1, 8)), 2, 2 * sizes[2] + 2 * sizes[1]),  # the same, at most two ahead
+        (set(range(1, 8)), 1, 0),  # two slots
+        ({1, 2, 4, 5, 7}, 8, sizes[0] + 3 * sizes[1]),  # a ring of one large block and three small
+        (set(range(8)), 8, 1),  # the least ring
+    ]
+    for streamed, prefetch, ring in placements:
+        events, _ = record(streamed, prefetch=prefetch, ring_bytes=ring or None)
+        plan = OffloadPlan(sizes, frozenset(range(8)) - streamed, prefetch, False, None, ring)
+        trace: list[tuple] = []
+        simulate(costs, plan, inline_copies=True, steps=6, trace=trace)
+        assert trace == events, (streamed, prefetch, ring)
