@@ -222,18 +222,21 @@ def test_pageable_blocks_still_overlap_their_copies() -> None:
     assert timings["async"] < 0.85 * timings["sync"]
 
 
-def test_slots_are_not_overwritten_while_heavy_compute_still_reads_them() -> None:
-    """Tiny weights and heavy compute: copies finish long before the blocks that read the slots do, so
-    any copy that skipped its wait on the slot's released event would change the output."""
+def test_the_ring_is_not_overwritten_while_heavy_compute_still_reads_it() -> None:
+    """Tiny weights and heavy compute: copies finish long before the blocks that read the ring do, so
+    any copy that skipped its wait on a released event would change the output. Slots (prefetch 1-3), and
+    rings sized in bytes: two and a half blocks (each block lands at another offset every step, over parts
+    of two earlier ones) and four."""
     model = transformer_stack(num_blocks=6, dim=256, heads=4).to(CUDA)
     x = torch.randn(1, 16384, 256, device=CUDA)
     reference = forward(model, x)
     model.cpu()
     model.embed.to(CUDA), model.head.to(CUDA)
-    for prefetch in (1, 2, 3):
-        streamer = BlockStreamer(model.blocks, CUDA, range(6), prefetch=prefetch, root=model)
+    block = module_bytes(model.blocks[0])
+    for prefetch, ring in ((1, None), (2, None), (3, None), (6, block * 5 // 2), (6, block * 4)):
+        streamer = BlockStreamer(model.blocks, CUDA, range(6), prefetch=prefetch, root=model, ring_bytes=ring)
         streamer.enable()
-        assert all(torch.equal(forward(model, x), reference) for _ in range(10)), prefetch
+        assert all(torch.equal(forward(model, x), reference) for _ in range(10)), (prefetch, ring)
         streamer.disable()
 
 
