@@ -302,9 +302,16 @@ def _pool_plans(sizes: Sequence[int], prefetch: int, budget_bytes: int, pin_memo
     return plan
 
 
-def _greedy(costs: StackCosts, plan_for: PlanFor, inline_copies: bool, count: int | None = None) -> Prediction | None:
+def _greedy(
+    costs: StackCosts,
+    plan_for: PlanFor,
+    inline_copies: bool,
+    count: int | None = None,
+    grown: list[frozenset[int]] | None = None,
+) -> Prediction | None:
     """Adds, one at a time, the block whose residency shortens the predicted step most: the best set of
-    any size that fits, or the set once it holds ``count`` blocks (None if it cannot)."""
+    any size that fits, or the set once it holds ``count`` blocks (None if it cannot). ``grown`` hears
+    the set after each block added."""
     sizes = costs.block_bytes
     start = plan_for(frozenset())
     if start is None:
@@ -318,6 +325,8 @@ def _greedy(costs: StackCosts, plan_for: PlanFor, inline_copies: bool, count: in
             return best if count is None else None
         chosen = min(options, key=lambda p: p.step_ms)
         resident = chosen.plan.resident
+        if grown is not None:
+            grown.append(resident)
         if count is not None or _better(chosen, best):
             best = chosen
     return best
@@ -359,8 +368,9 @@ def best_plan(
     which the fixed policies cannot when blocks differ in size or compute). Within a budget (no
     ``resident_count``), also each policy at every count with a ring of every byte its blocks leave,
     copies going as far ahead as the ring has room: which blocks stay and how large the ring is are
-    chosen together. (A greedy set with such rings found 1 % more on a Flux-shaped stack at half its
-    size, for 30 times the search time.) Everything resident is a candidate too when it fits.
+    chosen together; so are the sets the greedy searches grew, each with such a ring. (A greedy search
+    with such rings found 1 % more on a Flux-shaped stack at half its size, for 30 times the search
+    time.) Everything resident is a candidate too when it fits.
 
     Of the candidates predicted within ``NEAR`` of the fastest, the one fastest with copies ``SLOW_COPIES``
     as fast as measured is chosen: a placement with no slack loses every bit of a copy-speed shortfall.
@@ -372,6 +382,7 @@ def best_plan(
         candidates.append(simulate(costs, every, inline_copies=inline_copies))
     # Each policy's plan: as many blocks as fit the budget, or the count asked for.
     size = {"budget_bytes": budget_bytes} if resident_count is None else {"resident_count": resident_count}
+    grown: list[frozenset[int]] = []  # the greedy searches' sets, tried with a ring too
     for prefetch in prefetch_choices:
         for policy in ResidencyPolicy:
             plan = OffloadPlan.build(sizes, **size, policy=policy, prefetch=prefetch, pin_memory=pin_memory)
@@ -379,17 +390,21 @@ def best_plan(
                 candidates.append(simulate(costs, plan, inline_copies=inline_copies))
         if resident_count is not None or prefetch <= GREEDY_PREFETCH_IN_A_BUDGET:
             pool = _pool_plans(sizes, prefetch, budget_bytes, pin_memory)
-            greedy = _greedy(costs, pool, inline_copies, resident_count)
+            greedy = _greedy(costs, pool, inline_copies, resident_count, grown)
             if greedy is not None:
                 candidates.append(greedy)
     if resident_count is None:
-        # Each policy at every count: fewer resident blocks leave a larger ring, which may hide more.
-        for policy in ResidencyPolicy:
-            for count in range(len(sizes)):
-                resident = frozenset(resident_indices(len(sizes), count, policy))
-                plan = OffloadPlan.with_ring(sizes, resident, budget_bytes, pin_memory, policy)
-                if plan is not None:
-                    candidates.append(simulate(costs, plan, inline_copies=inline_copies))
+        # Each policy at every count (fewer resident blocks leave a larger ring, which may hide more), and
+        # every set the greedy searches grew block by block.
+        sets = [
+            (frozenset(resident_indices(len(sizes), count, policy)), policy)
+            for policy in ResidencyPolicy
+            for count in range(len(sizes))
+        ]
+        for resident, policy in [*sets, *dict.fromkeys((resident, None) for resident in grown)]:
+            plan = OffloadPlan.with_ring(sizes, resident, budget_bytes, pin_memory, policy)
+            if plan is not None:
+                candidates.append(simulate(costs, plan, inline_copies=inline_copies))
     if not candidates:
         smallest = ring_capacity(max(sizes, default=0), min(prefetch_choices))
         raise ValueError(
