@@ -24,7 +24,8 @@ STATUS_FIELDS = {
     "v": int, "seq": int, "time": float, "running": bool, "prompt_id": (str, type(None)),
     "node": (str, type(None)), "plan": (str, type(None)), "device": str, "accelerator": bool,
     "step": (int, type(None)), "steps_done": int, "block": (int, type(None)), "blocks": int, "placement": str,
-    "prefetch": (int, type(None)), "pinned": (bool, type(None)), "streamed_host_bytes": (int, type(None)),
+    "prefetch": (int, type(None)), "ring_bytes": (int, type(None)), "pinned": (bool, type(None)),
+    "streamed_host_bytes": (int, type(None)),
     "notices": list, "memory": dict, "models": list,
 }  # fmt: skip
 OPTIONAL_NUMBER = (int, float, type(None))
@@ -56,7 +57,7 @@ def check_status(status: dict[str, Any]) -> None:
     else:
         assert all(memory[k] is None for k in ("allocated", "reserved", "free", "total", "other")), memory
     for model in status["models"]:  # every model streaming now, one per node
-        assert set(model) == {"node", "placement", "prefetch", "pinned", "running"}, model
+        assert set(model) == {"node", "placement", "prefetch", "ring_bytes", "pinned", "running"}, model
         assert set(model["placement"]) <= {"R", "S"}
     if "last_step" in status:
         check_step(status["last_step"], status["placement"])

@@ -197,6 +197,7 @@ def _empty_status() -> dict[str, Any]:
         "blocks": 0,
         "placement": "",
         "prefetch": None,
+        "ring_bytes": None,
         "pinned": None,
         "streamed_host_bytes": None,
         "notices": [],
@@ -219,6 +220,8 @@ class _Publisher:
         self.device = engine.recorder.device
         self.notices = engine.notices  # the engine's own list: notices added later show too
         self.prefetch = engine.plan.prefetch if engine.plan else engine.request.prefetch
+        # A ring sized in bytes (a planned placement) copies as far ahead as it holds: its size says more.
+        self.ring_bytes = engine.plan.slot_bytes if engine.plan and engine.plan.ring_bytes else None
         self.pinned = engine.plan.pin_memory if engine.plan else engine.request.pin_memory
         self.streaming_buffers = engine.placement.buffer_bytes
         self.streamed_host_bytes = engine.plan.streamed_bytes if engine.plan else None
@@ -315,6 +318,7 @@ class _Publisher:
             "blocks": len(self.placement),
             "placement": self.placement,
             "prefetch": self.prefetch,
+            "ring_bytes": self.ring_bytes,
             "pinned": self.pinned,
             "streamed_host_bytes": self.streamed_host_bytes,
             "notices": list(self.notices),
@@ -330,6 +334,7 @@ class _Publisher:
             "node": self.node,
             "placement": self.placement,
             "prefetch": self.prefetch,
+            "ring_bytes": self.ring_bytes,
             "pinned": self.pinned,
             "running": self.running,
         }
@@ -344,6 +349,7 @@ class _Publisher:
             "device": str(self.device),
             "placement": self.placement,
             "prefetch": self.prefetch,
+            "ring_bytes": self.ring_bytes,
             "pinned": self.pinned,
             "running": self.running,
             "steps_done": self.steps_done,

@@ -375,7 +375,9 @@ class PanelView {
         "div",
         "bo-dim",
         `${model.node}: ${resident} of ${model.placement.length} blocks resident, ` +
-          `${model.placement.length - resident} streamed (prefetch ${model.prefetch}${model.pinned ? ", pinned" : ""})`,
+          `${model.placement.length - resident} streamed ` +
+          `(${model.ring_bytes ? `through a ${bytes(model.ring_bytes)} ring` : `prefetch ${model.prefetch}`}` +
+          `${model.pinned ? ", pinned" : ""})`,
       );
       return [title, el("canvas", "bo-placement"), model];
     });
