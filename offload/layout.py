@@ -38,8 +38,9 @@ KINDS = (
 )
 
 
-def _align(offset: int) -> int:
-    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+def aligned(nbytes: int, granule: int = ALIGNMENT) -> int:
+    """``nbytes`` rounded up to a multiple of ``granule`` (by default the alignment every view starts at)."""
+    return (nbytes + granule - 1) // granule * granule
 
 
 def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
@@ -218,11 +219,11 @@ class BlockLayout:
                 dtype = part.dtype
                 if storage_dtype is not None and is_parameter and form.is_plain and dtype.is_floating_point:
                     dtype = storage_dtype
-                offset = _align(offset)
+                offset = aligned(offset)
                 parts.append(Part(offset, part.shape, dtype))
                 offset += part.numel() * dtype.itemsize
             slots.append(TensorSlot(owner, name, is_parameter, form, tuple(parts)))
-        return cls(tuple(slots), _align(offset))
+        return cls(tuple(slots), aligned(offset))
 
     @property
     def parts(self) -> tuple[Part, ...]:

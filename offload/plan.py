@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .layout import ALIGNMENT, module_stored_bytes
+from .layout import ALIGNMENT, aligned, module_stored_bytes
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
-from .ring import aligned, ring_capacity
+from .ring import ring_capacity
 
 GIB = 1024**3
 

@@ -19,12 +19,7 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from .layout import ALIGNMENT
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to the alignment every region starts at (the layouts' own)."""
-    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+from .layout import ALIGNMENT, aligned
 
 
 def ring_capacity(largest: int, prefetch: int, nesting: int = 1, ring_bytes: int = 0) -> int:
@@ -72,7 +67,7 @@ class ByteRing:
         for other in overwritten:
             del self.regions[other]
         self.regions[block] = (start, end)
-        after = (end + self.granule - 1) // self.granule * self.granule
+        after = aligned(end, self.granule)
         self.head = after if after < self.capacity else 0
         return start, overwritten
 
@@ -87,7 +82,7 @@ class ByteRing:
             for start in (self.head, low) if low <= self.head < high else (low,):
                 if start + size <= high and (best is None or self._after_head(start) < self._after_head(best)):
                     best = start
-            low = (max(low, next_low) + self.granule - 1) // self.granule * self.granule
+            low = aligned(max(low, next_low), self.granule)
         return best
 
     def _after_head(self, start: int) -> int:
@@ -95,7 +90,3 @@ class ByteRing:
 
     def drop(self, block: int) -> None:
         self.regions.pop(block, None)
-
-    def clear(self) -> None:
-        self.regions.clear()
-        self.head = 0

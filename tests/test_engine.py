@@ -26,8 +26,7 @@ from block_offload.offload import (
     buffer_bytes,
     module_bytes,
 )
-from block_offload.offload.layout import ALIGNMENT, BlockLayout
-from block_offload.offload.ring import aligned
+from block_offload.offload.layout import ALIGNMENT, BlockLayout, aligned
 
 CPU = torch.device("cpu")
 
