@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import tiny_models as tm
-from .comfy_host import ComfyHost, RunResult
+from .comfy_host import ComfyHost, RunResult, WsEvent
 from .workflows import SAMPLER, SCHEDULER, SEED, STEPS
 
 ASYNC, PARTIAL, SEQUENTIAL = "async", "partial", "sequential"
@@ -80,9 +80,9 @@ class PromptBuilder:
         class_type, widgets, _ = NODES[node]
         return self.add(class_type, model=model, **widgets)
 
-    def lora(self, model: list[Any]) -> list[Any]:
+    def lora(self, model: list[Any], strength: float = 1.0) -> list[Any]:
         lora = tm.FILES[tm.LORA_FOR[self.arch.name]]
-        return self.add("LoraLoaderModelOnly", model=model, lora_name=lora, strength_model=1.0)
+        return self.add("LoraLoaderModelOnly", model=model, lora_name=lora, strength_model=strength)
 
     def sample(self, branch: str, model: list[Any], latent: list[Any] | None = None) -> None:
         samples = self.add(
@@ -189,11 +189,7 @@ def offload_prompt(
     seed = next(FRESH_SEEDS) if seed is None else seed
     arch = arch or ARCHS[tm.WAN21]
     b = PromptBuilder(arch, prefix(name))
-    model = b.model
-    if lora:
-        model = b.add(
-            "LoraLoaderModelOnly", model=model, lora_name=tm.FILES[tm.LORA_FOR[arch.name]], strength_model=lora
-        )
+    model = b.lora(b.model, lora) if lora else b.model
     if plain:
         b.sample("plain", model)
     b.sample("offload", b.add(node, model=model, **{**defaults(node), **widgets}))
@@ -212,3 +208,19 @@ def run_offload(host: ComfyHost, builder: PromptBuilder) -> tuple[torch.Tensor, 
     latents, log, _ = run(host, builder)
     assert torch.equal(latents["offload"], latents["plain"]), differs(latents["offload"], latents["plain"])
     return latents["plain"], log
+
+
+def interrupted_run(host: ComfyHost, builder: PromptBuilder, at_step: int, branch: str = "offload") -> None:
+    """Runs ``builder`` and interrupts it once sampling reported ``at_step`` steps done."""
+    sent = []
+
+    def interrupt(event: WsEvent) -> None:
+        if event.type == "progress" and event.data["value"] >= at_step and not sent:
+            host.interrupt()
+            sent.append(event.data["value"])
+
+    result = host.run(builder.prompt, timeout=300, on_event=interrupt)
+    assert sent, f"sampling ended before step {at_step}: {result.summary()}"
+    assert result.status == "interrupted", result.summary()
+    progress = [e.data["value"] for e in result.events_of("progress")]
+    assert progress[-1] < sampler_of(builder, branch)["steps"], "the prompt finished: nothing was interrupted"

@@ -19,6 +19,7 @@ state they share have files of their own.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 
@@ -65,6 +66,7 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
 
 
 _CLASSES: dict[type, type] = {}
+_PATCHER_IDS = itertools.count(1)
 
 
 def _offload_class(base: type) -> type:
@@ -93,6 +95,15 @@ class BlockOffloadPatcher(ModelPatcher):
     @property
     def offload_engine(self) -> Engine | None:
         return state_of(self.model).engine
+
+    @property
+    def patcher_id(self) -> int:
+        """This patcher object's own number (clones get theirs): unlike ``id()`` never reused, and unlike a
+        weak reference still readable in ``__del__`` when the cycle collector frees the patcher."""
+        number = self.__dict__.get("_block_offload_id")
+        if number is None:
+            number = self.__dict__["_block_offload_id"] = next(_PATCHER_IDS)
+        return number
 
     # -- what ComfyUI's loader may touch -----------------------------------------------------
 
@@ -165,6 +176,7 @@ class BlockOffloadPatcher(ModelPatcher):
         """ComfyUI loads all but the streamed blocks, its budget less our stream buffers; the engine streams them."""
         state = state_of(self.model)
         state.hidden = placement.streamed
+        self.__dict__["_block_offload_streams"] = bool(placement.streamed)  # see ``pre_run``
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
@@ -172,6 +184,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if state.engine is None:
             state.engine = start_engine(self, request, placement, device_to)
             self._check_resident_loaded(request)
+        state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes
 
@@ -215,16 +228,23 @@ class BlockOffloadPatcher(ModelPatcher):
             # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
             unpark(self.model.modules())
-            state_of(self.model).hidden = frozenset()  # blocks parked earlier are ordinary weights again
+            state = state_of(self.model)
+            state.hidden = frozenset()  # blocks parked earlier are ordinary weights again
+            state.parked_load = None
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
         # Without unpatch_all, ComfyUI hands these weights to a new clone (one per prompt): the engine parks,
         # leaving the streamed blocks on their host buffers for the next engine to adopt instead of packing
         # them again. They are valid CPU tensors, so a clone that does not stream can take them over too.
-        self._stop_streaming(park=not unpatch_all)
-        detached = super().detach(unpatch_all)
-        state_of(self.model).parked_load = None if unpatch_all else self.loaded_state()
+        # Only the engine's owner hands over: another clone detached (or deleted) now is not what is loaded.
+        state = state_of(self.model)
+        hands_over = not unpatch_all and state.engine is not None and state.owner == self.patcher_id
+        if hands_over:
+            self._stop_streaming(park=True)
+        detached = super().detach(unpatch_all)  # unpatch_all: a real unload (``unpatch_model`` stops the engine)
+        if hands_over:
+            state.parked_load = self.loaded_state()
         return detached
 
     def _stop_streaming(self, park: bool = False) -> None:
@@ -246,6 +266,19 @@ class BlockOffloadPatcher(ModelPatcher):
         engine = self.offload_engine
         if engine is not None:
             report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
+        elif self.__dict__.get("_block_offload_streams", True):
+            # Placed with blocks to stream (or never placed: ComfyUI loaded it without asking this patcher),
+            # yet sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
+            node = self.offload_request.node
+            notice = (
+                f"{node}: this MODEL is sampling without streaming: ComfyUI loaded it without the pack's "
+                f"placement ({self.model.model_loaded_weight_memory / GIB:.2f} GiB of weights loaded its own "
+                "way). The output is the model's, but the device memory is not what the node planned. Please "
+                "report this with the workflow; queueing it again after unloading models (Free model and node "
+                "cache) streams."
+            )
+            logging.warning(f"Block Offload ({node}): {notice}")
+            report.node_not_streaming(node, notice)
 
     def cleanup(self):
         try:

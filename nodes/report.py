@@ -360,7 +360,7 @@ class _Publisher:
 
 # The publisher whose run the panel shows: the last one that started, ran a run or sent a message.
 _current: _Publisher | None = None
-# The status of the last node that stepped aside, shown while no engine has run since. Only appended to
+# The status of the last node that ran without streaming (stepped aside), shown while no engine has run since. Only appended to
 # (the routes read it from the server's thread); one entry is kept.
 _aside: collections.deque[dict[str, Any]] = collections.deque(maxlen=1)
 
@@ -414,12 +414,17 @@ def run_finished(engine: Engine) -> None:
 
 
 def node_stepped_aside(node: str, reason: str) -> None:
-    """A node returned its model unchanged (``offload.step_aside``): the panel says so instead of showing
-    an earlier run as if it were this prompt's."""
+    """A node returned its model unchanged (``offload.step_aside``)."""
+    node_not_streaming(node, f"{node} stepped aside; ComfyUI runs the model itself: {reason}.")
+
+
+def node_not_streaming(node: str, notice: str) -> None:
+    """A node's model runs without an engine: the panel says why instead of showing an earlier run as if
+    it were this prompt's."""
     global _current
     _current = None
     status = _empty_status()
-    status.update(node=node, notices=[f"{node} stepped aside; ComfyUI runs the model itself: {reason}."])
+    status.update(node=node, prompt_id=_prompt_id(), notices=[notice])
     _aside.append(status)
     _outbox.send(status, force=True)
 

@@ -19,12 +19,19 @@ class ModelState:
     """What outlives one patcher: ComfyUI loads a new clone of the model for every prompt."""
 
     engine: Engine | None = None  # streaming now
+    # The patcher whose load started ``engine`` (``BlockOffloadPatcher.patcher_id``): ComfyUI hands the weights
+    # over by detaching that one, while any other clone may be detached (or deleted: ``ModelPatcher.__del__``
+    # detaches) at any time, between prompts or, through the cycle collector, in the middle of one.
+    owner: int | None = None
     # Module names ComfyUI's loader must not see: streamed now, or parked by the last engine (still on the
     # host, never loaded by ComfyUI; a partial unload between prompts must neither move nor count them).
     hidden: frozenset[str] = frozenset()
     fallback: Fallback | None = None  # the placement that fit when the asked one ran out of memory
     # ComfyUI's books on the model when the last engine parked (``BlockOffloadPatcher.loaded_state``): the
     # next clone keeps the resident part loaded if nothing has loaded or unloaded these weights since.
+    # Recorded only by the engine's owner as it parks: a later detach of another clone (ComfyUI's cache
+    # dropping an old node output after a plain model loaded these weights) must not pass the plain load
+    # off as the parked one.
     parked_load: tuple | None = None
 
 

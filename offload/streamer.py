@@ -269,14 +269,18 @@ class BlockStreamer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for index in sorted(self._state):
-            if park and self._state[index].origin_device.type == "cpu":
-                self._park(index)
-            else:
-                self._restore(index, self._state[index].origin_device)
-                self._unpin(self._state[index])
-        self._state.clear()
         self._free_ring()
+        # Block by block, each block's state (so its host buffer) dropped as the block gets its memory back:
+        # restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly
+        # when another model is waiting for the RAM.
+        for index in sorted(self._state):
+            state = self._state.pop(index)
+            if park and state.origin_device.type == "cpu":
+                self._park(index, state)
+            else:
+                self._restore(state, state.origin_device)
+                self._unpin(state)
+            del state
         self.enabled = False
 
     def release_device_buffers(self) -> None:
@@ -295,12 +299,12 @@ class BlockStreamer:
         self._finish_active()
         synchronize(self.device)
         for index in indices:
-            if index in self._state:
+            state = self._state.pop(index, None)
+            if state is not None:
                 if self._ring is not None:
                     self._ring.drop(index)
-                self._restore(index, self.device)
-                self._unpin(self._state[index])
-                del self._state[index]
+                self._restore(state, self.device)
+                self._unpin(state)
         self.streamed = frozenset(self._state)
 
     @property
@@ -377,9 +381,8 @@ class BlockStreamer:
         layout.point_at(host_views)
         return _StreamedBlock(layout, storage, host, host_views, origin, originals, pinned=pinned)
 
-    def _park(self, index: int) -> None:
+    def _park(self, index: int, state: _StreamedBlock) -> None:
         """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
-        state = self._state[index]
         if state.originals is not None:
             state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
             self._unpin(state)
@@ -415,8 +418,7 @@ class BlockStreamer:
         if state.pinned and self._pinned is not None:
             self._pinned.release(state.host.numel())
 
-    def _restore(self, index: int, device: torch.device) -> None:
-        state = self._state[index]
+    def _restore(self, state: _StreamedBlock, device: torch.device) -> None:
         sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
         restored = tuple(
             source.to(device=device, dtype=part.dtype, copy=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness.inprocess import async_offload, sample, wan
-from harness.transformer_stack import forward_steps, snapshot, transformer_stack
+from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
 
@@ -57,10 +57,33 @@ def test_parked_blocks_are_adopted_not_packed_again() -> None:
     second = streaming(model)
     assert host_ptrs(second) == packed  # the same buffers, taken over: no allocation, no pack
     assert forward_steps(model, x)[-1].equal(reference)
+    buffers = [weakref.ref(second._state[index].host.untyped_storage()) for index in STREAMED]
     second.disable()
-    before = snapshot(model)
-    assert not any(uses(model, buffer) for buffer in packed.values())  # restored: memory of their own
-    assert all(torch.equal(value, before[key]) for key, value in snapshot(model).items())
+    gc.collect()
+    assert all(buffer() is None for buffer in buffers)  # restored into memory of their own, the buffers freed
+    assert forward_steps(model, x, steps=1)[0].equal(reference)
+
+
+def test_stopping_frees_each_host_buffer_before_the_next_block_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unload must not hold the streamed bytes twice: when a block is restored, the host buffers of the
+    blocks restored before it are gone already (its own and those of the blocks after it still live)."""
+    model = transformer_stack()
+    x = torch.randn(2, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    streamer = streaming(model)
+    forward_steps(model, x)
+    buffers = {index: weakref.ref(streamer._state[index].host.untyped_storage()) for index in STREAMED}
+    alive_at_restore = []
+    restore = BlockStreamer._restore
+
+    def counting(self, state, device):
+        alive_at_restore.append(sorted(index for index, buffer in buffers.items() if buffer() is not None))
+        return restore(self, state, device)
+
+    monkeypatch.setattr(BlockStreamer, "_restore", counting)
+    streamer.disable()
+    assert alive_at_restore == [list(STREAMED[k:]) for k in range(len(STREAMED))]
+    assert all(buffer() is None for buffer in buffers.values())
     assert forward_steps(model, x, steps=1)[0].equal(reference)
 
 
@@ -279,4 +302,49 @@ def test_comfyui_unloading_a_parked_model_counts_only_what_it_loaded(comfy: Simp
     patched.detach(unpatch_all=False)  # load_models_gpu's hand-over to the next prompt's clone: it parks
     freed = patched.partially_unload(patched.offload_device, memory_to_free=patched.model_size())
     assert (freed, patched.model.model_loaded_weight_memory) == (loaded, 0)
+    comfy.mm.unload_all_models()
+
+
+def test_another_clone_detached_or_deleted_while_one_streams_does_not_stop_it(comfy: SimpleNamespace) -> None:
+    """ComfyUI 0.33 and 0.3.75 detach a patcher as it is deleted (``ModelPatcher.__del__``), which the cycle
+    collector may do at any time. Only the clone whose load started the engine hands the weights over."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    offloaded = async_offload(comfy, model, resident=1)
+    clone = offloaded.clone()  # what a node after ours makes (model options, a sampler patch)
+    assert torch.equal(sample(comfy, clone), reference)
+    engine = clone.offload_engine
+    assert engine is not None
+    offloaded.detach(unpatch_all=False)
+    del offloaded
+    gc.collect()
+    assert clone.offload_engine is engine and engine.runner.enabled, "a clone that was not loaded stopped the engine"
+    assert comfy.state.state_of(model.model).parked_load is None
+    assert torch.equal(sample(comfy, clone), reference)
+    comfy.mm.unload_all_models()
+
+
+def test_a_node_sampling_without_its_engine_says_so(comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    """If ComfyUI ever loads a node's MODEL without the pack's placement (here: the books left as the old
+    hand-over bug left them, the plain model's full load taken for the parked one), the run is still the
+    model's, and the log and the panel say that it did not stream."""
+    model = wan(comfy)
+    offloaded = async_offload(comfy, model, resident=1)
+    reference = sample(comfy, offloaded)
+    assert torch.equal(sample(comfy, model), reference)
+    state = comfy.state.state_of(model.model)
+    state.parked_load = offloaded.loaded_state()  # what the plain clone's detach used to record
+    with caplog.at_level("WARNING"):
+        assert torch.equal(sample(comfy, offloaded), reference)
+    assert offloaded.offload_engine is None
+    (warning,) = [r.message for r in caplog.records if "sampling without streaming" in r.message]
+    assert warning.startswith("Block Offload (Async Block Offload): ")
+    notices = comfy.report.snapshot()["notices"]
+    assert len(notices) == 1 and "sampling without streaming" in notices[0]
+    comfy.mm.unload_all_models()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert torch.equal(sample(comfy, offloaded), reference)  # unloaded: the next prompt streams again
+    assert offloaded.offload_engine is not None
+    assert not [r for r in caplog.records if "sampling without streaming" in r.message]
     comfy.mm.unload_all_models()

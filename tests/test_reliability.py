@@ -36,7 +36,7 @@ import torch
 from conftest import DEVICES, GPU_MODES
 
 from harness import tiny_models as tm
-from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost, PromptValidationError, WsEvent
+from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost, PromptValidationError
 from harness.device_limit import LIMIT_ENV
 from harness.prompts import (
     ARCHS,
@@ -44,6 +44,7 @@ from harness.prompts import (
     PromptBuilder,
     differs,
     evict_cached_models,
+    interrupted_run,
     offload_prompt,
     run_offload,
     sampler_of,
@@ -255,22 +256,6 @@ def test_on_a_cpu_only_comfyui_the_nodes_pass_the_model_through(cpu_only_host: C
 
 
 # -- 2. interrupts --------------------------------------------------------------------------------
-
-
-def interrupted_run(host: ComfyHost, builder: PromptBuilder, at_step: int) -> None:
-    """Runs ``builder`` and interrupts it once sampling reported ``at_step`` steps done."""
-    sent = []
-
-    def interrupt(event: WsEvent) -> None:
-        if event.type == "progress" and event.data["value"] >= at_step and not sent:
-            host.interrupt()
-            sent.append(event.data["value"])
-
-    result = host.run(builder.prompt, timeout=300, on_event=interrupt)
-    assert sent, f"sampling ended before step {at_step}: {result.summary()}"
-    assert result.status == "interrupted", result.summary()
-    progress = [e.data["value"] for e in result.events_of("progress")]
-    assert progress[-1] < sampler_of(builder, "offload")["steps"], "the prompt finished: nothing was interrupted"
 
 
 def test_interrupt_mid_sampling_then_the_same_model_samples_as_a_clean_run(host: ComfyHost) -> None:
