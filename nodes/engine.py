@@ -27,7 +27,7 @@ from ..offload import (
     release_freed_host_memory,
 )
 from .architectures import find_blocks
-from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
+from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, pinning_enabled
 from .placement import Placement
 from .request import OffloadRequest
 
@@ -43,6 +43,8 @@ class Engine:
     recorder: TimelineRecorder
     # Things the user should know about this run (a fallback taken, a cap reached): logged once, shown by the panel.
     notices: list[str] = field(default_factory=list)
+    # The plan line as logged: the placement's summary, and what went to pageable memory.
+    summary: str = ""
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -85,11 +87,19 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     except torch.OutOfMemoryError:
         runner.disable()
         raise
-    engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner))
+    summary = placement.summary + _pageable_summary(runner)
+    engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner), summary=summary)
     for started in _started_observers:
         started(engine)
-    logging.info(f"Block Offload ({request.node}): {placement.summary}")
+    logging.info(f"Block Offload ({request.node}): {summary}")
     return engine
+
+
+def _pageable_summary(runner: Runner) -> str:
+    """The plan line's word on streamed units that wanted pinned memory and got pageable memory."""
+    reasons = {"the pinned-memory cap": runner.refused_pinning, "the driver refused to pin": runner.failed_pinning}
+    said = [f"{len(units)} from pageable memory ({reason})" for reason, units in reasons.items() if units]
+    return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
 
 
 def _runner(
@@ -107,7 +117,7 @@ def _runner(
             storage_dtype=request.storage_dtype,
             vram_limit_bytes=request.vram_limit_bytes,
             prefetch=request.prefetch,
-            pin_memory=request.pin_memory,
+            pin_memory=request.pin_memory and pinning_enabled(),
             recorder=recorder,
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
@@ -166,15 +176,25 @@ def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
 
 
 def _pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:
-    """A notice (logged once) when the pinned-memory cap sent some streamed weights to pageable RAM."""
+    """A notice (logged once) for each reason some streamed weights went to pageable RAM, which copies more
+    slowly: the pinned-memory cap, or the driver refusing to pin."""
+    notices = []
+    of = f"of {len(runner.streamed)} streamed {runner.unit}s"
     refused = runner.refused_pinning
-    if not refused:
-        return []
-    notice = (
-        f"Pinned memory cap reached ({PINNED_MEMORY.limit / GIB:.2f} GiB): {len(refused)} of "
-        f"{len(runner.streamed)} streamed {runner.unit}s ({sum(refused.values()) / GIB:.2f} GiB) stream "
-        f"from pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
-        f"{PINNED_LIMIT_ENV} sets the pack's own cap."
-    )
-    logging.warning(f"Block Offload ({request.node}): {notice}")
-    return [notice]
+    if refused:
+        notices.append(
+            f"Pinned memory cap reached ({(PINNED_MEMORY.limit or 0) / GIB:.2f} GiB, shared with ComfyUI and the "
+            f"other streaming models): {len(refused)} {of} ({sum(refused.values()) / GIB:.2f} GiB) stream from "
+            f"pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
+            f"{PINNED_LIMIT_ENV} sets the pack's own cap."
+        )
+    failed = runner.failed_pinning
+    if failed:
+        notices.append(
+            f"The driver refused to pin {len(failed)} {of} ({sum(failed.values()) / GIB:.2f} GiB): they stream from "
+            "pageable RAM, which copies more slowly (the error was cleared, the run goes on). Too much pinned "
+            f"memory system-wide is the usual cause: close other GPU programs, or lower {PINNED_LIMIT_ENV}."
+        )
+    for notice in notices:
+        logging.warning(f"Block Offload ({request.node}): {notice}")
+    return notices

@@ -9,7 +9,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
-from ..offload import GIB, ResidencyPolicy, step_aside
+from ..offload import GIB, ResidencyPolicy, StepAside, platform_aside, step_aside, unsupported_torch
 from . import report
 from .architectures import UnsupportedModelError, find_blocks
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
@@ -126,12 +126,19 @@ def _policy(name: str) -> dict[str, ResidencyPolicy | bool]:
 def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
     """Checks what can only be checked against the model, then returns the streaming clone."""
     node = request.node
-    if not streaming_allowed(model.load_device):
+    device = model.load_device
+    if not streaming_allowed(device):
         logging.warning(
             f"Block Offload ({node}): ComfyUI runs this model on the CPU, so there is no GPU memory to save; "
             f"passing the model through unchanged. (Set {ALLOW_CPU_ENV}=1 to exercise streaming on the CPU.)"
         )
         return io.NodeOutput(model)
+    aside = platform_aside(device)
+    if aside is not None:
+        return _stepped_aside(model, node, aside)
+    unsupported = unsupported_torch(device)
+    if unsupported is not None:
+        raise ValueError(f"{node}: {unsupported}")
     # Whether the request streams some weights whatever the device: the sequential wrapper, or a fixed count
     # below all the blocks. A budget's placement depends on the device (``room_for_weights``).
     streams_any = True
@@ -150,10 +157,14 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
     if uses_dynamic_vram(model) and may_step_aside():
         aside = step_aside(weight_bytes(model), room_for_weights(model, request), streams_any)
         if aside is not None:
-            logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")
-            report.node_stepped_aside(node, aside.reason)
-            return io.NodeOutput(model)
+            return _stepped_aside(model, node, aside)
     return io.NodeOutput(with_offload(model, request))
+
+
+def _stepped_aside(model: ModelPatcher, node: str, aside: StepAside) -> io.NodeOutput:
+    logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")
+    report.node_stepped_aside(node, aside.reason)
+    return io.NodeOutput(model)
 
 
 class AsyncBlockOffload(io.ComfyNode):

@@ -138,6 +138,8 @@ class BlockOffloadPatcher(ModelPatcher):
         if engine is not None:  # before planning, so this load can plan from them
             remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
+        if math.isinf(budget) and request.automatic_budget:
+            budget = self._device_room()
         asked = place(request, self, budget, self._loader_need)
         placement = asked
         fallback = state.fallback
@@ -187,6 +189,14 @@ class BlockOffloadPatcher(ModelPatcher):
         state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes
+
+    def _device_room(self) -> float:
+        """The device memory this model's weights may have when ComfyUI sets no limit: a full load because the
+        model fits, or because ``--highvram`` / ``--gpu-only`` (HIGH_VRAM) keeps everything loaded whatever
+        the device's size. What is free, what the model holds already, less ComfyUI's inference reserve."""
+        mm = comfy.model_management
+        free = mm.get_free_memory(self.load_device) + self.model.model_loaded_weight_memory
+        return max(0.0, free - mm.minimum_inference_memory())
 
     def _loader_need(self, streamed: frozenset[str]) -> int:
         """The budget ComfyUI's loader needs to load every module outside ``streamed``. It takes modules

@@ -1,37 +1,90 @@
-"""How much host memory the pack may page-lock: what ComfyUI's own pinned-memory budget leaves."""
+"""The page-locked host memory the pack takes, in ComfyUI's own books: one budget for ComfyUI and the pack.
+
+Where ComfyUI pins (NVIDIA, AMD) it has a budget, ``MAX_PINNED_MEMORY``, and counts what it pinned in
+``TOTAL_PINNED_MEMORY``. The pack counts its pinned bytes there too, so ComfyUI's later pins see them (the
+two together never exceed ComfyUI's cap) and 0.33's eviction of its own pins, which reads that total, makes
+room for them. ComfyUI 0.3.75 resets the total to 0 whenever its table of pinned tensors (``PINNED_MEMORY``)
+empties; the pack keeps an entry of its own in that table, holding its bytes, so the table never empties
+while the pack pins. Before pinning, ComfyUI's available-RAM check is asked (0.33's ``ensure_pin_budget``;
+on 0.3.75, which has none, the same headroom rule). ``--disable-pinned-memory`` means the pack pins
+nothing either; ``BLOCK_OFFLOAD_MAX_PINNED_GB`` caps the pack's share further. On Intel XPU, where ComfyUI
+pins nothing and sets no budget, the pack caps itself as ComfyUI caps NVIDIA.
+
+A failed registration's CUDA error is cleared by ComfyUI's own ``discard_cuda_async_error`` where it has
+one (0.33), by the engine's equivalent elsewhere.
+"""
 
 from __future__ import annotations
 
 import os
 
 import comfy.model_management
+import psutil
+import torch
 from comfy.cli_args import args
 
-from ..offload import GIB, PinnedMemoryBudget
+from ..offload import GIB, CudaHostRegistrar, PinnedMemoryBudget, use_host_registrar
 
 # A cap, in GiB, on the page-locked RAM the pack takes (below ComfyUI's own pinned-memory budget).
 PINNED_LIMIT_ENV = "BLOCK_OFFLOAD_MAX_PINNED_GB"
+# The pack's entry in ComfyUI's table of pinned tensors (keyed by address there: a string never clashes).
+COMFY_TABLE_KEY = "block_offload"
+# Available RAM kept free when pinning, where ComfyUI has no check of its own (0.33's minimum headroom).
+RAM_HEADROOM = 2 * GIB
+
+
+def pinning_enabled() -> bool:
+    return not args.disable_pinned_memory
+
+
+def _comfyui_like_cap() -> int:
+    """ComfyUI 0.33's pinned budget for NVIDIA and AMD, for a device it sets none for (Intel XPU)."""
+    ram = psutil.virtual_memory().total
+    if comfy.model_management.WINDOWS:
+        return int(ram * 0.40)
+    return int(max(ram * 0.40, min(ram * 0.90, ram - 4 * GIB)))
 
 
 def _pinned_limit() -> int | None:
-    """How many bytes all streaming models together may pin now; None: no cap known.
-
-    Where ComfyUI pins (NVIDIA, AMD) it has a budget, MAX_PINNED_MEMORY, for the weights of the
-    modules it casts on demand; the pack takes only what ComfyUI has left of it. It keeps its own
-    count instead of adding to ComfyUI's TOTAL_PINNED_MEMORY, because ComfyUI sets that total to 0
-    whenever its own list of pinned tensors empties, which would silently drop the pack's share.
-    ``--disable-pinned-memory`` means none; ``BLOCK_OFFLOAD_MAX_PINNED_GB`` caps it further.
-    """
-    if args.disable_pinned_memory:
+    """How many bytes all streaming models together may pin now; None: no cap known."""
+    if not pinning_enabled():
         return 0
     limits = []
-    comfy_max = getattr(comfy.model_management, "MAX_PINNED_MEMORY", -1)
+    mm = comfy.model_management
+    comfy_max = getattr(mm, "MAX_PINNED_MEMORY", -1)
     if comfy_max > 0:
-        limits.append(int(comfy_max - comfy.model_management.TOTAL_PINNED_MEMORY))
+        # ComfyUI's total counts the pack's bytes too: what ComfyUI pinned itself leaves the rest.
+        limits.append(int(comfy_max - (mm.TOTAL_PINNED_MEMORY - PINNED_MEMORY.used)))
+    elif mm.is_intel_xpu():
+        limits.append(_comfyui_like_cap())
     setting = os.environ.get(PINNED_LIMIT_ENV)
     if setting:
         limits.append(int(float(setting) * GIB))
     return min(limits, default=None)
 
 
-PINNED_MEMORY = PinnedMemoryBudget(_pinned_limit)
+def _ram_admits(nbytes: int) -> bool:
+    """ComfyUI's available-RAM check before pinning (it may unpin its own Dynamic VRAM buffers to pass)."""
+    ensure_pin_budget = getattr(comfy.model_management, "ensure_pin_budget", None)
+    if ensure_pin_budget is not None:
+        return ensure_pin_budget(nbytes)
+    return psutil.virtual_memory().available - nbytes >= RAM_HEADROOM
+
+
+def _count_in_comfyui(nbytes: int) -> None:
+    mm = comfy.model_management
+    mm.TOTAL_PINNED_MEMORY += nbytes
+    if PINNED_MEMORY.used > 0:
+        mm.PINNED_MEMORY[COMFY_TABLE_KEY] = PINNED_MEMORY.used
+    else:
+        mm.PINNED_MEMORY.pop(COMFY_TABLE_KEY, None)
+
+
+def comfyui_registrar() -> CudaHostRegistrar:
+    """CUDA's registration, its failures cleared as ComfyUI clears its own where it can (0.33)."""
+    return CudaHostRegistrar(getattr(comfy.model_management, "discard_cuda_async_error", None))
+
+
+PINNED_MEMORY = PinnedMemoryBudget(_pinned_limit, admit=lambda nbytes: _ram_admits(nbytes), on_change=_count_in_comfyui)
+if torch.cuda.is_available():
+    use_host_registrar(comfyui_registrar())

@@ -36,6 +36,7 @@ from ..offload import (
     streamed_modules,
 )
 from .architectures import find_blocks
+from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
 
 # ComfyUI loads the model again for every prompt: the same costs and budget give the same answer (a search
@@ -77,7 +78,10 @@ def place(
     """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit), its summary
     saying which of ComfyUI's loaders the weights came from (see ``_place``)."""
     placement = _place(request, model, budget, loader_need)
-    return dataclasses.replace(placement, summary=f"{placement.summary}; weights from {request.loader}")
+    summary = f"{placement.summary}; weights from {request.loader}"
+    if request.pin_memory and not pinning_enabled():
+        summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
+    return dataclasses.replace(placement, summary=summary)
 
 
 def _place(
@@ -130,7 +134,7 @@ def _blocks(
 ) -> Placement:
     """The block placement for ``count`` resident blocks, or the best within ``budget_bytes``: the
     planner's, from measured costs, for an automatic placement; the request's policy otherwise."""
-    pin_memory = request.pin_memory and can_pin_memory()
+    pin_memory = request.pin_memory and can_pin_memory() and pinning_enabled()
     measuring, unplanned = False, ""  # why an automatic placement fell back to the request's policy
     # Partial GPU Residency plans within a budget; Async Block Offload plans which of its count of blocks stay.
     if request.auto_placement and (budget_bytes is not None or request.resident_blocks is not None):

@@ -216,7 +216,7 @@ class _Publisher:
     def __init__(self, engine: Engine) -> None:
         self._engine = weakref.ref(engine)  # the engine holds the recorder that holds us: no cycle
         self.node = engine.request.node
-        self.plan = engine.placement.summary
+        self.plan = engine.summary
         self.device = engine.recorder.device
         self.notices = engine.notices  # the engine's own list: notices added later show too
         self.prefetch = engine.plan.prefetch if engine.plan else engine.request.prefetch
@@ -360,8 +360,8 @@ class _Publisher:
 
 # The publisher whose run the panel shows: the last one that started, ran a run or sent a message.
 _current: _Publisher | None = None
-# The status of the last node that ran without streaming (stepped aside), shown while no engine has run since. Only appended to
-# (the routes read it from the server's thread); one entry is kept.
+# The status of the last node that ran without streaming (stepped aside), shown while no engine has run since.
+# Only appended to (the routes read it from the server's thread); one entry is kept.
 _aside: collections.deque[dict[str, Any]] = collections.deque(maxlen=1)
 
 

@@ -36,6 +36,11 @@ class OffloadRequest:
     dynamic_vram_twin: bool = False
 
     @property
+    def automatic_budget(self) -> bool:
+        """Partial GPU Residency at 0 GiB: the budget is what ComfyUI leaves for the model's weights."""
+        return not self.sequential and self.resident_blocks is None and not self.budget_bytes
+
+    @property
     def loader(self) -> str:
         """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
         if self.dynamic_vram_twin:

@@ -9,7 +9,17 @@
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
-from .device import MemorySnapshot, can_pin_memory, device_name, memory_snapshot, pinned_bytes
+from .device import (
+    CudaHostRegistrar,
+    HostRegistrar,
+    MemorySnapshot,
+    can_pin_memory,
+    device_name,
+    memory_snapshot,
+    pinned_bytes,
+    unsupported_torch,
+    use_host_registrar,
+)
 from .host_memory import release_freed_host_memory
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
@@ -26,7 +36,7 @@ from .planner import (
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
-from .step_aside import StepAside, step_aside
+from .step_aside import StepAside, platform_aside, step_aside
 from .streamer import BlockStreamer, unpark
 from .timeline import BlockSpan, StepTimeline, TimelineRecorder
 
@@ -36,6 +46,8 @@ __all__ = [
     "BlockSpan",
     "BlockStreamer",
     "CostCache",
+    "CudaHostRegistrar",
+    "HostRegistrar",
     "MemorySnapshot",
     "ModuleState",
     "OffloadPlan",
@@ -58,6 +70,7 @@ __all__ = [
     "module_bytes",
     "pinned_bytes",
     "place_falling_back",
+    "platform_aside",
     "release_freed_host_memory",
     "resident_for_budget",
     "resident_indices",
@@ -65,4 +78,6 @@ __all__ = [
     "step_aside",
     "streamed_modules",
     "unpark",
+    "unsupported_torch",
+    "use_host_registrar",
 ]

@@ -3,6 +3,11 @@ accelerator API so CUDA, XPU and others share one code path.
 
 On the CPU there are no streams or events: copies run inline and clocks are
 read from the host. Every caller handles ``None`` streams that way.
+
+``torch.accelerator`` grew over several releases (its memory functions came after
+torch 2.7, the oldest ComfyUI 0.33 supports): each call here takes it where it has
+the function and the device's own module (``torch.cuda``, ``torch.xpu``) where it
+does not, and ``unsupported_torch`` names what neither has, before any work starts.
 """
 
 from __future__ import annotations
@@ -11,12 +16,67 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
 import torch
 
 
 def is_accelerator(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
+
+
+# torch.accelerator's name for a function -> the name the device modules (torch.cuda, torch.xpu) give it.
+_DEVICE_MODULE_NAMES = {
+    "current_device_index": "current_device",
+    "get_memory_info": "mem_get_info",
+}
+# What the engine calls on an accelerator.
+_DEVICE_FUNCTIONS = (
+    "current_device_index",
+    "current_stream",
+    "synchronize",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "get_memory_info",
+)
+
+
+def _device_function(device: torch.device, name: str) -> Callable | None:
+    accelerator = getattr(torch, "accelerator", None)
+    function = getattr(accelerator, name, None)
+    if function is None:
+        function = getattr(getattr(torch, device.type, None), _DEVICE_MODULE_NAMES.get(name, name), None)
+    return function
+
+
+def _call(device: torch.device, name: str, *args: object) -> object:
+    function = _device_function(device, name)
+    if function is None:  # unsupported_torch refuses such a device before any engine starts
+        raise RuntimeError(f"torch {torch.__version__} has no {name} for {device.type}")
+    return function(*args)
+
+
+def accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def unsupported_torch(device: torch.device) -> str | None:
+    """What this torch lacks that streaming on ``device`` needs (None: nothing), said for a person."""
+    if not is_accelerator(device):
+        return None
+    missing = [f"torch.{name}" for name in ("Stream", "Event") if not hasattr(torch, name)]
+    missing += [f"torch.accelerator.{name}" for name in _DEVICE_FUNCTIONS if _device_function(device, name) is None]
+    if not missing:
+        return None
+    return (
+        f"torch {torch.__version__} lacks {', '.join(missing)} for {device.type}, which block streaming needs. "
+        "Update torch (2.7 or newer, as ComfyUI recommends), or leave the offloading to ComfyUI."
+    )
 
 
 # One copy stream per device, shared by every engine on it: a new stream per engine would come from
@@ -29,7 +89,7 @@ def copy_stream(device: torch.device) -> torch.Stream | None:
     if not is_accelerator(device):
         return None
     if device.index is None:
-        device = torch.device(device.type, torch.accelerator.current_device_index())
+        device = torch.device(device.type, _call(device, "current_device_index"))
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.Stream(device=device)
     return _COPY_STREAMS[device]
@@ -38,7 +98,7 @@ def copy_stream(device: torch.device) -> torch.Stream | None:
 def current_stream(device: torch.device) -> torch.Stream | None:
     if not is_accelerator(device):
         return None
-    return torch.accelerator.current_stream(device)
+    return _call(device, "current_stream", device)
 
 
 def device_name(device: torch.device) -> str:
@@ -49,13 +109,82 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+class HostRegistrar(Protocol):
+    """Page-locks ordinary host memory in place, and unlocks it (``CudaHostRegistrar``; a test may inject another)."""
+
+    def register(self, pointer: int, nbytes: int) -> bool: ...
+
+    def unregister(self, pointer: int) -> bool: ...
+
+
+# cudaHostRegisterPortable: the pages are pinned for every CUDA context, as ComfyUI registers its own (0.33
+# deep-clones a model for each GPU; pages registered with flag 0 are pinned for the registering context only).
+_REGISTER_PORTABLE = 1
+
+
+def discard_async_error() -> None:
+    """Clears the error a failed registration leaves behind: CUDA reports it at the next kernel launch (as a
+    misleading out-of-memory) unless a launch and a synchronize consume it first. ComfyUI does the same
+    after each failed pin (``discard_cuda_async_error``)."""
+    try:
+        torch.ones(1, dtype=torch.uint8, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass  # the error being dropped: the failed call already said so
+
+
+class CudaHostRegistrar:
+    """``cudaHostRegister`` / ``cudaHostUnregister``, each failure's sticky error cleared by ``discard_error``."""
+
+    def __init__(self, discard_error: Callable[[], None] | None = None) -> None:
+        self.discard_error = discard_error  # None: ``discard_async_error``
+
+    def register(self, pointer: int, nbytes: int) -> bool:
+        return self._succeeded(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE))
+
+    def unregister(self, pointer: int) -> bool:
+        return self._succeeded(torch.cuda.cudart().cudaHostUnregister(pointer))
+
+    def _succeeded(self, status: int) -> bool:
+        if status == 0:
+            return True
+        (self.discard_error or discard_async_error)()
+        return False
+
+
+_registrar: HostRegistrar | None = None
+
+
+def use_host_registrar(registrar: HostRegistrar | None) -> None:
+    """Pins through ``registrar`` from now on (a host's own error handling; None: back to the default)."""
+    global _registrar
+    _registrar = registrar
+
+
+def host_registrar() -> HostRegistrar | None:
+    """What pins host buffers in place: CUDA's registration; None where torch's pinned allocator is used."""
+    if _registrar is None and torch.cuda.is_available():
+        use_host_registrar(CudaHostRegistrar())
+    return _registrar
+
+
 def can_pin_memory() -> bool:
     """Page-locked host memory needs a driver; without an accelerator there is nothing to pin for."""
-    return torch.accelerator.is_available()
+    return host_registrar() is not None or accelerator_available()
+
+
+def pinned_allocation_bytes(nbytes: int) -> int:
+    """The page-locked bytes a buffer of ``nbytes`` takes: exactly ``nbytes`` when registered in place;
+    torch's caching host allocator (other accelerators) rounds every request up to a power of two."""
+    if host_registrar() is not None or nbytes <= 1:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
 
 
 # Bytes of host memory the engine has page-locked itself and not yet given back (see pinned_host_buffer).
 _registered_bytes = 0
+# Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
+_REGISTRATIONS: dict[int, weakref.finalize] = {}
 
 
 def pinned_bytes() -> int:
@@ -74,34 +203,49 @@ def pinned_host_buffer(nbytes: int) -> torch.Tensor | None:
     goes, torch finalizes the storage's weak references before it releases the memory.
     """
     global _registered_bytes
-    if not torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # other accelerators: torch's way
+    registrar = host_registrar()
+    if registrar is None:  # other accelerators: torch's way
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            return None
     host = torch.empty(nbytes, dtype=torch.uint8)
     if nbytes == 0:
         return host
     pointer = host.data_ptr()
-    if torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0) != 0:
+    if not registrar.register(pointer, nbytes):
         return None
     _registered_bytes += nbytes
-    weakref.finalize(host.untyped_storage(), _unregister, pointer, nbytes)
+    _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
     return host
 
 
-def _unregister(pointer: int, nbytes: int) -> None:
+def unpin_host_buffer(host: torch.Tensor) -> bool:
+    """Unlocks a buffer ``pinned_host_buffer`` registered, now; its memory stays valid, pageable. False if
+    there is nothing to unregister (torch's pinned allocator cannot give back part of a buffer)."""
+    registration = _REGISTRATIONS.get(host.data_ptr())
+    if registration is None or not registration.alive:
+        return False
+    registration()
+    return True
+
+
+def _unregister(registrar: HostRegistrar, pointer: int, nbytes: int) -> None:
     global _registered_bytes
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    _REGISTRATIONS.pop(pointer, None)
+    registrar.unregister(pointer)
     _registered_bytes -= nbytes
 
 
 def synchronize(device: torch.device) -> None:
     if is_accelerator(device):
-        torch.accelerator.synchronize(device)
+        _call(device, "synchronize", device)
 
 
 def reset_peak_memory(device: torch.device) -> None:
     """Starts a new peak of allocated device memory (the allocator keeps one per process otherwise)."""
     if is_accelerator(device):
-        torch.accelerator.reset_peak_memory_stats(device)
+        _call(device, "reset_peak_memory_stats", device)
 
 
 def peak_allocated(device: torch.device) -> int | None:
@@ -115,11 +259,21 @@ def peak_allocated(device: torch.device) -> int | None:
         return None
     device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)  # private: absent from other torch versions
     if device_stats is None:
-        return torch.accelerator.max_memory_allocated(device)
+        return _call(device, "max_memory_allocated", device)
     if not torch._C._accelerator_isAllocatorInitialized():
         return 0  # nothing was ever allocated (what the public function answers too)
-    index = device.index if device.index is not None else torch.accelerator.current_device_index()
+    index = device.index if device.index is not None else _call(device, "current_device_index")
     return device_stats(index)["allocated_bytes"]["all"]["peak"]
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """What the device can still allocate: its free memory and what torch's allocator holds unused (None on
+    the CPU). Checked before the ring is allocated: with the driver's system-memory fallback (Windows) an
+    allocation beyond it would not fail but spill into shared host memory, slower than streaming itself."""
+    if not is_accelerator(device):
+        return None
+    free, _ = _call(device, "get_memory_info", device)
+    return free + _call(device, "memory_reserved", device) - _call(device, "memory_allocated", device)
 
 
 @dataclass(frozen=True)
@@ -136,10 +290,10 @@ class MemorySnapshot:
 def memory_snapshot(device: torch.device) -> MemorySnapshot:
     if not is_accelerator(device):
         return MemorySnapshot(None, None, None, None, None)
-    free, total = torch.accelerator.get_memory_info(device)
+    free, total = _call(device, "get_memory_info", device)
     return MemorySnapshot(
-        allocated=torch.accelerator.memory_allocated(device),
-        reserved=torch.accelerator.memory_reserved(device),
+        allocated=_call(device, "memory_allocated", device),
+        reserved=_call(device, "memory_reserved", device),
         peak_allocated=peak_allocated(device),
         free=free,
         total=total,
@@ -147,7 +301,7 @@ def memory_snapshot(device: torch.device) -> MemorySnapshot:
 
 
 # What a clock marks: a device event on an accelerator, a one-element list holding the host time on the CPU.
-Marker = torch.Event | list[float]
+Marker: TypeAlias = "torch.Event | list[float]"  # a string: torch.Event is not in every torch ComfyUI runs on
 
 
 class Clock:

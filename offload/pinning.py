@@ -4,6 +4,10 @@ Pinned pages cannot be swapped out, so a process that pins too much starves the
 rest of the system. Streamers reserve each host buffer's bytes before pinning it;
 once the cap is reached they keep streaming from ordinary pageable memory, which
 copies more slowly and cannot overlap compute as well, but never fails.
+
+Each streamer holds a share. No share keeps more than an even split of the cap
+from another that asks: a model streaming after a first one that pinned it all
+(Wan 2.2's second expert) gets the first to unpin blocks down to its half.
 """
 
 from __future__ import annotations
@@ -11,16 +15,30 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+#: Answers whether ``nbytes`` more may be pinned now, beyond the cap (a host's check of available RAM).
+Admission = Callable[[int], bool]
+
 
 class PinnedMemoryBudget:
     """How many bytes all holders together may pin.
 
     ``limit`` is a number of bytes, ``None`` for no cap, or a callable asked at each
     reservation, so a host that pins memory of its own can leave less for us.
+    ``admit`` is asked too, when given; ``on_change`` hears every change of ``used``
+    (a host keeping its own books of pinned memory counts ours in them).
     """
 
-    def __init__(self, limit: int | None | Callable[[], int | None] = None) -> None:
+    def __init__(
+        self,
+        limit: int | None | Callable[[], int | None] = None,
+        *,
+        admit: Admission | None = None,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
         self._limit = limit if callable(limit) else (lambda: limit)
+        self._admit = admit
+        self._on_change = on_change
+        self._shares: weakref.WeakSet[PinnedShare] = weakref.WeakSet()
         self.used = 0
 
     @property
@@ -32,33 +50,71 @@ class PinnedMemoryBudget:
         limit = self._limit()
         if limit is not None and self.used + nbytes > limit:
             return False
-        self.used += nbytes
+        if self._admit is not None and not self._admit(nbytes):
+            return False
+        self._change(nbytes)
         return True
 
     def release(self, nbytes: int) -> None:
-        self.used -= nbytes
+        self._change(-nbytes)
 
-    def share(self) -> PinnedShare:
-        return PinnedShare(self)
+    def _change(self, nbytes: int) -> None:
+        self.used += nbytes
+        if self._on_change is not None:
+            self._on_change(nbytes)
+
+    def share(self, give_back: Callable[[int], int] | None = None) -> PinnedShare:
+        """A holder's share; ``give_back(nbytes)`` unpins up to ``nbytes`` of what it holds when another
+        holder needs them (returns how many it released through the share)."""
+        share = PinnedShare(self, give_back)
+        self._shares.add(share)
+        return share
+
+    def reclaim(self, nbytes: int, asking: PinnedShare) -> None:
+        """Has holders above an even split of the cap give back, so that ``asking`` (within its split
+        after taking ``nbytes``) can take them."""
+        limit = self._limit()
+        if limit is None:
+            return
+        holders = [share for share in self._shares if share is not asking and share.nbytes > 0]
+        even = limit // (len(holders) + 1)
+        short = self.used + nbytes - limit
+        if asking.nbytes + nbytes > even:
+            return  # it has its split already: what others hold stays theirs
+        for holder in sorted(holders, key=lambda share: -share.nbytes):
+            if short <= 0:
+                return
+            over = holder.nbytes - even
+            if over > 0:
+                short -= holder.give_back(min(over, short))
 
 
 class PinnedShare:
     """One holder's reservations. Whatever it still holds goes back when it is collected, so a
     streamer dropped without ``disable()`` (its model deleted mid-use) leaves the budget whole."""
 
-    def __init__(self, budget: PinnedMemoryBudget) -> None:
+    def __init__(self, budget: PinnedMemoryBudget, give_back: Callable[[int], int] | None = None) -> None:
         self.budget = budget
         self.nbytes = 0
+        # Weakly: the share belongs to its holder, and a bound method would keep the holder alive.
+        self._give_back = weakref.WeakMethod(give_back) if give_back is not None else None
 
     def reserve(self, nbytes: int) -> bool:
         if not self.budget.reserve(nbytes):
-            return False
+            self.budget.reclaim(nbytes, asking=self)
+            if not self.budget.reserve(nbytes):
+                return False
         self.nbytes += nbytes
         return True
 
     def release(self, nbytes: int) -> None:
         self.budget.release(nbytes)
         self.nbytes -= nbytes
+
+    def give_back(self, nbytes: int) -> int:
+        """Asks the holder to unpin about ``nbytes``; how many it gave back."""
+        give_back = self._give_back() if self._give_back is not None else None
+        return give_back(nbytes) if give_back is not None else 0
 
     def park(self, nbytes: int, memory: object) -> weakref.finalize:
         """Hands ``nbytes`` of this share to ``memory`` (a host buffer's storage that outlives its streamer):

@@ -28,6 +28,7 @@ copies the previous step issued for them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -463,8 +464,17 @@ class CostCache:
         entries.pop(key, None)
         entries[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "costs": costs.as_dict()}
         kept = dict(list(entries.items())[-self.limit :])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole then renamed, so a reader never sees half a file.
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as handle:
-            json.dump({"version": 1, "entries": kept}, handle, indent=1)
-        os.replace(handle.name, self.path)
+        # Written whole then renamed, so a reader never sees half a file. The write happens as a model is
+        # unloaded or handed over: a failure (a full disk; on Windows, a reader holding the file makes the
+        # rename raise PermissionError) costs the measurement only, never the unload.
+        temporary = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as handle:
+                temporary = handle.name
+                json.dump({"version": 1, "entries": kept}, handle, indent=1)
+            os.replace(temporary, self.path)
+        except OSError as error:
+            logging.warning(f"Block Offload: could not keep the measured costs in {self.path} ({error})")
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)

@@ -27,7 +27,13 @@ class Runner(Protocol):
 
     @property
     def refused_pinning(self) -> dict[int, int]:
-        """Streamed units (index: host bytes) that wanted pinned memory and got pageable memory."""
+        """Streamed units (index: host bytes) that wanted pinned memory and got pageable memory: the pin
+        budget was spent."""
+        ...
+
+    @property
+    def failed_pinning(self) -> dict[int, int]:
+        """Streamed units (index: host bytes) that got pageable memory because the driver refused to pin."""
         ...
 
     @property

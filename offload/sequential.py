@@ -129,6 +129,7 @@ class SequentialOffloader:
     units = _streamers("units")
     streamed = _streamers("streamed")
     refused_pinning = _streamers("refused_pinning")
+    failed_pinning = _streamers("failed_pinning")
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
 

@@ -5,12 +5,14 @@ Streaming pays off only for weights that cannot stay on the device. A host that 
 itself (ComfyUI's Dynamic VRAM) runs a model that fits fully resident, which no streamed placement beats
 (a streamed block costs a copy, hidden at best); streaming it anyway would also load a second copy of the
 checkpoint. So a node steps aside when nothing would stream, or when the whole model fits the device room
-the host has for it.
+the host has for it. On some devices streaming cannot gain at all (``platform_aside``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from .plan import GIB
 
@@ -33,3 +35,19 @@ def step_aside(model_bytes: int, room_bytes: int, streams_any: bool) -> StepAsid
             "for weights, where the host's loader keeps it resident, faster than any streamed placement"
         )
     return None
+
+
+# Devices where the engine's copies cannot pay: why, for the log and the panel.
+_NO_GAIN = {
+    "mps": "Apple Silicon's memory is unified (the GPU computes from the same RAM the blocks would stream from), "
+    "and its copies run on the compute stream, so streaming costs RAM and copies and saves no memory; ComfyUI's "
+    "own loading is the better choice there",
+    "privateuseone": "DirectML has no copy stream or events for a copy to overlap compute, so every block would "
+    "wait for its own copy; ComfyUI's own loading (--lowvram) is the better choice there",
+}
+
+
+def platform_aside(device: torch.device) -> StepAside | None:
+    """The decision for a device where streaming gains nothing whatever the model (None: it may gain)."""
+    reason = _NO_GAIN.get(device.type)
+    return StepAside(f"on {device.type}, {reason}") if reason is not None else None

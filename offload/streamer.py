@@ -42,7 +42,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .device import can_pin_memory, copy_stream, current_stream, is_accelerator, pinned_host_buffer, synchronize
+from .device import (
+    can_pin_memory,
+    copy_stream,
+    current_stream,
+    free_device_bytes,
+    is_accelerator,
+    pinned_allocation_bytes,
+    pinned_host_buffer,
+    synchronize,
+    unpin_host_buffer,
+)
 from .layout import BlockLayout
 from .pinning import PinnedMemoryBudget
 from .ring import ByteRing, ring_capacity, ring_granule
@@ -102,6 +112,10 @@ class _StreamedBlock:
     # Kept only with a lossy storage dtype: restoring from the rounded copy would change the model.
     originals: tuple[torch.Tensor, ...] | None = None
     pinned: bool = False
+    pinned_bytes: int = 0  # reserved in the pin budget (an allocator may round the buffer up)
+    # Why a block that wanted pinned memory has pageable memory: the budget refused it ("cap") or the
+    # driver refused to register it ("driver").
+    pageable_because: str | None = None
     # The device side: events made once, with the ring; the copy that filled its region, until its call.
     ready: torch.Event | None = None
     released: torch.Event | None = None
@@ -216,7 +230,7 @@ class BlockStreamer:
             raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
-        self._pinned = pin_budget.share() if pin_budget is not None else None
+        self._pinned = pin_budget.share(self.give_back_pinned) if pin_budget is not None else None
         self.storage_dtype = storage_dtype
         self.recorder = recorder
         self.root = root
@@ -347,9 +361,34 @@ class BlockStreamer:
     def refused_pinning(self) -> dict[int, int]:
         """Streamed blocks (index: host bytes) that wanted pinned memory but got pageable memory,
         because the pin budget was spent."""
-        if not self.pin_memory:
-            return {}
-        return {index: state.host.numel() for index, state in sorted(self._state.items()) if not state.pinned}
+        return self._pageable_because("cap")
+
+    @property
+    def failed_pinning(self) -> dict[int, int]:
+        """Streamed blocks (index: host bytes) whose memory the driver refused to pin (they stream from
+        pageable memory)."""
+        return self._pageable_because("driver")
+
+    def _pageable_because(self, reason: str) -> dict[int, int]:
+        return {i: state.host.numel() for i, state in sorted(self._state.items()) if state.pageable_because == reason}
+
+    def give_back_pinned(self, nbytes: int) -> int:
+        """Unpins streamed blocks, last first, until ``nbytes`` of the pin budget are free again (for another
+        model that gets none); returns how many. Nothing while a step runs: its copies read these buffers.
+        The blocks go on streaming from the same memory, pageable."""
+        if self._active or self._order or self._pinned is None:
+            return 0
+        synchronize(self.device)  # copies issued ahead (across the step boundary) read these buffers
+        freed = 0
+        for state in reversed([self._state[index] for index in sorted(self._state)]):
+            if freed >= nbytes:
+                break
+            if state.pinned and unpin_host_buffer(state.host):
+                freed += state.pinned_bytes
+                self._unpin(state)
+                state.pinned, state.pageable_because = False, "cap"
+        self._pageable_deferred = any(self._deferred(state) for state in self._state.values())
+        return freed
 
     @property
     def _casts(self) -> bool:
@@ -366,12 +405,16 @@ class BlockStreamer:
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
         origin = layout.device or self.device
-        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(storage.nbytes))
+        reserved = pinned_allocation_bytes(storage.nbytes) if self.pin_memory else 0
+        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
         host = pinned_host_buffer(storage.nbytes) if pinned else None
+        pageable_because = None
         if host is None:
             if pinned and self._pinned is not None:
-                self._pinned.release(storage.nbytes)  # the driver refused: stream it from pageable memory
-            pinned = False
+                self._pinned.release(reserved)  # the driver refused: stream it from pageable memory
+            if self.pin_memory:
+                pageable_because = "driver" if pinned else "cap"
+            pinned, reserved = False, 0
             host = torch.empty(storage.nbytes, dtype=torch.uint8)
         storage.pack_into(host)
         host_views = storage.views(host)
@@ -379,7 +422,9 @@ class BlockStreamer:
         originals = tuple(t.to("cpu") for t in layout.current()) if self._casts else None
         # Without a storage dtype, the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
-        return _StreamedBlock(layout, storage, host, host_views, origin, originals, pinned=pinned)
+        return _StreamedBlock(
+            layout, storage, host, host_views, origin, originals, pinned, reserved, pageable_because=pageable_because
+        )
 
     def _park(self, index: int, state: _StreamedBlock) -> None:
         """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
@@ -388,10 +433,11 @@ class BlockStreamer:
             self._unpin(state)
             return
         storage = state.host.untyped_storage()
-        nbytes = state.host.numel()
-        reservation = self._pinned.park(nbytes, storage) if state.pinned and self._pinned is not None else None
+        reservation = (
+            self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
+        )
         _PARKED[self.blocks[index]] = _ParkedBuffer(
-            weakref.ref(storage), nbytes, _signature(state.layout), state.pinned, self.recurse, reservation
+            weakref.ref(storage), state.host.numel(), _signature(state.layout), state.pinned, self.recurse, reservation
         )
 
     def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
@@ -411,12 +457,13 @@ class BlockStreamer:
                 return None
         elif parked.pinned and self._pinned is not None:
             return None  # pinned outside this budget: adopting it would leave the budget short
-        return _StreamedBlock(layout, layout, host, layout.assemble(parts), host.device, pinned=parked.pinned)
+        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
+        return _StreamedBlock(layout, layout, host, layout.assemble(parts), host.device, None, parked.pinned, reserved)
 
     def _unpin(self, state: _StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
         if state.pinned and self._pinned is not None:
-            self._pinned.release(state.host.numel())
+            self._pinned.release(state.pinned_bytes)
 
     def _restore(self, state: _StreamedBlock, device: torch.device) -> None:
         sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
@@ -437,6 +484,12 @@ class BlockStreamer:
     def _allocate_ring(self) -> None:
         capacity = self.capacity
         staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
+        free = free_device_bytes(self.device)
+        if free is not None and capacity + staging > free:
+            raise torch.OutOfMemoryError(
+                f"the device ring needs {capacity + staging} bytes and {self.device} has {free} free: allocated "
+                "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
+            )
         self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
         self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None

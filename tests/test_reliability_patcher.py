@@ -167,7 +167,7 @@ def test_pinned_memory_cap_streams_from_pageable_memory_and_says_so(
         assert torch.equal(sample(comfy, patched), reference)
     engine = patched.offload_engine
     (notice,) = engine.notices
-    assert notice.startswith("Pinned memory cap reached (0.00 GiB): ") and refused in notice, notice
+    assert notice.startswith("Pinned memory cap reached (0.00 GiB, ") and refused in notice, notice
     assert "stream from pageable RAM" in notice and comfy.pinned.PINNED_LIMIT_ENV in notice
     assert warnings_of(caplog, "Pinned memory cap reached") == [f"Block Offload ({engine.request.node}): {notice}"]
     assert comfy.pinned.PINNED_MEMORY.used == 0

@@ -1,0 +1,314 @@
+"""Pinned memory the pack shares with ComfyUI, and the platforms it steps aside on: in-process on the CPU,
+against the real ComfyUI, with what only a GPU machine has recreated.
+
+* Pinning: nothing can be pinned on the CPU, so CUDA's runtime is replaced by a fake ``cudart`` whose
+  ``cudaHostRegister`` succeeds or fails as a test says, behind the pack's real registrar (the one the
+  nodes install on a CUDA machine): registration, ComfyUI's books, the error clearing and the fallback
+  to pageable memory all run as they would there, only the driver call is simulated.
+* ComfyUI's pinned budget made small (``MAX_PINNED_MEMORY``, what ComfyUI pinned itself, available RAM).
+* MPS and DirectML devices, a torch without the accelerator functions, ``--disable-pinned-memory``,
+  ``--highvram``'s unlimited budget, a cost cache that cannot be written.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.inprocess import async_offload, sample, wan
+
+from block_offload.offload import PinnedMemoryBudget, planner, use_host_registrar
+from block_offload.offload import device as device_module
+from block_offload.offload import streamer as streamer_module
+
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
+
+STREAMED = 4  # async_offload(resident=1) of the tiny Wan's 5 blocks
+MIB = 2**20
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` for a machine without CUDA: registrations succeed until ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.flags: set[int] = set()
+        self.fail = False
+        self.failures = 0
+
+    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.flags.add(flags)
+        if self.fail:
+            self.failures += 1
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[pointer] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
+        return 0 if self.registered.pop(pointer, None) is not None else 1
+
+    @property
+    def pinned(self) -> int:
+        return sum(self.registered.values())
+
+
+@pytest.fixture
+def cudart(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
+    """Pinning through the nodes' own registrar and a fake CUDA runtime; ComfyUI's pinned budget set (as on
+    NVIDIA) to 64 MiB with nothing pinned by ComfyUI itself; every error clearing counted."""
+    fake = FakeCudart()
+    cleared: list[int] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", 64 * MIB)
+    monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 0)
+    monkeypatch.delenv(comfy.pinned.PINNED_LIMIT_ENV, raising=False)
+    if hasattr(comfy.mm, "discard_cuda_async_error"):  # 0.33: ComfyUI's own clearing
+        monkeypatch.setattr(comfy.mm, "discard_cuda_async_error", lambda: cleared.append(1))
+    else:  # 0.3.75 has none: the engine's
+        monkeypatch.setattr(device_module, "discard_async_error", lambda: cleared.append(1))
+    monkeypatch.setattr(comfy.pinned, "_ram_admits", lambda nbytes: True)
+    use_host_registrar(comfy.pinned.comfyui_registrar())
+    fake.cleared = cleared
+    yield fake
+    comfy.mm.unload_all_models()
+    use_host_registrar(None)
+    assert fake.pinned == 0, "something the pack pinned was never unpinned"
+
+
+def streamed_block_bytes(patched) -> int:
+    return patched.offload_engine.plan.block_bytes[1]
+
+
+def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: SimpleNamespace, cudart: FakeCudart) -> None:
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, patched), reference)
+    pinned = STREAMED * streamed_block_bytes(patched)
+    assert cudart.pinned == pinned and cudart.flags == {1}  # portable registrations, as ComfyUI's
+    assert comfy.mm.TOTAL_PINNED_MEMORY == pinned == comfy.pinned.PINNED_MEMORY.used
+    assert comfy.mm.PINNED_MEMORY[comfy.pinned.COMFY_TABLE_KEY] == pinned
+    # ComfyUI pins and unpins a tensor of its own: 0.3.75 resets its total when its table empties.
+    own = torch.nn.Parameter(torch.empty(1 * MIB, dtype=torch.uint8), requires_grad=False)
+    assert comfy.mm.pin_memory(own)
+    assert pinned + own.nbytes == comfy.mm.TOTAL_PINNED_MEMORY
+    assert comfy.mm.unpin_memory(own)
+    assert pinned == comfy.mm.TOTAL_PINNED_MEMORY
+    comfy.mm.unload_all_models()
+    assert comfy.mm.TOTAL_PINNED_MEMORY == 0 and comfy.pinned.COMFY_TABLE_KEY not in comfy.mm.PINNED_MEMORY
+    assert cudart.pinned == 0 and not cudart.cleared
+
+
+def test_comfyuis_own_pins_and_available_ram_leave_the_pack_less(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, patched), reference)
+    block = streamed_block_bytes(patched)
+    comfy.mm.unload_all_models()
+    # ComfyUI has pinned all but 2.5 blocks' worth of its budget: the pack pins 2 blocks, the others are pageable.
+    monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 64 * MIB - int(2.5 * block))
+    assert torch.equal(sample(comfy, patched), reference)
+    runner = patched.offload_engine.runner
+    assert len(runner.refused_pinning) == 2 and cudart.pinned == 2 * block
+    assert comfy.mm.TOTAL_PINNED_MEMORY <= comfy.mm.MAX_PINNED_MEMORY
+    comfy.mm.unload_all_models()
+    monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 0)
+    # Available RAM below ComfyUI's headroom: nothing is pinned.
+    monkeypatch.setattr(comfy.pinned, "_ram_admits", lambda nbytes: False)
+    assert torch.equal(sample(comfy, patched), reference)
+    assert len(patched.offload_engine.runner.refused_pinning) == STREAMED and cudart.pinned == 0
+
+
+def test_the_available_ram_check_is_comfyuis(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.33 asks its own ``ensure_pin_budget`` (which may unpin Dynamic VRAM buffers to pass); 0.3.75 has
+    none, and the same 2 GiB headroom rule applies."""
+    available = {"bytes": 10 * 2**30}
+    monkeypatch.setattr(
+        comfy.pinned.psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"], total=2**36)
+    )
+    if hasattr(comfy.mm, "ensure_pin_budget"):
+        monkeypatch.setattr(comfy.mm.psutil, "virtual_memory", comfy.pinned.psutil.virtual_memory)
+    assert comfy.pinned._ram_admits(1 * 2**30)
+    available["bytes"] = 2 * 2**30
+    assert not comfy.pinned._ram_admits(1 * 2**30)
+
+
+def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_memory(
+    comfy: SimpleNamespace, cudart: FakeCudart, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=1)
+    cudart.fail = True
+    with caplog.at_level(logging.INFO):
+        assert torch.equal(sample(comfy, patched), reference)
+    engine = patched.offload_engine
+    assert cudart.failures == STREAMED and len(cudart.cleared) == STREAMED  # each failure's error cleared
+    assert len(engine.runner.failed_pinning) == STREAMED and not engine.runner.refused_pinning
+    assert comfy.pinned.PINNED_MEMORY.used == 0 and comfy.mm.TOTAL_PINNED_MEMORY == 0
+    assert engine.summary.endswith(
+        f"of {STREAMED} streamed blocks, {STREAMED} from pageable memory (the driver refused to pin)"
+    )
+    (notice,) = engine.notices
+    assert notice.startswith(f"The driver refused to pin {STREAMED} of {STREAMED} streamed blocks")
+    plan_lines = [r.getMessage() for r in caplog.records if "from pageable memory (the driver" in r.getMessage()]
+    assert len(plan_lines) == 1
+    report = comfy.report.snapshot()
+    assert report["plan"] == engine.summary and notice in report["notices"]
+
+
+def test_a_second_model_gets_half_of_a_budget_the_first_filled(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wan 2.2's two experts: the first pins its 4 blocks, all the budget; the second gets 2, the first
+    unpinning 2 of its own (they go on streaming, pageable). Both compute what they computed before."""
+    first, second = wan(comfy), wan(comfy)
+    reference = sample(comfy, first)
+    probe = async_offload(comfy, first, resident=1)
+    sample(comfy, probe)
+    block = streamed_block_bytes(probe)
+    comfy.mm.unload_all_models()
+    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", STREAMED * block)
+    high, low = async_offload(comfy, first, resident=1), async_offload(comfy, second, resident=1)
+    assert torch.equal(sample(comfy, high), reference)
+    assert not high.offload_engine.runner.refused_pinning and cudart.pinned == STREAMED * block
+    assert torch.equal(sample(comfy, low), reference)
+    assert len(low.offload_engine.runner.refused_pinning) == STREAMED // 2
+    assert len(high.offload_engine.runner.refused_pinning) == STREAMED // 2  # gave back its second half
+    assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
+    assert torch.equal(sample(comfy, high), reference)
+
+
+def test_even_split_of_the_pin_budget() -> None:
+    """The budget alone: a holder above an even split gives back what another asks, down to the split."""
+    budget = PinnedMemoryBudget(100)
+    given: list[int] = []
+
+    class Holder:
+        def give_back(self, nbytes: int) -> int:
+            given.append(nbytes)
+            first.release(nbytes)
+            return nbytes
+
+    holder = Holder()
+    first = budget.share(holder.give_back)
+    assert first.reserve(100)
+    second = budget.share()
+    assert second.reserve(30) and given == [30]
+    assert second.reserve(20) and given == [30, 20] and first.nbytes == 50
+    assert not second.reserve(1) and first.nbytes == 50  # the split reached: the rest stays the first's
+    del holder  # a holder gone gives nothing back
+    assert not second.reserve(1)
+
+
+def test_disable_pinned_memory_pins_nothing_and_the_plan_line_says_why(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(comfy.pinned.args, "disable_pinned_memory", True)
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = async_offload(comfy, model, resident=1)
+    with caplog.at_level(logging.INFO):
+        assert torch.equal(sample(comfy, patched), reference)
+    engine = patched.offload_engine
+    assert cudart.pinned == 0 and not cudart.flags and engine.notices == []
+    assert "from pinned memory" not in engine.summary
+    assert engine.summary.endswith("streamed from pageable memory: ComfyUI runs with --disable-pinned-memory")
+    assert not [r for r in caplog.records if "Pinned memory cap" in r.getMessage()]
+
+
+@pytest.mark.parametrize("device", ["mps", "privateuseone"])
+def test_mps_and_directml_step_aside_and_say_why(comfy: SimpleNamespace, device: str) -> None:
+    model = wan(comfy)
+    model.load_device = torch.device(device)
+    returned = async_offload(comfy, model, resident=1)
+    assert returned is model
+    (notice,) = comfy.report.snapshot()["notices"]
+    assert f"stepped aside; ComfyUI runs the model itself: on {device}, " in notice
+    assert "ComfyUI's own loading" in notice
+
+
+def test_a_torch_without_the_accelerator_functions_is_refused_before_any_work(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ComfyUI 0.33 runs on torch 2.7, whose torch.accelerator lacks the memory functions; its device modules
+    have them. With neither, the node says what is missing instead of failing mid-prompt."""
+    cuda = torch.device("cuda")
+    assert device_module.unsupported_torch(cuda) is None
+    monkeypatch.delattr(torch.accelerator, "memory_allocated")
+    assert device_module.unsupported_torch(cuda) is None  # torch.cuda has it
+    monkeypatch.delattr(torch.cuda, "memory_allocated")
+    problem = device_module.unsupported_torch(cuda)
+    assert problem is not None and "torch.accelerator.memory_allocated" in problem and torch.__version__ in problem
+    model = wan(comfy)
+    model.load_device = cuda
+    with pytest.raises(ValueError, match="lacks torch.accelerator.memory_allocated for cuda"):
+        async_offload(comfy, model, resident=1)
+
+
+def test_highvram_s_unlimited_budget_leaves_the_automatic_budget_to_the_device(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under --highvram ComfyUI loads in full whatever the device's size (``full_load``): Partial GPU Residency
+    at 0 GiB must plan within what the device has, not keep every block."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    patched = comfy.nodes.PartialGPUResidency.execute(
+        model, vram_budget_gb=0.0, policy="leading", prefetch_blocks=1, pin_memory=True
+    ).result[0]
+    assert torch.equal(sample(comfy, patched), reference)
+    assert patched.offload_engine is None  # the CPU's RAM holds it all: every block resident
+    comfy.mm.unload_all_models()
+    weights = patched.model_size()
+    # A device with room for 90 % of the weights beside ComfyUI's inference reserve.
+    for_weights = int(0.9 * weights)
+    room = comfy.mm.minimum_inference_memory() + for_weights
+
+    def free_memory(device=None, torch_free_too=False):
+        return (room, room) if torch_free_too else room
+
+    monkeypatch.setattr(comfy.mm, "get_free_memory", free_memory)
+    assert torch.equal(sample(comfy, patched), reference)
+    plan = patched.offload_engine.plan
+    assert 0 < len(plan.resident) < len(plan.block_bytes)
+    assert patched.model.model_loaded_weight_memory + plan.slot_bytes <= for_weights
+
+
+def test_a_cost_cache_that_cannot_be_written_costs_the_measurement_only(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On Windows a reader holding the file makes the rename raise PermissionError, as an unload writes it."""
+    cache = planner.CostCache(tmp_path / "costs.json")
+
+    def refused(*args: object) -> None:
+        raise PermissionError(13, "The process cannot access the file because it is being used by another process")
+
+    monkeypatch.setattr(planner.os, "replace", refused)
+    costs = planner.StackCosts.uniform(num_blocks=2, compute_ms=1.0, block_bytes=10, bandwidth_gbps=1.0)
+    with caplog.at_level(logging.WARNING):
+        cache.put("key", costs)
+    assert cache.get("key") is None and list(tmp_path.iterdir()) == []
+    assert "could not keep the measured costs" in caplog.text
+
+
+def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the driver's system-memory fallback an oversized ring would not fail, it would spill: the
+    engine refuses it as out of memory, which the placement's fallback catches."""
+    from harness.transformer_stack import transformer_stack
+
+    model = transformer_stack(num_blocks=4, dim=32)
+    streamer = streamer_module.BlockStreamer(model.blocks, torch.device("cpu"), range(1, 4), root=model)
+    streamer.enable()
+    monkeypatch.setattr(streamer_module, "free_device_bytes", lambda device: streamer.capacity - 1)
+    with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
+        streamer.allocate_device_buffers()
+    monkeypatch.setattr(streamer_module, "free_device_bytes", lambda device: streamer.capacity)
+    streamer.allocate_device_buffers()
+    streamer.disable()
