@@ -76,3 +76,8 @@ def find_blocks(diffusion_model: nn.Module) -> tuple[Architecture, list[tuple[st
             "use the Sequential Offload Wrapper node for it."
         )
     return arch, blocks
+
+
+def inside(name: str, prefixes: frozenset[str]) -> bool:
+    """Whether the module or weight ``name`` is one of ``prefixes`` or lies inside one."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)

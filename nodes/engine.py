@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
@@ -26,7 +25,8 @@ from ..offload import (
     TimelineRecorder,
     release_freed_host_memory,
 )
-from .architectures import find_blocks
+from .architectures import find_blocks, inside
+from .device_patches import patch_streamed_weights
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, pinning_enabled
 from .placement import Placement
 from .request import OffloadRequest
@@ -78,7 +78,7 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:
         model.unpin_weight(key)
-    patch_streamed_weights(model, placement.streamed, device)
+    patching = patch_streamed_weights(model, placement.streamed, device)
     runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device))
     runner.enable()
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
@@ -87,7 +87,7 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     except torch.OutOfMemoryError:
         runner.disable()
         raise
-    summary = placement.summary + _pageable_summary(runner)
+    summary = placement.summary + patching.describe() + _pageable_summary(runner)
     engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner), summary=summary)
     for started in _started_observers:
         started(engine)
@@ -134,38 +134,6 @@ def _runner(
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
     )
-
-
-def inside(name: str, prefixes: frozenset[str]) -> bool:
-    """Whether the module or weight ``name`` is one of ``prefixes`` or lies inside one."""
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
-
-
-def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> None:
-    """Applies weight patches (LoRA, ...) to the streamed weights once, before they are packed.
-
-    Each weight is patched on the device, as ComfyUI patches a loaded weight,
-    then comes straight back to the host, so the device holds one weight at a time.
-    Modules are flagged ``comfy_patched_weights`` as ComfyUI flags loaded ones, so a
-    clone that takes these weights over does not patch them a second time.
-    """
-    for name, module in model.model.named_modules():
-        if not inside(name, streamed) or getattr(module, "comfy_patched_weights", False):
-            continue
-        keys = [f"{name}.{param}" for param, _ in module.named_parameters(recurse=False)]
-        if not keys:
-            continue
-        for key in keys:
-            if key in model.patches:
-                weight = comfy.utils.get_attr(model.model, key)
-                if weight.untyped_storage().nbytes() > weight.nbytes:
-                    # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold
-                    # the whole block's (pinned) buffer alive for as long as the patch is on.
-                    weight.data = weight.data.clone()
-                model.patch_weight_to_device(key, device_to=device)
-                weight = comfy.utils.get_attr(model.model, key)
-                weight.data = weight.data.to(model.offload_device)
-        module.comfy_patched_weights = True
 
 
 def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:

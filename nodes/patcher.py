@@ -30,8 +30,9 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
+from .architectures import inside
 from .dynamic_vram import classic_clone, uses_dynamic_vram
-from .engine import Engine, inside, start_engine
+from .engine import Engine, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
@@ -123,7 +124,13 @@ class BlockOffloadPatcher(ModelPatcher):
             super().unpatch_model(self.offload_device, unpatch_weights=True)
         # Left as the last engine parked them, the resident modules stay loaded: ComfyUI's load skips what
         # it has loaded and patched (``comfy_patched_weights``), so a queue does not copy them again.
-        return super().partially_load(device_to, extra_memory, force_patch_weights)
+        # ComfyUI's partial load first unpatches the weights when this clone's patches differ from those
+        # loaded (a LoRA added, removed, another strength): that is no unload (see ``unpatch_model``).
+        self.__dict__["_block_offload_repatching"] = True
+        try:
+            return super().partially_load(device_to, extra_memory, force_patch_weights)
+        finally:
+            self.__dict__.pop("_block_offload_repatching", None)
 
     def loaded_state(self) -> tuple:
         """ComfyUI's books on the model's weights: any load or unload by any patcher changes them."""
@@ -234,7 +241,12 @@ class BlockOffloadPatcher(ModelPatcher):
         self.patch_model(load_weights=False)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
-        if unpatch_weights:
+        repatching = self.__dict__.pop("_block_offload_repatching", False)  # only ComfyUI's first unpatch in it
+        if unpatch_weights and repatching:
+            # The weights get other patches: the streamed blocks' host buffers hold them unpatched (their
+            # patches are applied on the device), so they park, for the next engine to adopt as they are.
+            self._stop_streaming(park=True)
+        elif unpatch_weights:
             # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
             unpark(self.model.modules())

@@ -16,6 +16,7 @@ from harness.inprocess import async_offload, sample, wan
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
+from block_offload.offload.layout import BlockLayout
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -217,7 +218,8 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
 
 
 def host_buffers(model) -> dict[int, int]:
-    return host_ptrs(model.offload_engine.runner)
+    runner = model.offload_engine.runner
+    return host_ptrs(getattr(runner, "streamer", runner))  # the sequential wrapper streams through one
 
 
 def test_consecutive_prompts_reuse_the_host_buffers(comfy: SimpleNamespace) -> None:
@@ -347,4 +349,57 @@ def test_a_node_sampling_without_its_engine_says_so(comfy: SimpleNamespace, capl
         assert torch.equal(sample(comfy, offloaded), reference)  # unloaded: the next prompt streams again
     assert offloaded.offload_engine is not None
     assert not [r for r in caplog.records if "sampling without streaming" in r.message]
+    comfy.mm.unload_all_models()
+
+
+@pytest.mark.parametrize("node", ["async", "partial", "sequential"])
+def test_lora_changes_and_branches_write_no_host_byte(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, node: str
+) -> None:
+    """The streamed blocks' host buffers hold the weights as ComfyUI loaded them and the patches are applied on
+    the device: a strength change, a LoRA removed or added, a LoRA before the node and one after it all adopt
+    the same buffers, and each result is ComfyUI's fully loaded one with the same patches, bit for bit."""
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+
+    def with_lora(patcher, strength: float):
+        return comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)[0]
+
+    references = {strength: sample(comfy, with_lora(model, strength)) for strength in (1.0, 0.5)}
+    references[0.0] = sample(comfy, model)
+    comfy.mm.unload_all_models()
+
+    def offload(patcher):
+        if node == "async":
+            return async_offload(comfy, patcher, resident=1)
+        if node == "partial":
+            return comfy.nodes.PartialGPUResidency.execute(
+                patcher, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True
+            ).result[0]
+        return comfy.nodes.SequentialOffloadWrapper.execute(
+            patcher, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
+        ).result[0]
+
+    offloaded = offload(model)
+    first = with_lora(offloaded, 1.0)
+    assert torch.equal(sample(comfy, first), references[1.0])
+    buffers = host_buffers(first)
+    packed: list[int] = []
+    pack_into = BlockLayout.pack_into
+
+    def counting(self, host):
+        packed.append(host.numel())
+        return pack_into(self, host)
+
+    monkeypatch.setattr(BlockLayout, "pack_into", counting)
+    for strength, patcher in [
+        (0.5, with_lora(offloaded, 0.5)),  # another strength
+        (0.0, offloaded),  # the LoRA removed
+        (1.0, with_lora(offloaded, 1.0)),  # added again
+        (1.0, offload(with_lora(model, 1.0))),  # before the node: another engine
+        (0.5, with_lora(offloaded, 0.5)),
+    ]:
+        assert torch.equal(sample(comfy, patcher), references[strength]), strength
+        assert host_buffers(patcher) == buffers, f"strength {strength}: the blocks were packed again"
+    assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
     comfy.mm.unload_all_models()

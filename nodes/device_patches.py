@@ -1,0 +1,142 @@
+"""Weight patches (LoRA and everything ``comfy.lora.calculate_weight`` applies) on streamed blocks, applied on
+the device at compute time, so the blocks' host buffers keep the weights as ComfyUI loaded them: one copy
+per loaded model, shared by every clone, strength and branch of it, never re-packed nor re-pinned when the
+patches change.
+
+ComfyUI's ops already take per-layer weight functions (``weight_function`` / ``bias_function``, what its
+own lowvram path hangs ``LowVramPatch`` on): a streamed module gets a ``LoadedPatch``, run on the compute
+stream right after the block's copy, which repeats ComfyUI's patch of a loaded weight
+(``ModelPatcher.patch_weight_to_device``) on the streamed weight: the same dtype for the arithmetic, the same
+seeded stochastic rounding to the stored dtype (or the quantized format's own ``set_weight``), then the cast
+to the compute dtype. A streamed block so computes exactly what a loaded one does, in every stored dtype,
+where ComfyUI's lowvram path would round differently. GGUF weights carry their patches to ComfyUI-GGUF's own
+ops (``tensor.patches``), which apply them at compute time. A weight outside ComfyUI's ops (Wan's
+``modulation``) is patched once before packing, as before: its block is packed again when its patches change.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import comfy.float
+import comfy.lora
+import comfy.model_management
+import comfy.utils
+import torch
+from comfy.model_patcher import ModelPatcher, string_to_seed  # in comfy.model_patcher in both versions
+
+from .architectures import inside
+
+
+def _lora_dtype(device: torch.device) -> torch.dtype:
+    """The dtype ComfyUI patches a loaded weight in (0.33 may choose fp16 on a GPU; 0.3.75: fp32)."""
+    chooser = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return chooser(device) if chooser is not None else torch.float32
+
+
+class LoadedPatch:
+    """A module's weight patched as ComfyUI patches a loaded weight, computed where the weight is streamed to.
+
+    ComfyUI's ops call it with their cast of the weight to the compute dtype, which may already have rounded
+    it: it patches the module's own tensor (the stored dtype, on the device) instead. The module is held
+    weakly: it holds this function, and a cycle would keep a dropped model alive until the cycle collector
+    came by."""
+
+    def __init__(self, key: str, patches: dict, module: torch.nn.Module, param: str) -> None:
+        self.key, self.patches, self.param = key, patches, param
+        self._module = weakref.ref(module)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        module = self._module()
+        stored = getattr(module, self.param)
+        set_func = getattr(module, f"set_{self.param}", None)
+        convert_func = getattr(module, f"convert_{self.param}", None)
+        seed = string_to_seed(self.key)
+        temp = comfy.model_management.cast_to_device(stored, weight.device, _lora_dtype(weight.device), copy=True)
+        if convert_func is not None:
+            temp = convert_func(temp, inplace=True)
+        patched = comfy.lora.calculate_weight(self.patches[self.key], temp, self.key)
+        if set_func is None:
+            patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
+        else:
+            patched = set_func(patched, seed=seed, return_weight=True)
+        if hasattr(patched, "dequantize"):  # a quantized format's own tensor
+            patched = patched.dequantize()
+        return patched.to(weight.dtype)
+
+
+@dataclass(frozen=True)
+class DevicePatching:
+    """How a streamed placement's patched weights were patched, for the plan line."""
+
+    on_device: int = 0  # LoadedPatch at compute time
+    carried: int = 0  # GGUF tensors carrying their patches to compute time
+    baked: int = 0  # patched once before packing
+
+    def describe(self) -> str:
+        said = [
+            f"{count} {how}"
+            for count, how in (
+                (self.on_device, "on the device at compute time"),
+                (self.carried, "by ComfyUI-GGUF at compute time"),
+                (self.baked, "once before packing"),
+            )
+            if count
+        ]
+        return f"; patched weights: {', '.join(said)}" if said else ""
+
+
+def _carries_patches(weight: torch.Tensor) -> bool:
+    """A GGUF tensor: quantized bytes whose patches ride on the tensor to ComfyUI-GGUF's ops."""
+    return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
+
+
+def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> DevicePatching:
+    """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
+    on_device = carried = baked = 0
+    for name, module in model.model.named_modules():
+        if not inside(name, streamed):
+            continue
+        ops_module = hasattr(module, "comfy_cast_weights") and not getattr(module, "comfy_patched_weights", False)
+        functions: dict[str, list] = {}
+        bake = []
+        for param, tensor in module.named_parameters(recurse=False):
+            key = f"{name}.{param}"
+            wrappers = model.weight_wrapper_patches.get(key, [])
+            if key not in model.patches and not wrappers:
+                continue
+            if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
+                model.patch_weight_to_device(key, device_to=tensor.device)  # records them on the tensor
+                carried += 1
+            elif ops_module and param in ("weight", "bias"):
+                patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
+                functions[param] = patch + list(wrappers)
+                on_device += len(patch)
+            elif key in model.patches:
+                bake.append(key)
+        if functions:
+            module.weight_function = functions.get("weight", [])
+            module.bias_function = functions.get("bias", [])
+            if not hasattr(module, "prev_comfy_cast_weights"):  # as ComfyUI's lowvram load marks a module
+                module.prev_comfy_cast_weights = module.comfy_cast_weights
+            module.comfy_cast_weights = True
+        for key in bake:
+            _bake(model, key, device)
+        if bake:
+            module.comfy_patched_weights = True  # a clone taking these weights over must not patch them again
+            baked += len(bake)
+    model.model.lowvram_patch_counter += on_device
+    return DevicePatching(on_device, carried, baked)
+
+
+def _bake(model: ModelPatcher, key: str, device: torch.device) -> None:
+    """Patches one weight once, on the device as ComfyUI patches a loaded weight, and brings it back."""
+    weight = comfy.utils.get_attr(model.model, key)
+    if weight.untyped_storage().nbytes() > weight.nbytes:
+        # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold the whole block's
+        # (pinned) buffer alive for as long as the patch is on.
+        weight.data = weight.data.clone()
+    model.patch_weight_to_device(key, device_to=device)
+    weight = comfy.utils.get_attr(model.model, key)
+    weight.data = weight.data.to(model.offload_device)
