@@ -22,11 +22,16 @@ from dataclasses import dataclass
 import comfy.float
 import comfy.lora
 import comfy.model_management
+import comfy.model_patcher
 import comfy.utils
 import torch
-from comfy.model_patcher import ModelPatcher, string_to_seed  # in comfy.model_patcher in both versions
+from comfy.model_patcher import ModelPatcher
 
 from .architectures import inside
+
+# The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
+# warns at each call), only in comfy.model_patcher before.
+string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
 
 
 def _lora_dtype(device: torch.device) -> torch.dtype:
@@ -96,9 +101,11 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
     """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
     on_device = carried = baked = 0
     for name, module in model.model.named_modules():
-        if not inside(name, streamed):
+        # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
+        # as ComfyUI's own load trusts the flag (its unpatch clears it).
+        if not inside(name, streamed) or getattr(module, "comfy_patched_weights", False):
             continue
-        ops_module = hasattr(module, "comfy_cast_weights") and not getattr(module, "comfy_patched_weights", False)
+        ops_module = hasattr(module, "comfy_cast_weights")
         functions: dict[str, list] = {}
         bake = []
         for param, tensor in module.named_parameters(recurse=False):

@@ -1,0 +1,101 @@
+"""What a LoRA costs per step when its patches are applied on the device at compute time (the streamed blocks'
+``LoadedPatch``, nodes/device_patches.py), against the same model without the LoRA, and against ComfyUI
+fully loaded, which patches once at load; side by side in one process, as ratios.
+
+    python -m bench.lora_cost [--blocks N] [--steps N] [--rounds N]   # from the repository root, in a host's venv
+
+A Wan 2.1 architecture at dim 512 (ComfyUI's own loader and sampler, in-process), a rank-16 LoRA on every
+attention and FFN Linear, Async Block Offload with no block resident. On the CPU the copies are RAM to RAM and
+the compute is the CPU's: the ratio is the point, not the times. Each configuration is sampled ``--rounds``
+times after a warm-up, the median of the per-step times kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from harness import tiny_models as tm
+from harness.comfy_host import resolve_comfyui_path
+
+from bench.checkpoints import resized
+
+SIZES = {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024, "LORA_RANK": 16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(resolve_comfyui_path()))
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.cpu = True
+    import os
+
+    os.environ["BLOCK_OFFLOAD_ALLOW_CPU"] = "1"
+    import comfy.model_management as mm
+    import comfy.sample
+    import comfy.sd
+    import comfy.utils
+
+    from block_offload.nodes.offload_nodes import AsyncBlockOffload
+
+    sizes = {**SIZES, "WAN21_LAYERS": args.blocks}
+    folder = Path(tempfile.mkdtemp(prefix="lora-cost-"))
+    files = {}
+    for name, specs in (("wan", tm.wan21_specs), ("lora", tm.wan21_lora_specs)):
+        files[name] = folder / f"{name}.safetensors"
+        tm.Artifact(f"lora_cost_{name}", resized(specs, **sizes), torch.float32).write(files[name])
+    model = comfy.sd.load_diffusion_model(str(files["wan"]))
+    lora = comfy.utils.load_torch_file(str(files["lora"]))
+    with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+
+    generator = torch.Generator().manual_seed(1)
+    latent = torch.zeros(1, 16, 2, 16, 16)
+    cond = [[torch.randn(1, 16, tm.WAN21_TEXT_DIM, generator=generator), {}]]
+    noise = torch.randn(latent.shape, generator=generator)
+
+    def per_step_ms(patcher) -> float:
+        comfy.sample.sample(patcher, noise, 1, 1.0, "euler", "normal", cond, cond, latent, seed=1, disable_pbar=True)
+        times = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            comfy.sample.sample(
+                patcher, noise, args.steps, 1.0, "euler", "normal", cond, cond, latent, seed=1, disable_pbar=True
+            )
+            times.append((time.perf_counter() - start) * 1000 / args.steps)
+        mm.unload_all_models()
+        return statistics.median(times)
+
+    def streamed(patcher):
+        return AsyncBlockOffload.execute(
+            patcher, resident_blocks=0, prefetch_blocks=1, pin_memory=True, policy="leading"
+        ).result[0]
+
+    rows = {
+        "fully loaded": per_step_ms(model),
+        "fully loaded, LoRA (patched once at load)": per_step_ms(with_lora),
+        "streamed": per_step_ms(streamed(model)),
+        "streamed, LoRA after the node (patched on the device each step)": per_step_ms(
+            comfy.sd.load_lora_for_models(streamed(model), None, lora, 1.0, 0)[0]
+        ),
+    }
+    base = rows["streamed"]
+    print(f"Wan 2.1 architecture, dim 512, {args.blocks} blocks, rank-16 LoRA; {args.steps} steps x {args.rounds}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    for name, ms in rows.items():
+        print(f"  {name:<66} {ms:8.1f} ms/step  {ms / base:5.3f}x streamed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
