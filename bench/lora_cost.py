@@ -6,8 +6,9 @@ fully loaded, which patches once at load; side by side in one process, as ratios
 
 A Wan 2.1 architecture at dim 512 (ComfyUI's own loader and sampler, in-process), a rank-16 LoRA on every
 attention and FFN Linear, Async Block Offload with no block resident. On the CPU the copies are RAM to RAM and
-the compute is the CPU's: the ratio is the point, not the times. Each configuration is sampled ``--rounds``
-times after a warm-up, the median of the per-step times kept.
+the compute is the CPU's: the ratio is the point, not the times. Each round samples every configuration in
+turn (loaded, then timed over one step and over ``--steps`` + 1: the difference is per step); the median of
+``--rounds`` rounds is kept.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     os.environ["BLOCK_OFFLOAD_ALLOW_CPU"] = "1"
-    import comfy.model_management as mm
     import comfy.sample
     import comfy.sd
     import comfy.utils
@@ -64,31 +64,38 @@ def main(argv: list[str] | None = None) -> int:
     cond = [[torch.randn(1, 16, tm.WAN21_TEXT_DIM, generator=generator), {}]]
     noise = torch.randn(latent.shape, generator=generator)
 
+    def sampled_ms(patcher, steps: int) -> float:
+        start = time.perf_counter()
+        comfy.sample.sample(
+            patcher, noise, steps, 1.0, "euler", "normal", cond, cond, latent, seed=1, disable_pbar=True
+        )
+        return (time.perf_counter() - start) * 1000
+
     def per_step_ms(patcher) -> float:
-        comfy.sample.sample(patcher, noise, 1, 1.0, "euler", "normal", cond, cond, latent, seed=1, disable_pbar=True)
-        times = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            comfy.sample.sample(
-                patcher, noise, args.steps, 1.0, "euler", "normal", cond, cond, latent, seed=1, disable_pbar=True
-            )
-            times.append((time.perf_counter() - start) * 1000 / args.steps)
-        mm.unload_all_models()
-        return statistics.median(times)
+        """One round: loaded (untimed), then the time of ``--steps`` more steps than one, per step; the load,
+        the first step's set-up and the sampler's own overhead cancel out."""
+        sampled_ms(patcher, 1)
+        one = sampled_ms(patcher, 1)
+        return (sampled_ms(patcher, 1 + args.steps) - one) / args.steps
 
     def streamed(patcher):
         return AsyncBlockOffload.execute(
             patcher, resident_blocks=0, prefetch_blocks=1, pin_memory=True, policy="leading"
         ).result[0]
 
-    rows = {
-        "fully loaded": per_step_ms(model),
-        "fully loaded, LoRA (patched once at load)": per_step_ms(with_lora),
-        "streamed": per_step_ms(streamed(model)),
-        "streamed, LoRA after the node (patched on the device each step)": per_step_ms(
-            comfy.sd.load_lora_for_models(streamed(model), None, lora, 1.0, 0)[0]
-        ),
+    configs = {
+        "fully loaded": model,
+        "fully loaded, LoRA (patched once at load)": with_lora,
+        "streamed": streamed(model),
+        "streamed, LoRA after the node (patched on the device each step)": comfy.sd.load_lora_for_models(
+            streamed(model), None, lora, 1.0, 0
+        )[0],
     }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.rounds):  # interleaved: the machine's drift falls on every configuration alike
+        for name, patcher in configs.items():
+            times[name].append(per_step_ms(patcher))
+    rows = {name: statistics.median(values) for name, values in times.items()}
     base = rows["streamed"]
     print(f"Wan 2.1 architecture, dim 512, {args.blocks} blocks, rank-16 LoRA; {args.steps} steps x {args.rounds}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")

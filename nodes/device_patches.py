@@ -99,7 +99,7 @@ def _carries_patches(weight: torch.Tensor) -> bool:
 
 def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> DevicePatching:
     """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
-    on_device = carried = baked = 0
+    on_device = carried = baked = counted = 0
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
         # as ComfyUI's own load trusts the flag (its unpatch clears it).
@@ -127,13 +127,16 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
             module.bias_function = functions.get("bias", [])
             if not hasattr(module, "prev_comfy_cast_weights"):  # as ComfyUI's lowvram load marks a module
                 module.prev_comfy_cast_weights = module.comfy_cast_weights
+                counted += sum(isinstance(f, LoadedPatch) for f in (*module.weight_function, *module.bias_function))
             module.comfy_cast_weights = True
         for key in bake:
             _bake(model, key, device)
         if bake:
             module.comfy_patched_weights = True  # a clone taking these weights over must not patch them again
             baked += len(bake)
-    model.model.lowvram_patch_counter += on_device
+    # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
+    # marked already is not counted again), back to 0 when its unpatch clears the marks.
+    model.model.lowvram_patch_counter += counted
     return DevicePatching(on_device, carried, baked)
 
 

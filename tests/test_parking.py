@@ -384,6 +384,8 @@ def test_lora_changes_and_branches_write_no_host_byte(
     first = with_lora(offloaded, 1.0)
     assert torch.equal(sample(comfy, first), references[1.0])
     buffers = host_buffers(first)
+    patched_weights = first.model.lowvram_patch_counter  # ComfyUI's count of per-layer patches
+    assert patched_weights > 0
     packed: list[int] = []
     pack_into = BlockLayout.pack_into
 
@@ -401,5 +403,6 @@ def test_lora_changes_and_branches_write_no_host_byte(
     ]:
         assert torch.equal(sample(comfy, patcher), references[strength]), strength
         assert host_buffers(patcher) == buffers, f"strength {strength}: the blocks were packed again"
+        assert patcher.model.lowvram_patch_counter == (patched_weights if strength else 0)
     assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
     comfy.mm.unload_all_models()
