@@ -73,7 +73,7 @@ if [[ "$part" == engine || "$part" == all ]]; then
 fi
 if [[ "$part" == comfy || "$part" == all ]]; then
   step "ComfyUI CUDA tests" "${pytest[@]}" tests/test_dynamic_vram.py tests/test_reliability.py tests/test_panel.py \
-    -k "gpu or cuda"
+    tests/test_every_prompt_streams.py -k "gpu or cuda"
 fi
 echo "gpu_check: figures in $report" >&2
 exit "$status"

@@ -3,7 +3,8 @@ with the same checkpoint; once the node is out of the graph nothing streams.
 
 Through a real ComfyUI server with its own default flags, caching included (0.33: the RAM-pressure cache,
 which keeps a node's output across prompts that do not use it; 0.3.75: the classic cache), plus the LRU
-cache, which keeps outputs on both. Between two prompts with the node, each sequence runs something else
+cache, which keeps outputs on both; with CUDA, the same on the GPU in each of the host's loading modes (0.33:
+Dynamic VRAM and classic). Between two prompts with the node, each sequence runs something else
 on the same checkpoint: the plain model, a LoRA, another strength, another offload node, the node on a
 LoRA, ``/free``, another model, an interrupted prompt. Every prompt gets a seed of its own, so ComfyUI
 samples again while it answers the loader, the LoRA and the node from its cache. Each sampled latent is
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from conftest import GPU_MODES, NEEDS_CUDA
 
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
@@ -55,10 +57,21 @@ CACHES = {"default": (), "lru": ("--cache-lru", "64")}
 SEEDS = itertools.count(20_000)
 
 
-@pytest.fixture(scope="module", params=list(CACHES))
+# Where the servers run: the CPU, and with CUDA each of the host's GPU loading modes (0.33: Dynamic VRAM, its
+# default, and classic), each with ComfyUI's default caching and the LRU cache.
+SERVERS = [pytest.param(("cpu", cache), id=f"cpu-{cache}") for cache in CACHES] + [
+    pytest.param((f"cuda-{mode}", cache), marks=NEEDS_CUDA, id=f"cuda-{mode}-{cache}")
+    for mode in GPU_MODES
+    for cache in CACHES
+]
+
+
+@pytest.fixture(scope="module", params=SERVERS)
 def host(request: pytest.FixtureRequest) -> Iterator[ComfyHost]:
     """A server as users start one (no caching flag), and one with the LRU cache."""
-    server = ComfyHost(env=server_env(), extra_args=CACHES[request.param]).start()
+    device, cache = request.param
+    mode = () if device == "cpu" else GPU_MODES[device.removeprefix("cuda-")]
+    server = ComfyHost(cpu=device == "cpu", env=server_env(), extra_args=(*mode, *CACHES[cache])).start()
     try:
         yield server
     finally:
