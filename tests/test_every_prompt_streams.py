@@ -168,6 +168,7 @@ def interludes(node: str) -> dict[str, list]:
         "lora-strength": [plain(lora=1.0), plain(lora=HALF)],
         "other-node": [through(OTHER_NODE[node])],
         "node-on-lora": [through(node, lora=1.0)],
+        "lora-after-node": [Graph((("node", node), ("lora", 1.0)))],
         "node-on-lora-then-plain": [through(node, lora=1.0), plain()],
         "free": ["free"],
         "plain-then-free": [plain(), "free"],
