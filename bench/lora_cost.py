@@ -50,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     from block_offload.nodes.offload_nodes import AsyncBlockOffload
 
     sizes = {**SIZES, "WAN21_LAYERS": args.blocks}
-    folder = Path(tempfile.mkdtemp(prefix="lora-cost-"))
-    files = {}
-    for name, specs in (("wan", tm.wan21_specs), ("lora", tm.wan21_lora_specs)):
-        files[name] = folder / f"{name}.safetensors"
-        tm.Artifact(f"lora_cost_{name}", resized(specs, **sizes), torch.float32).write(files[name])
-    model = comfy.sd.load_diffusion_model(str(files["wan"]))
-    lora = comfy.utils.load_torch_file(str(files["lora"]))
+    with tempfile.TemporaryDirectory(prefix="lora-cost-") as folder:
+        files = {}
+        for name, specs in (("wan", tm.wan21_specs), ("lora", tm.wan21_lora_specs)):
+            files[name] = Path(folder) / f"{name}.safetensors"
+            tm.Artifact(f"lora_cost_{name}", resized(specs, **sizes), torch.float32).write(files[name])
+        model = comfy.sd.load_diffusion_model(str(files["wan"]))
+        lora = comfy.utils.load_torch_file(str(files["lora"]))
     with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
 
     generator = torch.Generator().manual_seed(1)
