@@ -58,7 +58,11 @@ class LoadedPatch:
         set_func = getattr(module, f"set_{self.param}", None)
         convert_func = getattr(module, f"convert_{self.param}", None)
         seed = string_to_seed(self.key)
-        temp = comfy.model_management.cast_to_device(stored, weight.device, _lora_dtype(weight.device), copy=True)
+        lora_dtype = _lora_dtype(weight.device)
+        if weight.dtype == stored.dtype == lora_dtype and convert_func is None:
+            temp = weight  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
+        else:
+            temp = comfy.model_management.cast_to_device(stored, weight.device, lora_dtype, copy=True)
         if convert_func is not None:
             temp = convert_func(temp, inplace=True)
         patched = comfy.lora.calculate_weight(self.patches[self.key], temp, self.key)
