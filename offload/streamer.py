@@ -294,7 +294,6 @@ class BlockStreamer:
             else:
                 self._restore(state, state.origin_device)
                 self._unpin(state)
-            del state
         self.enabled = False
 
     def release_device_buffers(self) -> None:
