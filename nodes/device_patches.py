@@ -51,13 +51,13 @@ class LoadedPatch:
     def __init__(self, key: str, patches: dict, module: torch.nn.Module, param: str) -> None:
         self.key, self.patches, self.param = key, patches, param
         self._module = weakref.ref(module)
+        self._seed = string_to_seed(key)  # a CRC of the key: once, not at every step
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         module = self._module()
         stored = getattr(module, self.param)
         set_func = getattr(module, f"set_{self.param}", None)
         convert_func = getattr(module, f"convert_{self.param}", None)
-        seed = string_to_seed(self.key)
         lora_dtype = _lora_dtype(weight.device)
         if weight.dtype == stored.dtype == lora_dtype and convert_func is None:
             temp = weight  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
@@ -67,9 +67,9 @@ class LoadedPatch:
             temp = convert_func(temp, inplace=True)
         patched = comfy.lora.calculate_weight(self.patches[self.key], temp, self.key)
         if set_func is None:
-            patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
+            patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=self._seed)
         else:
-            patched = set_func(patched, seed=seed, return_weight=True)
+            patched = set_func(patched, seed=self._seed, return_weight=True)
         if hasattr(patched, "dequantize"):  # a quantized format's own tensor
             patched = patched.dequantize()
         return patched.to(weight.dtype)
