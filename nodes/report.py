@@ -68,6 +68,8 @@ class _Outbox:
         with self._lock:
             delay = self.next_at - time.perf_counter()
             if delay <= 0:
+                # A status waiting for its turn is older than this one: sent after it, it would go back in time.
+                self._waiting = None
                 self._emit(status)
                 return True
             if not force:
@@ -80,10 +82,19 @@ class _Outbox:
         return True
 
     def _send_waiting(self) -> None:
+        """On the server's loop, when a waiting status's interval has ended (a message sent directly since
+        may have started another: then it waits for that one's end)."""
         with self._lock:
-            status, self._waiting = self._waiting, None
-            if status is not None:
+            if self._waiting is None:
+                return
+            delay = self.next_at - time.perf_counter()
+            if delay <= 0:
+                status, self._waiting = self._waiting, None
                 self._emit(status)
+                return
+        server = _server()
+        if server is not None:
+            server.loop.call_later(delay, self._send_waiting)
 
     def _emit(self, status: dict[str, Any]) -> None:
         self.next_at = time.perf_counter() + MIN_INTERVAL_S

@@ -247,6 +247,36 @@ def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> Non
     assert snapshot["last_step"]["step"] == steps - 1
 
 
+def test_a_waiting_status_never_goes_after_a_newer_one(pack: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's first status, forced inside the interval, waits for its end; a newer status due then goes at
+    once and the older one is dropped (sent after it, it went back in time, 0.2 ms later: seen in a full
+    run); a timer that fires while another interval runs waits for that one's end."""
+    report = pack.report
+    sent: list[int] = []
+    timers: list[Callable[[], None]] = []
+    loop = SimpleNamespace(
+        call_soon_threadsafe=lambda call_later, delay, callback: timers.append(callback),
+        call_later=lambda delay, callback: timers.append(callback),
+    )
+    server = SimpleNamespace(loop=loop, send_sync=lambda event, status: sent.append(status["n"]))
+    monkeypatch.setattr(report, "_server", lambda: server)
+    now = [1000.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
+    outbox = report._Outbox()
+    assert outbox.send({"n": 1})
+    assert outbox.send({"n": 2}, force=True) and sent == [1]  # waits for the interval's end
+    now[0] += MIN_INTERVAL_S
+    assert outbox.send({"n": 3}) and sent == [1, 3]  # due: sent, the older waiting one dropped
+    now[0] += 0.1
+    assert outbox.send({"n": 4}, force=True)
+    timers.pop(0)()  # 2's timer fires inside 3's interval: 4 waits on
+    assert sent == [1, 3]
+    now[0] += MIN_INTERVAL_S - 0.1
+    while timers:
+        timers.pop(0)()
+    assert sent == [1, 3, 4]
+
+
 def test_listener_cost_per_block_call(pack: SimpleNamespace) -> None:
     """What the panel adds to every block call: one clock read and one compare, and a message when due."""
     report = pack.report
