@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .prompts import ASYNC, PARTIAL
+
 # Sampler steps of the in-process runs: enough for the engine to learn the call order and stream.
 STEPS = 2
 
@@ -65,4 +67,18 @@ def async_offload(comfy: SimpleNamespace, model, resident: int = 1, prefetch: in
     """Async Block Offload on ``model``: the first ``resident`` blocks stay, unless ``policy`` says otherwise."""
     return comfy.nodes.AsyncBlockOffload.execute(
         model, resident_blocks=resident, prefetch_blocks=prefetch, pin_memory=True, policy=policy
+    ).result[0]
+
+
+def offloaded(comfy: SimpleNamespace, node: str, model):
+    """``model`` through ``node`` ("async", "partial", "sequential") with the e2e tests' settings: 1 resident
+    block, a budget that streams every block, every module streamed."""
+    if node == ASYNC:
+        return async_offload(comfy, model, resident=1)
+    if node == PARTIAL:
+        return comfy.nodes.PartialGPUResidency.execute(
+            model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True
+        ).result[0]
+    return comfy.nodes.SequentialOffloadWrapper.execute(
+        model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
     ).result[0]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.inprocess import async_offload, sample, wan
+from harness.inprocess import async_offload, offloaded, sample, wan
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
@@ -369,19 +369,8 @@ def test_lora_changes_and_branches_write_no_host_byte(
     references[0.0] = sample(comfy, model)
     comfy.mm.unload_all_models()
 
-    def offload(patcher):
-        if node == "async":
-            return async_offload(comfy, patcher, resident=1)
-        if node == "partial":
-            return comfy.nodes.PartialGPUResidency.execute(
-                patcher, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True
-            ).result[0]
-        return comfy.nodes.SequentialOffloadWrapper.execute(
-            patcher, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
-        ).result[0]
-
-    offloaded = offload(model)
-    first = with_lora(offloaded, 1.0)
+    streaming = offloaded(comfy, node, model)
+    first = with_lora(streaming, 1.0)
     assert torch.equal(sample(comfy, first), references[1.0])
     buffers = host_buffers(first)
     patched_weights = first.model.lowvram_patch_counter  # ComfyUI's count of per-layer patches
@@ -395,11 +384,11 @@ def test_lora_changes_and_branches_write_no_host_byte(
 
     monkeypatch.setattr(BlockLayout, "pack_into", counting)
     for strength, patcher in [
-        (0.5, with_lora(offloaded, 0.5)),  # another strength
-        (0.0, offloaded),  # the LoRA removed
-        (1.0, with_lora(offloaded, 1.0)),  # added again
-        (1.0, offload(with_lora(model, 1.0))),  # before the node: another engine
-        (0.5, with_lora(offloaded, 0.5)),
+        (0.5, with_lora(streaming, 0.5)),  # another strength
+        (0.0, streaming),  # the LoRA removed
+        (1.0, with_lora(streaming, 1.0)),  # added again
+        (1.0, offloaded(comfy, node, with_lora(model, 1.0))),  # before the node: another engine
+        (0.5, with_lora(streaming, 0.5)),
     ]:
         assert torch.equal(sample(comfy, patcher), references[strength]), strength
         assert host_buffers(patcher) == buffers, f"strength {strength}: the blocks were packed again"

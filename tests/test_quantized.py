@@ -31,7 +31,7 @@ from torch import nn
 
 from harness import tiny_models as tm
 from harness.comfy_host import HOST_DIR, ComfyHost
-from harness.inprocess import async_offload, sample
+from harness.inprocess import offloaded, sample
 from harness.prompts import ARCHS, ASYNC, NODES, PARTIAL, SEQUENTIAL, differs, plan_lines, run
 
 from block_offload.offload import module_bytes
@@ -100,20 +100,6 @@ def loader(comfy: SimpleNamespace) -> Callable[[str], object]:
         return nodes.UnetLoaderGGUF().load_unet(tm.FILES[name])[0]
 
     return load
-
-
-def offloaded(comfy: SimpleNamespace, node: str, model: object) -> object:
-    """``model`` through ``node`` with the e2e tests' settings: 1 resident block, a budget that streams
-    every block, every module streamed."""
-    if node == ASYNC:
-        return async_offload(comfy, model, resident=1)
-    if node == PARTIAL:
-        return comfy.nodes.PartialGPUResidency.execute(
-            model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True
-        ).result[0]
-    return comfy.nodes.SequentialOffloadWrapper.execute(
-        model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
-    ).result[0]
 
 
 # -- what the files store -----------------------------------------------------------------------------------
