@@ -12,6 +12,7 @@ does not, and ``unsupported_torch`` names what neither has, before any work star
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -43,16 +44,20 @@ _DEVICE_FUNCTIONS = (
 )
 
 
-def _device_function(device: torch.device, name: str) -> Callable | None:
+def _device_function(device_type: str, name: str) -> Callable | None:
     accelerator = getattr(torch, "accelerator", None)
     function = getattr(accelerator, name, None)
     if function is None:
-        function = getattr(getattr(torch, device.type, None), _DEVICE_MODULE_NAMES.get(name, name), None)
+        function = getattr(getattr(torch, device_type, None), _DEVICE_MODULE_NAMES.get(name, name), None)
     return function
 
 
+# Looked up once per device type and function: ``current_stream`` runs several times per block call.
+_resolved = functools.cache(_device_function)
+
+
 def _call(device: torch.device, name: str, *args: object) -> object:
-    function = _device_function(device, name)
+    function = _resolved(device.type, name)
     if function is None:  # unsupported_torch refuses such a device before any engine starts
         raise RuntimeError(f"torch {torch.__version__} has no {name} for {device.type}")
     return function(*args)
@@ -70,7 +75,9 @@ def unsupported_torch(device: torch.device) -> str | None:
     if not is_accelerator(device):
         return None
     missing = [f"torch.{name}" for name in ("Stream", "Event") if not hasattr(torch, name)]
-    missing += [f"torch.accelerator.{name}" for name in _DEVICE_FUNCTIONS if _device_function(device, name) is None]
+    # Looked up afresh (not ``_resolved``): what is asked is this torch as it is now.
+    absent = [name for name in _DEVICE_FUNCTIONS if _device_function(device.type, name) is None]
+    missing += [f"torch.accelerator.{name}" for name in absent]
     if not missing:
         return None
     return (
