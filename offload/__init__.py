@@ -20,6 +20,7 @@ from .device import (
     unsupported_torch,
     use_host_registrar,
 )
+from .file_source import FileChangedError, FileSlice, read_bandwidth
 from .host_memory import release_freed_host_memory
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
@@ -38,7 +39,7 @@ from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .step_aside import StepAside, platform_aside, step_aside
 from .streamer import BlockStreamer, unpark
-from .timeline import BlockSpan, StepTimeline, TimelineRecorder
+from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
     "GIB",
@@ -47,11 +48,14 @@ __all__ = [
     "BlockStreamer",
     "CostCache",
     "CudaHostRegistrar",
+    "FileChangedError",
+    "FileSlice",
     "HostRegistrar",
     "MemorySnapshot",
     "ModuleState",
     "OffloadPlan",
     "PinnedMemoryBudget",
+    "ReadSpan",
     "Prediction",
     "ResidencyPolicy",
     "Runner",
@@ -69,6 +73,7 @@ __all__ = [
     "memory_snapshot",
     "module_bytes",
     "pinned_bytes",
+    "read_bandwidth",
     "place_falling_back",
     "platform_aside",
     "release_freed_host_memory",

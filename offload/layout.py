@@ -22,11 +22,15 @@ the libraries that define them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+#: The dtype a module's plain tensor (its owner and name) is computed in, where it differs from the dtype it
+#: is stored in (a checkpoint stored in fp32 and run in bf16); None: as stored.
+DtypeOf = Callable[[nn.Module, str], "torch.dtype | None"]
 
 # Keeps every view aligned for vectorised kernels and for dtype reinterpretation.
 ALIGNMENT = 256
@@ -197,11 +201,19 @@ class BlockLayout:
     nbytes: int
 
     @classmethod
-    def of(cls, module: nn.Module, storage_dtype: torch.dtype | None = None, recurse: bool = True) -> BlockLayout:
+    def of(
+        cls,
+        module: nn.Module,
+        storage_dtype: torch.dtype | None = None,
+        recurse: bool = True,
+        dtype_of: DtypeOf | None = None,
+    ) -> BlockLayout:
         """Lays out ``module``'s tensors (its own only, unless ``recurse``).
 
-        ``storage_dtype`` applies to plain floating-point parameters only: buffers such as rotary tables
-        lose precision badly and are small, and a subclass's parts mean something only in their own dtypes.
+        ``dtype_of`` gives plain tensors the dtype they are computed in (else they keep theirs).
+        ``storage_dtype`` then applies to plain floating-point parameters only: buffers such as rotary
+        tables lose precision badly and are small, and a subclass's parts mean something only in their
+        own dtypes.
         """
         slots = []
         offset = 0
@@ -215,8 +227,9 @@ class BlockLayout:
             seen.add(id(tensor))
             form = TensorForm.of(tensor, f"{type(owner).__name__}.{name}")
             parts = []
+            computed = dtype_of(owner, name) if dtype_of is not None and form.is_plain else None
             for part in form.parts_of(tensor):
-                dtype = part.dtype
+                dtype = computed or part.dtype
                 if storage_dtype is not None and is_parameter and form.is_plain and dtype.is_floating_point:
                     dtype = storage_dtype
                 offset = aligned(offset)

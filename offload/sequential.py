@@ -11,13 +11,14 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 
 import torch
 from torch import nn
 
-from .layout import BlockLayout, module_stored_bytes
+from .file_source import FileSlice
+from .layout import BlockLayout, DtypeOf, module_stored_bytes
 from .pinning import PinnedMemoryBudget
 from .plan import stream_buffer_bytes
 from .streamer import BlockStreamer, eager
@@ -89,8 +90,13 @@ class SequentialOffloader:
         recorder: TimelineRecorder | None = None,
         on_promote: Callable[[int], None] | None = None,
         pin_budget: PinnedMemoryBudget | None = None,
+        file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
+        read_each_step: Iterable[int] = (),
+        dtype_of: DtypeOf | None = None,
     ) -> None:
-        """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books."""
+        """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
+        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``) and ``dtype_of``: see
+        ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -107,6 +113,9 @@ class SequentialOffloader:
             recurse=False,
             nesting=_nesting(self.modules),
             pin_budget=pin_budget,
+            file_slice=file_slice,
+            read_each_step=read_each_step,
+            dtype_of=dtype_of,
         )
         self._promotion_hook = None
 

@@ -53,8 +53,10 @@ from .device import (
     synchronize,
     unpin_host_buffer,
 )
-from .layout import BlockLayout
+from .file_source import FileSlice, stamps
+from .layout import BlockLayout, DtypeOf, aligned
 from .pinning import PinnedMemoryBudget
+from .reader import BlockRead, FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
 from .timeline import CallRecord, CopyRecord, TimelineRecorder
 
@@ -109,7 +111,8 @@ class _StreamedBlock:
     host: torch.Tensor
     host_views: tuple[torch.Tensor, ...]
     origin_device: torch.device
-    # Kept only with a lossy storage dtype: restoring from the rounded copy would change the model.
+    # Kept with a lossy storage dtype (restoring from the rounded copy would change the model), and for a
+    # block whose weights are views of their file (they cost no memory, and restoring copies nothing).
     originals: tuple[torch.Tensor, ...] | None = None
     pinned: bool = False
     pinned_bytes: int = 0  # reserved in the pin budget (an allocator may round the buffer up)
@@ -122,6 +125,9 @@ class _StreamedBlock:
     released_once: bool = False
     copy: CopyRecord | None = None
     device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
+    read: BlockRead | None = None
+    file_backed: bool = False  # ``originals`` are views of the file
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,13 @@ class BlockStreamer:
     the copy are ordered on one stream. It shrinks what each step copies; the
     originals are kept too, because a rounded copy must never replace them.
     ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
+
+    Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
+    it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
+    is read from the file for each copy, through ``staging_slots`` host slots (``offload/reader.py``), in
+    the dtypes it is stored in; other streamed blocks pack their host buffer from the file. ``dtype_of``
+    gives the dtype each plain tensor is computed in (a file stored in fp32, run in bf16): the host buffers
+    hold that dtype, and file-tier bytes are cast to it on the device, after the copy.
     """
 
     def __init__(
@@ -219,6 +232,10 @@ class BlockStreamer:
         nesting: int = 1,
         pin_budget: PinnedMemoryBudget | None = None,
         ring_bytes: int | None = None,
+        file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
+        read_each_step: Iterable[int] = (),
+        dtype_of: DtypeOf | None = None,
+        staging_slots: int = 2,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -228,6 +245,15 @@ class BlockStreamer:
         bad = sorted(i for i in self.streamed if not 0 <= i < len(self.blocks))
         if bad:
             raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
+        self.read_each_step = frozenset(read_each_step)
+        if not self.read_each_step <= self.streamed:
+            extra = sorted(self.read_each_step - self.streamed)
+            raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
+        if self.read_each_step and (file_slice is None or staging_slots < 1):
+            raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
+        self.file_slice = file_slice
+        self.dtype_of = dtype_of
+        self.staging_slots = staging_slots
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
         self._pinned = pin_budget.share(self.give_back_pinned) if pin_budget is not None else None
@@ -242,7 +268,10 @@ class BlockStreamer:
         self._state: dict[int, _StreamedBlock] = {}
         self._ring: ByteRing | None = None
         self._buffer: torch.Tensor | None = None  # the ring's memory
-        self._staging: torch.Tensor | None = None  # with a storage dtype: one copy in it, cast into the ring
+        self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
+        self._reader: FileReader | None = None
+        self._slot_reservation = 0  # the staging slots' pinned bytes
+        self._stamps: tuple = ()  # the files read from, as they were when streaming began
         self._handles: list[RemovableHandle] = []
         self._active: list[_ActiveCall] = []
         self._expected: list[int] = list(range(len(self.blocks)))
@@ -257,7 +286,8 @@ class BlockStreamer:
         if self.enabled:
             return
         for index in sorted(self.streamed):
-            self._state[index] = self._offload(self.blocks[index])
+            self._state[index] = self._offload(index, self.blocks[index])
+        self._start_reader()
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(eager(self._pre_hook(index))))
             self._handles.append(block.register_forward_hook(eager(self._post_hook(index)), always_call=True))
@@ -284,6 +314,7 @@ class BlockStreamer:
             handle.remove()
         self._handles.clear()
         self._free_ring()
+        self._stop_reader()
         # Block by block, each block's state (so its host buffer) dropped as the block gets its memory back:
         # restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly
         # when another model is waiting for the RAM.
@@ -291,6 +322,9 @@ class BlockStreamer:
             state = self._state.pop(index)
             if park and state.origin_device.type == "cpu":
                 self._park(index, state)
+            elif state.file_backed:
+                state.layout.point_at(state.layout.assemble(state.originals))  # the file's views, as they were
+                self._unpin(state)
             else:
                 self._restore(state, state.origin_device)
                 self._unpin(state)
@@ -319,6 +353,7 @@ class BlockStreamer:
                 self._restore(state, self.device)
                 self._unpin(state)
         self.streamed = frozenset(self._state)
+        self.read_each_step &= self.streamed
 
     @property
     def last_order(self) -> tuple[int, ...]:
@@ -349,7 +384,9 @@ class BlockStreamer:
 
     @property
     def host_bytes(self) -> int:
-        return sum(state.host.numel() for state in self._state.values())
+        """Host memory the streamer holds: its blocks' host buffers and the reader's staging slots."""
+        slots = self._reader.slot_bytes if self._reader is not None else 0
+        return sum(state.host.numel() for state in self._state.values()) + slots
 
     @property
     def device_buffer_bytes(self) -> int:
@@ -395,14 +432,21 @@ class BlockStreamer:
 
     # -- host side ---------------------------------------------------------------------------
 
-    def _offload(self, block: nn.Module) -> _StreamedBlock:
-        layout = BlockLayout.of(block, recurse=self.recurse)
-        adopted = self._adopt(block, layout)
+    def _offload(self, index: int, block: nn.Module) -> _StreamedBlock:
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        current = layout.current()
+        slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
+        file_backed = any(source is not None for source in slices)
+        if index in self.read_each_step:
+            if not file_backed:
+                raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
+            return self._file_tier(block, layout, current, slices)
+        adopted = None if file_backed else self._adopt(block, layout)
         if adopted is not None:
             return adopted
         storage = layout
         if self._casts:
-            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse)
+            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
         origin = layout.device or self.device
         reserved = pinned_allocation_bytes(storage.nbytes) if self.pin_memory else 0
         pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
@@ -417,13 +461,88 @@ class BlockStreamer:
             host = torch.empty(storage.nbytes, dtype=torch.uint8)
         storage.pack_into(host)
         host_views = storage.views(host)
-        # Kept on the host: originals left on the device would keep the whole block there.
-        originals = tuple(t.to("cpu") for t in layout.current()) if self._casts else None
-        # Without a storage dtype, the block's only copy of its weights is now the host buffer.
+        originals = None
+        if file_backed:
+            originals = current  # views of the file: they cost no memory
+        elif self._casts:
+            # Kept on the host: originals left on the device would keep the whole block there.
+            originals = tuple(t.to("cpu") for t in current)
+        # Otherwise the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
         return _StreamedBlock(
-            layout, storage, host, host_views, origin, originals, pinned, reserved, pageable_because=pageable_because
+            layout,
+            storage,
+            host,
+            host_views,
+            origin,
+            originals,
+            pinned,
+            reserved,
+            pageable_because=pageable_because,
+            file_backed=file_backed,
         )
+
+    def _file_tier(
+        self,
+        block: nn.Module,
+        layout: BlockLayout,
+        current: tuple[torch.Tensor, ...],
+        slices: list[FileSlice | None],
+    ) -> _StreamedBlock:
+        """A block read from its file for each copy, in its stored dtypes: no host buffer, the module keeps
+        the file's views. Its parts not in the file (a host's converted tensors) are copied from memory."""
+        stored = BlockLayout.of(block, recurse=self.recurse)
+        storage = layout if stored.parts == layout.parts else stored
+        sources = tuple(
+            (part, tensor if source is None else source)
+            for part, source, tensor in zip(storage.parts, slices, current, strict=True)
+        )
+        views = layout.assemble(current)
+        host = torch.empty(0, dtype=torch.uint8)
+        origin = layout.device or self.device
+        return _StreamedBlock(
+            layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
+        )
+
+    def _start_reader(self) -> None:
+        reads = [state.read for state in self._state.values() if state.read is not None]
+        if not reads:
+            return
+        slot_bytes = max(read.nbytes for read in reads)
+        slots = [self._staging_slot(slot_bytes) for _ in range(self.staging_slots)]
+        self._reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
+        self._stamps = stamps(source for read in reads for source in read.slices())
+
+    def _staging_slot(self, nbytes: int) -> torch.Tensor:
+        """A host staging slot, pinned where the budget and the driver allow (counted like a host buffer)."""
+        reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
+        if reserved and (self._pinned is None or self._pinned.reserve(reserved)):
+            slot = pinned_host_buffer(nbytes)
+            if slot is not None:
+                self._slot_reservation += reserved
+                return slot
+            if self._pinned is not None:
+                self._pinned.release(reserved)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _stop_reader(self) -> None:
+        if self._reader is None:
+            return
+        self._reader.close()
+        self._reader, self._stamps = None, ()
+        if self._slot_reservation and self._pinned is not None:
+            self._pinned.release(self._slot_reservation)
+        self._slot_reservation = 0
+
+    @property
+    def file_tier_bytes(self) -> int:
+        """The bytes read from files for one pass through every file-tier block."""
+        return sum(state.read.file_bytes for state in self._state.values() if state.read is not None)
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes read from files since the streamer was enabled."""
+        return self._reader.file_bytes if self._reader is not None else 0
 
     def _park(self, index: int, state: _StreamedBlock) -> None:
         """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
@@ -482,7 +601,8 @@ class BlockStreamer:
 
     def _allocate_ring(self) -> None:
         capacity = self.capacity
-        staging = max(state.storage.nbytes for state in self._state.values()) if self._casts else 0
+        casting = [state.storage.nbytes for state in self._state.values() if self._cast_on_device(state)]
+        staging = max(casting, default=0)
         free = free_device_bytes(self.device)
         if free is not None and capacity + staging > free:
             raise torch.OutOfMemoryError(
@@ -528,7 +648,7 @@ class BlockStreamer:
                     if self._state[other].released_once:
                         stream.wait_event(self._state[other].released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            self._copy_in(state, start)
+            self._copy_in(index, state, start)
             if self.recorder:
                 self.recorder.copy_finished(record, stream)
             if state.ready is not None:
@@ -536,16 +656,24 @@ class BlockStreamer:
         state.copy = record
         return True
 
-    def _copy_in(self, state: _StreamedBlock, start: int) -> None:
-        non_blocking = state.host.is_pinned()
-        size = state.host.numel()
-        if self._staging is None:
-            self._buffer[start : start + size].copy_(state.host, non_blocking=non_blocking)
-            return
-        self._staging[:size].copy_(state.host, non_blocking=non_blocking)
-        targets = state.layout.part_views(self._buffer[start:])
-        for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
-            target.copy_(source)
+    def _copy_in(self, index: int, state: _StreamedBlock, start: int) -> None:
+        host = state.host if state.read is None else self._reader.take(index, state.read)
+        non_blocking = host.is_pinned()
+        size = state.storage.nbytes
+        if not self._cast_on_device(state):
+            self._buffer[start : start + size].copy_(host[:size], non_blocking=non_blocking)
+        else:
+            self._staging[:size].copy_(host[:size], non_blocking=non_blocking)
+            targets = state.layout.part_views(self._buffer[start:])
+            for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
+                target.copy_(source)
+        if state.read is not None:
+            self._reader.release(index, self.copy_stream)
+
+    @staticmethod
+    def _cast_on_device(state: _StreamedBlock) -> bool:
+        """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
+        return state.storage is not state.layout
 
     def _prefetch(self, defer_pageable: bool = False) -> None:
         """Issues the copies of the next streamed blocks, as far ahead as the ring has room.
@@ -560,17 +688,51 @@ class BlockStreamer:
             self._allocate_ring()
         upcoming = look_ahead(self._expected, len(self._order), self._state, self.prefetch)
         held = {call.block for call in self._active}
-        skip = (lambda index: self._deferred(self._state[index])) if defer_pageable else (lambda index: False)
+
+        def skip(index: int) -> bool:
+            # A file-tier block whose read is not done is copied later: waiting here would hold up the
+            # launch of the block about to run.
+            if self._state[index].read is not None and not self._reader.is_read(index):
+                return True
+            return defer_pageable and self._deferred(self._state[index])
+
         copy_ahead(upcoming, held, self._ring.regions, self._load, skip)
+        self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        """Starts reading the next file-tier blocks that need a copy, while the reader has free slots.
+
+        A block in the ring needs none if it is copied for its coming call (within the copy window) or the
+        ring holds every streamed block; a block left in the ring from an earlier call is read again, as
+        the copies of the blocks before it will likely overwrite it."""
+        if self._reader is None:
+            return
+        position = len(self._order)
+        window = set(look_ahead(self._expected, position, self._state, self.prefetch))
+        for index in look_ahead(self._expected, position, self.read_each_step, len(self.read_each_step)):
+            if index in self._ring.regions and (index in window or self._ring_holds_all):
+                if self._reader.holds(index):
+                    self._reader.release(index, None)  # read for nothing: it stayed in the ring
+                continue
+            if not self._reader.holds(index) and not self._reader.schedule(index, self._state[index].read):
+                return
+
+    @property
+    def _ring_holds_all(self) -> bool:
+        return sum(aligned(state.layout.nbytes) for state in self._state.values()) <= self.capacity
 
     def _deferred(self, state: _StreamedBlock) -> bool:
-        return self.copy_stream is not None and not state.pinned
+        if self.copy_stream is None:
+            return False
+        return not (self._reader.pinned if state.read is not None else state.pinned)
 
     # -- hooks -------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """Marks the start of one pass through the blocks (the root module's forward)."""
         self._finish_active()
+        for stamp in self._stamps:
+            stamp.check()
         self._order = []
         if self.recorder:
             self.recorder.begin_step(current_stream(self.device))
@@ -602,7 +764,7 @@ class BlockStreamer:
     def _post_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             self._call_ends(index)
-            if self._pageable_deferred:
+            if self._pageable_deferred or self._reader is not None:
                 self._prefetch()
 
         return hook

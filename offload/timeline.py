@@ -6,6 +6,9 @@ copy's start and end), each one event record that never blocks the host. When th
 is not marked: the compute stream waits for nothing but the slot's ready event, recorded right after
 the copy's end, so it started at the later of its arrival and that end.
 
+Reads of file-tier blocks (``offload/reader.py``) run on a thread of their own, off any stream: they are
+timed on the host (``time.perf_counter``) and placed against the host's start of the step they ended in.
+
 A finished step is read (one elapsed time per marker, no synchronization) only when someone asks for
 it: the listener, which follows every step, at the next step boundary once the device has finished
 it; ``latest()`` and ``steps``, which wait for the device. Without a listener, a step that falls out of
@@ -15,6 +18,7 @@ its steps in flight need (on the CPU, after its first step), it creates none.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -52,6 +56,8 @@ class _StepRecord:
     index: int = 0
     calls: list[CallRecord] = field(default_factory=list)
     peak: int | None = None
+    host_start: float = 0.0  # time.perf_counter() at its start, for the reads
+    reads: list[tuple[int, float, float, int]] = field(default_factory=list)
 
 
 # Not frozen, though nothing changes a span once it is read: a frozen dataclass sets each field through
@@ -70,6 +76,16 @@ class BlockSpan:
     bytes_copied: int = 0
 
 
+@dataclass(slots=True)
+class ReadSpan:
+    """A file-tier block read from its file into a staging slot, in milliseconds from the step's start."""
+
+    block: int
+    start: float
+    end: float
+    bytes_read: int
+
+
 @dataclass(frozen=True)
 class StepTimeline:
     """One forward pass of the model through its blocks."""
@@ -78,6 +94,7 @@ class StepTimeline:
     duration_ms: float
     spans: tuple[BlockSpan, ...]
     peak_allocated: int | None = None
+    reads: tuple[ReadSpan, ...] = ()
     copy_ms: float = field(init=False)
     stall_ms: float = field(init=False)
     bytes_copied: int = field(init=False)
@@ -102,10 +119,23 @@ class StepTimeline:
             return None
         return self.bytes_copied / (self.copy_ms / 1000.0) / 1e9
 
+    @property
+    def bytes_read(self) -> int:
+        return sum(read.bytes_read for read in self.reads)
+
+    @property
+    def read_gbps(self) -> float | None:
+        """Bandwidth of this step's file reads, in GB/s (None when nothing was read)."""
+        read_ms = sum(read.end - read.start for read in self.reads)
+        if read_ms <= 0:
+            return None
+        return self.bytes_read / (read_ms / 1000.0) / 1e9
+
     def as_dict(self) -> dict:
         data = asdict(self)
         data["overlap"] = self.overlap
         data["bandwidth_gbps"] = self.bandwidth_gbps
+        data["read_gbps"] = self.read_gbps
         return data
 
 
@@ -137,6 +167,7 @@ class TimelineRecorder:
         self._free_steps: list[_StepRecord] = []
         self._free_calls: list[CallRecord] = []
         self._free_copies: list[CopyRecord] = []
+        self._reads: list[tuple[int, float, float, int]] = []  # reads ended since the last step boundary
 
     @property
     def steps(self) -> tuple[StepTimeline, ...]:
@@ -153,6 +184,7 @@ class TimelineRecorder:
         reset_peak_memory(self.device)  # the step's own peak, not the process's
         step = self._free_steps.pop() if self._free_steps else _StepRecord(*self._new_markers())
         step.index = self._step_index
+        step.host_start = time.perf_counter()
         self.clock.mark(step.start, stream)
         self._open = step
 
@@ -162,10 +194,17 @@ class TimelineRecorder:
             return
         self.clock.mark(step.end, stream)
         step.peak = peak_allocated(self.device)
+        # Swapped, not copied: the reader's thread appends to whichever list it finds (both are read).
+        step.reads, self._reads = self._reads, []
         self._pending.append(step)
         self._open = None
         self._step_index += 1
         self._settle()
+
+    def read_done(self, block: int, start: float, end: float, nbytes: int) -> None:
+        """A file-tier block's read ended (called on the reader's thread; times from ``time.perf_counter``)."""
+        if self.enabled:
+            self._reads.append((block, start, end, nbytes))
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
         if not self.enabled:
@@ -246,7 +285,11 @@ class TimelineRecorder:
             copy_start, copy_end = at(copy.start), at(copy.end)
             start = max(arrive, copy_end)
             spans.append(BlockSpan(call.block, start, end, start - arrive, copy_start, copy_end, copy.nbytes))
-        return StepTimeline(step.index, at(step.end), tuple(spans), step.peak)
+        reads = tuple(
+            ReadSpan(block, (start - step.host_start) * 1e3, (end - step.host_start) * 1e3, nbytes)
+            for block, start, end, nbytes in step.reads
+        )
+        return StepTimeline(step.index, at(step.end), tuple(spans), step.peak, reads)
 
     def _recycle(self, step: _StepRecord) -> None:
         for call in step.calls:
@@ -254,4 +297,5 @@ class TimelineRecorder:
                 self._free_copies.append(call.copy)
             self._free_calls.append(call)
         step.calls.clear()
+        step.reads = []
         self._free_steps.append(step)

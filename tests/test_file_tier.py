@@ -1,0 +1,166 @@
+"""The engine's file tier on the CPU: blocks whose weights are views of their checkpoint file are read from
+it each step (no host buffer), or packed from it within a host cap, and give the resident model's output.
+
+The weights are a real safetensors file mapped read-only (``harness/mapped_file.py``), as ComfyUI's
+Dynamic VRAM loader maps them; nodes-level tests run ComfyUI's own reader (test_dynamic_vram.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.mapped_file import MappedFile
+from harness.transformer_stack import forward_steps, transformer_stack
+
+from block_offload.offload import BlockStreamer, FileChangedError, SequentialOffloader, TimelineRecorder, file_source
+
+CPU = torch.device("cpu")
+
+
+def _mapped_stack(tmp_path: Path, stored: torch.dtype = torch.float32, blocks: int = 6, dim: int = 32):
+    """A stack and its twin whose weights are views of the stack saved in ``stored``."""
+    model = transformer_stack(num_blocks=blocks, dim=dim)
+    twin = copy.deepcopy(model)
+    return model, MappedFile(twin, tmp_path / "stack.safetensors", stored)
+
+
+def _streamer(mapped: MappedFile, read_each_step, **kwargs) -> BlockStreamer:
+    blocks = list(mapped.module.blocks)
+    return BlockStreamer(
+        blocks,
+        CPU,
+        range(len(blocks)),
+        root=mapped.module,
+        file_slice=mapped.file_slice,
+        read_each_step=read_each_step,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("read_each_step", [range(6), range(0, 6, 2), ()], ids=["all", "every-other", "none"])
+def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: Path, read_each_step) -> None:
+    model, mapped = _mapped_stack(tmp_path)
+    x = torch.randn(2, 7, 32)
+    reference = forward_steps(model, x, steps=3)
+    views = {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()}
+    streamer = _streamer(mapped, read_each_step, prefetch=2)
+    streamer.enable()
+    per_block = streamer.file_tier_bytes
+    assert per_block == sum(
+        mapped.file_slice(tensor).nbytes
+        for index in read_each_step
+        for tensor in mapped.module.blocks[index].state_dict().values()
+    )
+    outputs = forward_steps(mapped.module, x, steps=3)
+    for out, expected in zip(outputs, reference, strict=True):
+        assert torch.equal(out, expected)
+    # Every file-tier block read once per step and nothing else, but for the reads already made for the
+    # next step: as far ahead as the copies (prefetch 2) and the staging slots (2) run.
+    streamer.release_device_buffers()
+    largest = max((streamer._state[i].read.file_bytes for i in read_each_step), default=0)
+    assert 3 * per_block <= streamer.bytes_read <= 3 * per_block + (2 + 2) * largest, (streamer.bytes_read, per_block)
+    host_buffers = sum(
+        sum(t.numel() * t.element_size() for t in mapped.module.blocks[i].state_dict().values())
+        for i in set(range(6)) - set(read_each_step)
+    )
+    slots = 2 * max((streamer._state[i].read.nbytes for i in read_each_step), default=0)
+    assert streamer.host_bytes <= host_buffers + slots + 6 * 256 * 8  # alignment padding per tensor
+    streamer.disable()
+    # The module holds its file's views again: nothing was copied into memory of its own.
+    assert {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()} == views
+    assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
+
+
+def test_a_file_stored_in_fp32_is_read_as_stored_and_cast_on_the_device(tmp_path: Path) -> None:
+    """``dtype_of`` gives the compute dtype: the file tier reads fp32 and casts after the copy, the host
+    tier packs bf16; both give the model cast to bf16, resident."""
+    model, mapped = _mapped_stack(tmp_path)
+    reference_model = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    reference = forward_steps(reference_model, x, steps=2)
+    streamer = _streamer(mapped, range(1, 6, 2), dtype_of=lambda module, name: torch.bfloat16, prefetch=1)
+    streamer.enable()
+    assert streamer.file_tier_bytes == sum(
+        t.numel() * 4 for i in range(1, 6, 2) for t in mapped.module.blocks[i].state_dict().values()
+    )
+    # The blocks outside the stream are the host's to cast (ComfyUI casts what it loads).
+    for name, child in mapped.module.named_children():
+        if name != "blocks":
+            child.to(torch.bfloat16)
+    outputs = forward_steps(mapped.module, x, steps=2)
+    for out, expected in zip(outputs, reference, strict=True):
+        assert torch.equal(out, expected)
+    streamer.disable()
+    assert all(t.dtype == torch.float32 for t in mapped.module.blocks.state_dict().values())
+
+
+def test_without_a_positional_read_the_mapping_is_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows has no os.preadv: the reader copies the bytes from the file's mapping instead."""
+    monkeypatch.setattr(file_source, "POSITIONAL_READ", None)
+    model, mapped = _mapped_stack(tmp_path)
+    x = torch.randn(2, 7, 32)
+    reference = forward_steps(model, x, steps=2)
+    streamer = _streamer(mapped, range(6))
+    streamer.enable()
+    for out, expected in zip(forward_steps(mapped.module, x, steps=2), reference, strict=True):
+        assert torch.equal(out, expected)
+    streamer.disable()
+
+
+def test_a_truncated_file_stops_the_run_with_a_clear_error_and_the_model_is_restored(tmp_path: Path) -> None:
+    model, mapped = _mapped_stack(tmp_path)
+    x = torch.randn(2, 7, 32)
+    streamer = _streamer(mapped, range(6))
+    streamer.enable()
+    forward_steps(mapped.module, x, steps=1)
+    streamer.release_device_buffers()
+    size = os.path.getsize(mapped.path)
+    with open(mapped.path, "r+b") as file:
+        file.truncate(size // 2)
+    with pytest.raises(FileChangedError, match="changed while its weights were streamed"):
+        forward_steps(mapped.module, x, steps=1)
+    streamer.close_open_step()
+    streamer.disable()
+    assert not streamer.enabled
+
+
+def test_a_short_read_is_a_clear_error(tmp_path: Path) -> None:
+    """A file that shrinks between the step's check and a read: the read itself says so."""
+    _, mapped = _mapped_stack(tmp_path)
+    source = next(iter(mapped.slices.values()))
+    beyond = file_source.FileSlice(source.handle, os.path.getsize(mapped.path) - 4, 16, source.mapped)
+    with pytest.raises(FileChangedError, match="ended 12 bytes early"):
+        file_source.read_slice(beyond, torch.empty(16, dtype=torch.uint8))
+
+
+def test_the_timeline_has_a_read_lane(tmp_path: Path) -> None:
+    _, mapped = _mapped_stack(tmp_path)
+    recorder = TimelineRecorder(CPU)
+    streamer = _streamer(mapped, range(6), recorder=recorder)
+    streamer.enable()
+    forward_steps(mapped.module, torch.randn(2, 7, 32), steps=3)
+    step = recorder.latest()
+    assert step.reads, "no read recorded"
+    assert all(read.end >= read.start for read in step.reads)
+    assert step.bytes_read > 0 and step.read_gbps > 0
+    streamer.disable()
+
+
+def test_the_sequential_wrapper_reads_modules_from_the_file(tmp_path: Path) -> None:
+    model, mapped = _mapped_stack(tmp_path, blocks=3)
+    x = torch.randn(2, 7, 32)
+    reference = forward_steps(model, x, steps=2)
+    from block_offload.offload import streamed_modules
+
+    count = len(streamed_modules(mapped.module))
+    wrapper = SequentialOffloader(mapped.module, CPU, file_slice=mapped.file_slice, read_each_step=range(count))
+    wrapper.enable()
+    for out, expected in zip(forward_steps(mapped.module, x, steps=2), reference, strict=True):
+        assert torch.equal(out, expected)
+    wrapper.disable()
+    assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
