@@ -395,34 +395,34 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     """The CPU copies inline, where a larger ring cannot hide a copy, so the planner never picks one there.
     Planned as for a device with a copy stream, with copies as slow as twice the mean block's compute, the
     tiny Flux (double blocks twice the size of single ones) gets a ring sized in bytes; run on the CPU it
-    streams bitwise, and what ComfyUI was told the stream buffers take is what the engine allocated."""
-    cache = comfy.placement._cost_cache()
-    cache.path.unlink(missing_ok=True)
+    streams bitwise, and what ComfyUI was told the stream buffers take is what the engine allocated.
+
+    The costs are given, not measured: measured CPU compute times are noise on a shared machine, and a
+    step where one block ran slower than the others made the planner keep a single block resident with
+    no ring (a full run on 2 cores). With equal computes the ring is predicted 9 % faster than the best
+    placement without one, the same on every run."""
     model = flux(comfy)
     reference = sample(comfy, model)
-    sizes = [module_bytes(block) for block in model.model.diffusion_model.double_blocks]
-    sizes += [module_bytes(block) for block in model.model.diffusion_model.single_blocks]
+    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    sizes = [module_bytes(block) for _, block in blocks]
     outside = model.model_size() - sum(sizes)
     budget_gb = (outside + sum(sizes) / 2) / GIB  # half the blocks' bytes for blocks and their ring
-
-    def partial_auto():
-        node = comfy.nodes.PartialGPUResidency
-        return node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
-
-    patched = partial_auto().result[0]
-    assert torch.equal(sample(comfy, patched), reference)  # the measuring run
-    assert patched.offload_engine.placement.measuring
-    comfy.mm.unload_all_models()
-    (key, entry), *_ = json.loads(cache.path.read_text())["entries"].items()
-    measured = StackCosts.from_dict(entry["costs"])
-    copy_ms = 2 * statistics.mean(measured.compute_ms)
-    slow = StackCosts.from_dict({**measured.as_dict(), "bandwidth_gbps": statistics.mean(sizes) / (copy_ms * 1e6)})
-    cache.put(key, slow)
+    # What a first run would have measured on this "device", with every block computing 100 ms, back to back,
+    # and the mean block copying in twice that.
+    n, compute_ms = len(sizes), 100.0
+    bandwidth_gbps = statistics.mean(sizes) / (2 * compute_ms * 1e6)
+    costs = StackCosts(tuple(sizes), tuple(range(n)), (compute_ms,) * n, (0.0,) * n, 0.0, bandwidth_gbps)
+    cache = comfy.placement._cost_cache()
+    cache.path.unlink(missing_ok=True)
+    cache.put(comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes), costs)
     monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
-    patched = partial_auto().result[0]
+    node = comfy.nodes.PartialGPUResidency
+    patched = node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
+    patched = patched.result[0]
     assert torch.equal(sample(comfy, patched), reference)
     engine = patched.offload_engine
     plan = engine.placement.plan
+    assert "chosen by the planner" in engine.placement.summary, engine.placement.summary  # from the costs given
     assert plan.ring_bytes > 0 and "GiB ring" in engine.placement.summary, engine.placement.summary
     assert engine.runner.device_buffer_bytes == plan.slot_bytes == engine.placement.buffer_bytes
     assert plan.resident_bytes + plan.slot_bytes <= budget_gb * GIB - outside
