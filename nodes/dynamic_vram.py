@@ -1,14 +1,20 @@
-"""ComfyUI's Dynamic VRAM (0.33 and later, comfy-aimdo; the default on NVIDIA): the nodes stream a classic twin.
+"""ComfyUI's Dynamic VRAM (0.33 and later, comfy-aimdo; the default on NVIDIA): the nodes stream a classic twin
+whose weights stay in their checkpoint file.
 
 Dynamic VRAM places weights itself (aimdo's virtual address space, faulted in per module by its own
-priorities), so the pack streams a classic copy of the model: ``clone(disable_dynamic=True)``, the call
-ComfyUI's own TorchCompileModel makes, reloads the checkpoint with ComfyUI's classic ModelPatcher and
-carries every patch, option and attachment over. The input MODEL keeps its dynamic weights.
+priorities), so the pack streams a twin of the model under ComfyUI's classic ModelPatcher, as
+``clone(disable_dynamic=True)`` (ComfyUI's TorchCompileModel's call) makes one, carrying every patch,
+option and attachment over; the input MODEL keeps its dynamic weights. ComfyUI's own twin reloads the
+checkpoint classically, copying every weight into memory of the process; this one is built by ComfyUI's
+Dynamic VRAM loader instead (the same reload recipe, ``cached_patcher_init``), whose weights are views of
+the file's mapping (``comfy.utils.load_safetensors``: each storage carries its ``_comfy_tensor_file_slice``).
+Building it reads no weight: the pages are read when a weight is used.
 
-That reload runs under Dynamic VRAM's process-wide flag (``comfy.memory_management.aimdo_enabled``),
-with which ``comfy.ops`` Linear and Embedding take the checkpoint's tensors as stored, uncast: only
-``ModelPatcherDynamic`` casts them, to the dtype ComfyUI recorded (``<name>_comfy_model_dtype``), as it
-pages them in. The twin gets that cast once here, so it computes in one dtype as a classic load does.
+Those weights are as stored: only ``ModelPatcherDynamic`` casts them, to the dtype ComfyUI recorded
+(``<name>_comfy_model_dtype``), as it pages them in. So does the pack: what ComfyUI loads to the device
+is cast just before (``cast_to_recorded_dtypes``), and the engine casts the streamed blocks (host buffers
+packed in the recorded dtypes, file-tier blocks read as stored and cast on the device: ``file_slice`` and
+``recorded_dtype`` are what it is given).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import comfy.model_management
 import torch
 from comfy.model_patcher import ModelPatcher
 
-from ..offload import release_freed_host_memory
+from ..offload import FileSlice
+from .architectures import inside
 from .request import OffloadRequest
 
 
@@ -35,10 +42,10 @@ def uses_dynamic_vram(model: ModelPatcher) -> bool:
     return bool(is_dynamic is not None and is_dynamic())
 
 
-# Per Dynamic VRAM model (its nn.Module, shared by all its clones): the classic twin ComfyUI loaded for
-# the pack, as ``clone(model_override=...)`` takes it. A LoRA or another patch node before ours makes a
-# new dynamic clone at each change; the twin is loaded from disk once, not once per change. The entry
-# goes when the dynamic model does (the loader's output is replaced or freed).
+# Per Dynamic VRAM model (its nn.Module, shared by all its clones): its twin, as ``clone(model_override=...)``
+# takes it. A LoRA or another patch node before ours makes a new dynamic clone at each change; the twin is
+# built once, not once per change. The entry goes when the dynamic model does (the loader's output is
+# replaced or freed).
 _CLASSIC_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
@@ -47,35 +54,48 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     if not uses_dynamic_vram(model):
         return model.clone()
     twin = _CLASSIC_TWINS.get(model.model)
-    if twin is not None:
-        classic = model.clone(disable_dynamic=True, model_override=twin)
-    else:
-        if model.cached_patcher_init is None:
-            raise DynamicVramError(
-                f"{node}: this MODEL uses ComfyUI's Dynamic VRAM and came from a loader that cannot load it again "
-                "without it, which block streaming needs. Load the model with a core loader (Load Diffusion "
-                "Model, Load Checkpoint), or start ComfyUI with --disable-dynamic-vram."
-            )
-        logging.info(
-            f"Block Offload ({node}): this MODEL uses Dynamic VRAM; loading a classic copy of it to stream "
-            "(the MODEL you connected is unchanged)"
-        )
-        classic = model.clone(disable_dynamic=True)
-        cast_to_recorded_dtypes(classic.model)
-        release_freed_host_memory()  # the stored-dtype copy just freed
-        _CLASSIC_TWINS[model.model] = classic.get_clone_model_override()
+    if twin is None:
+        twin = _CLASSIC_TWINS[model.model] = _file_backed_twin(model, node)
+    classic = model.clone(disable_dynamic=True, model_override=twin)
     # clone() hands over the dynamic parent's size, which counts the checkpoint's stored dtypes.
-    classic.size = comfy.model_management.module_size(classic.model)
+    classic.size = weight_bytes(classic)
     return classic
+
+
+def _file_backed_twin(model: ModelPatcher, node: str) -> tuple:
+    """The model built again by the loader that built it, with Dynamic VRAM's weights (views of the file),
+    as the model override of a classic clone."""
+    if model.cached_patcher_init is None:
+        raise DynamicVramError(
+            f"{node}: this MODEL uses ComfyUI's Dynamic VRAM and came from a loader that cannot load it again, "
+            "which block streaming needs. Load the model with a core loader (Load Diffusion Model, Load "
+            "Checkpoint), or start ComfyUI with --disable-dynamic-vram."
+        )
+    logging.info(
+        f"Block Offload ({node}): this MODEL uses Dynamic VRAM; streaming a twin of it whose weights stay in "
+        "the checkpoint file (the MODEL you connected is unchanged)"
+    )
+    loader, arguments, *which = model.cached_patcher_init
+    built = loader(*arguments)
+    if which:
+        built = built[which[0]]
+    # The builder is only a way to the model: it never loads it, and must not unpin or detach anything
+    # of the twin as it is deleted (ModelPatcherDynamic.__del__ acts only for patchers in this set).
+    getattr(built.model, "dynamic_patchers", set()).discard(id(built))
+    return built.get_clone_model_override()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _recorded_dtypes(model: torch.nn.Module) -> Iterator[tuple[dict, str, torch.Tensor, torch.dtype | None]]:
-    """Every parameter and buffer with its table, name and the dtype ComfyUI recorded for it
-    (``<name>_comfy_model_dtype``); None where it recorded none or the tensor is quantized (a subclass)."""
-    for module in model.modules():
+def _recorded_dtypes(
+    model: torch.nn.Module, streamed: frozenset[str] = frozenset()
+) -> Iterator[tuple[dict, str, torch.Tensor, torch.dtype | None]]:
+    """Every parameter and buffer (outside the ``streamed`` modules) with its table, name and the dtype ComfyUI
+    recorded for it (``<name>_comfy_model_dtype``); None where it recorded none or the tensor is quantized."""
+    for module_name, module in model.named_modules():
+        if streamed and inside(module_name, streamed):
+            continue
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is not None:
@@ -99,13 +119,31 @@ def room_for_weights(model: ModelPatcher, request: OffloadRequest) -> int:
     return min(room, request.budget_bytes) if request.budget_bytes else room
 
 
-def cast_to_recorded_dtypes(model: torch.nn.Module) -> None:
-    """Casts every plain parameter and buffer to the dtype ComfyUI recorded for it, as ModelPatcherDynamic
-    does when it pages a weight in. Quantized tensors (a tensor subclass) are ComfyUI's ops' to handle."""
-    for table, name, tensor, dtype in _recorded_dtypes(model):
+def cast_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset[str] = frozenset()) -> None:
+    """Casts every plain parameter and buffer outside the ``streamed`` modules to the dtype ComfyUI recorded
+    for it, as ModelPatcherDynamic does when it pages a weight in: what ComfyUI loads computes in one dtype,
+    as after a classic load. Quantized tensors (a tensor subclass) are ComfyUI's ops' to handle."""
+    for table, name, tensor, dtype in _recorded_dtypes(model, streamed):
         if dtype is None or tensor.dtype == dtype:
             continue
         if isinstance(tensor, torch.nn.Parameter):
             tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
         else:
             table[name] = tensor.to(dtype)
+
+
+def recorded_dtype(module: torch.nn.Module, name: str) -> torch.dtype | None:
+    """The dtype ComfyUI computes a module's plain tensor in (the engine's ``dtype_of``)."""
+    return getattr(module, f"{name}_comfy_model_dtype", None)
+
+
+def file_slice(part: torch.Tensor) -> FileSlice | None:
+    """Where a tensor's bytes are in its checkpoint file, if it is one whole tensor of a file ComfyUI's Dynamic
+    VRAM reader mapped (the engine's ``file_slice``). ``file_ref`` is the file's descriptor (a handle on
+    Windows, where the engine copies from the mapping instead)."""
+    info = getattr(part.untyped_storage(), "_comfy_tensor_file_slice", None)
+    if info is None or info.file_ref is None:
+        return None
+    if part.storage_offset() != 0 or not part.is_contiguous() or part.numel() * part.element_size() != info.size:
+        return None
+    return FileSlice(int(info.file_ref), info.offset, info.size, part)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from comfy.model_patcher import ModelPatcher
+from torch import nn
 
 from ..offload import (
     GIB,
@@ -23,11 +25,16 @@ from ..offload import (
     Runner,
     SequentialOffloader,
     TimelineRecorder,
+    read_bandwidth,
     release_freed_host_memory,
+    streamed_modules,
 )
+from ..offload.host_tier import host_tier
+from ..offload.layout import BlockLayout, module_stored_bytes
 from .architectures import find_blocks, inside
 from .device_patches import patch_streamed_weights
-from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, pinning_enabled
+from .dynamic_vram import file_slice, recorded_dtype
+from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement
 from .request import OffloadRequest
 
@@ -45,6 +52,15 @@ class Engine:
     notices: list[str] = field(default_factory=list)
     # The plan line as logged: the placement's summary, and what went to pageable memory.
     summary: str = ""
+    # The file tier's read bandwidth, measured as the engine started (bytes/s; None: no file tier).
+    read_bandwidth: float | None = None
+
+    @property
+    def read_ms(self) -> float | None:
+        """The least a step can take while the file tier is read at the measured bandwidth."""
+        if not self.read_bandwidth:
+            return None
+        return self.runner.file_tier_bytes / self.read_bandwidth * 1e3
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -53,6 +69,7 @@ class Engine:
     def stop(self, park: bool = False) -> None:
         """``park``: the streamed blocks keep their host buffers, for the next engine to adopt."""
         self.runner.disable(park)
+        _live_runners.discard(self.runner)
         for stopped in _stopped_observers:
             stopped(self)
 
@@ -62,6 +79,8 @@ class Engine:
 EngineObserver = Callable[[Engine], None]
 _started_observers: list[EngineObserver] = []
 _stopped_observers: list[EngineObserver] = []
+# Every engine's runner while it streams: the host buffers they hold count against the pack's host cap.
+_live_runners: weakref.WeakSet[Runner] = weakref.WeakSet()
 
 
 def observe_engines(started: EngineObserver, stopped: EngineObserver) -> None:
@@ -87,8 +106,20 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     except torch.OutOfMemoryError:
         runner.disable()
         raise
+    _live_runners.add(runner)
+    bandwidth = read_bandwidth(runner.file_slices())
     summary = placement.summary + patching.describe() + _pageable_summary(runner)
-    engine = Engine(request, placement, runner, recorder, notices=_pinning_notices(request, runner), summary=summary)
+    if request.dynamic_vram_twin:
+        summary += _tiers_summary(runner, bandwidth)
+    engine = Engine(
+        request,
+        placement,
+        runner,
+        recorder,
+        notices=_pinning_notices(request, runner),
+        summary=summary,
+        read_bandwidth=bandwidth,
+    )
     for started in _started_observers:
         started(engine)
     logging.info(f"Block Offload ({request.node}): {summary}")
@@ -102,6 +133,42 @@ def _pageable_summary(runner: Runner) -> str:
     return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
 
 
+def _tiers_summary(runner: Runner, bandwidth: float | None) -> str:
+    """The plan line's word on where the streamed weights wait: host buffers, or their checkpoint file."""
+    read = runner.read_each_step
+    streamed = len(runner.streamed)
+    host = runner.host_bytes / GIB
+    held = f"{streamed - len(read)} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB)"
+    if not read:
+        return f"; {held}, none read from the checkpoint file"
+    read_from = f"{len(read)} read from the checkpoint file each step ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
+    if bandwidth:
+        read_ms = runner.file_tier_bytes / bandwidth * 1e3
+        read_from += (
+            f", {bandwidth / 1e9:.2f} GB/s read as the page cache holds it now: {read_ms:.1f} ms per step at least"
+        )
+    return f"; {held}, {read_from})"
+
+
+def _file_tier_options(request: OffloadRequest, units: dict[int, nn.Module], recurse: bool) -> dict:
+    """The engine's file options for a Dynamic VRAM twin, whose weights are views of their checkpoint file:
+    where each weight's bytes are, the dtypes ComfyUI computes in, and the streamed units read from the file
+    at each step, those that get no host buffer within ``host_buffer_room``. Nothing for other models."""
+    if not request.dynamic_vram_twin:
+        return {}
+    in_file, elsewhere = [], 0
+    for index, unit in sorted(units.items()):
+        nbytes = module_stored_bytes(unit, recurse, recorded_dtype)
+        if any(file_slice(part) is not None for part in BlockLayout.of(unit, recurse=recurse).current()):
+            in_file.append((index, nbytes))
+        else:
+            elsewhere += nbytes  # converted by ComfyUI's loader: only a host buffer can hold it
+    held = sum(runner.host_bytes for runner in _live_runners if runner.enabled)
+    kept = host_tier(in_file, host_buffer_room(held) - elsewhere)
+    read_each_step = frozenset(index for index, _ in in_file) - kept
+    return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}
+
+
 def _runner(
     model: ModelPatcher,
     request: OffloadRequest,
@@ -111,6 +178,7 @@ def _runner(
 ) -> Runner:
     diffusion_model = model.model.diffusion_model
     if plan is None:
+        modules = dict(enumerate(module for _, module in streamed_modules(diffusion_model)))
         return SequentialOffloader(
             diffusion_model,
             device,
@@ -121,8 +189,10 @@ def _runner(
             recorder=recorder,
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
+            **_file_tier_options(request, modules, recurse=False),
         )
     _, blocks = find_blocks(diffusion_model)
+    streamed = {index: blocks[index][1] for index in plan.streamed}
     return BlockStreamer(
         [block for _, block in blocks],
         device,
@@ -133,6 +203,7 @@ def _runner(
         root=diffusion_model,
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
+        **_file_tier_options(request, streamed, recurse=True),
     )
 
 

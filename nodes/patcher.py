@@ -31,7 +31,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
 from .architectures import inside
-from .dynamic_vram import classic_clone, uses_dynamic_vram
+from .dynamic_vram import cast_to_recorded_dtypes, classic_clone, uses_dynamic_vram
 from .engine import Engine, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
@@ -186,6 +186,9 @@ class BlockOffloadPatcher(ModelPatcher):
         state = state_of(self.model)
         state.hidden = placement.streamed
         self.__dict__["_block_offload_streams"] = bool(placement.streamed)  # see ``pre_run``
+        if request.dynamic_vram_twin:
+            # What ComfyUI loads computes in the recorded dtypes; the engine casts the streamed blocks itself.
+            cast_to_recorded_dtypes(self.model, placement.streamed)
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:

@@ -23,7 +23,7 @@ import psutil
 import torch
 from comfy.cli_args import args
 
-from ..offload import GIB, CudaHostRegistrar, PinnedMemoryBudget, use_host_registrar
+from ..offload import GIB, CudaHostRegistrar, PinnedMemoryBudget, can_pin_memory, use_host_registrar
 
 # A cap, in GiB, on the page-locked RAM the pack takes (below ComfyUI's own pinned-memory budget).
 PINNED_LIMIT_ENV = "BLOCK_OFFLOAD_MAX_PINNED_GB"
@@ -61,6 +61,21 @@ def _pinned_limit() -> int | None:
     if setting:
         limits.append(int(float(setting) * GIB))
     return min(limits, default=None)
+
+
+def host_buffer_room(held: int) -> int:
+    """Bytes of host buffers a model whose weights stay in their file (Dynamic VRAM) may take now for its
+    streamed blocks, the pack already holding ``held`` for others: the available RAM less a headroom, the
+    pinned budget's room where the pack pins, and ``BLOCK_OFFLOAD_MAX_PINNED_GB``, which there caps every
+    host buffer, pinned or not (what does not fit is read from the file at each step)."""
+    rooms = [psutil.virtual_memory().available - RAM_HEADROOM]
+    setting = os.environ.get(PINNED_LIMIT_ENV)
+    if setting:
+        rooms.append(int(float(setting) * GIB) - held)
+    limit = PINNED_MEMORY.limit if pinning_enabled() and can_pin_memory() else None
+    if limit is not None:
+        rooms.append(limit - PINNED_MEMORY.used)
+    return max(0, min(rooms))
 
 
 def _ram_admits(nbytes: int) -> bool:

@@ -36,6 +36,7 @@ from ..offload import (
     streamed_modules,
 )
 from .architectures import find_blocks
+from .dynamic_vram import recorded_dtype
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
 
@@ -106,7 +107,8 @@ def _place(
         slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype)
         return Placement(None, names, summary, slots)
     arch, blocks = find_blocks(diffusion_model)
-    sizes = [module_bytes(block) for _, block in blocks]
+    # A Dynamic VRAM twin's weights are as stored until cast: the device holds them in the recorded dtypes.
+    sizes = [module_bytes(block, recorded_dtype if request.dynamic_vram_twin else None) for _, block in blocks]
     outside = model.model_size() - sum(sizes)
     room = budget - outside
     if request.budget_bytes:

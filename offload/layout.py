@@ -186,11 +186,17 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     return sum(part.nbytes for part in TensorForm.of(tensor, type(tensor).__name__).parts_of(tensor))
 
 
-def module_stored_bytes(module: nn.Module, recurse: bool = True) -> int:
+def module_stored_bytes(module: nn.Module, recurse: bool = True, dtype_of: DtypeOf | None = None) -> int:
     """The stored bytes of every parameter and buffer of ``module`` (its own only, unless ``recurse``),
-    each counted once."""
-    unique = {id(tensor): tensor for _, _, _, tensor in _module_tensors(module, recurse)}
-    return sum(stored_bytes(tensor) for tensor in unique.values())
+    each counted once; with ``dtype_of``, plain tensors counted in the dtype they are computed in."""
+    unique = {id(tensor): (owner, name, tensor) for owner, name, _, tensor in _module_tensors(module, recurse)}
+    total = 0
+    for owner, name, tensor in unique.values():
+        computed = (
+            dtype_of(owner, name) if dtype_of is not None and type(tensor) in (torch.Tensor, nn.Parameter) else None
+        )
+        total += tensor.numel() * computed.itemsize if computed is not None else stored_bytes(tensor)
+    return total
 
 
 @dataclass(frozen=True)

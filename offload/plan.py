@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .layout import ALIGNMENT, aligned, module_stored_bytes
+from .layout import ALIGNMENT, DtypeOf, aligned, module_stored_bytes
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .ring import ring_capacity
 
@@ -21,10 +21,11 @@ def stream_buffer_bytes(largest: int, prefetch: int, nesting: int = 1, staging: 
     return ring_capacity(largest, prefetch, nesting) + staging
 
 
-def module_bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module, dtype_of: DtypeOf | None = None) -> int:
     """Bytes of all parameters and buffers of ``module`` as they are stored (and streamed): a quantized
-    weight counts its quantized data and scales, not the size it dequantizes to. Counted once each."""
-    return module_stored_bytes(module)
+    weight counts its quantized data and scales, not the size it dequantizes to. Counted once each.
+    ``dtype_of``: plain tensors counted in the dtype they are computed in (on the device)."""
+    return module_stored_bytes(module, dtype_of=dtype_of)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ are free, and copies a block out of its slot only once its read is done (``is_re
 launches the model's kernels waits for a read only when the block is needed now (``take``). A slot is
 given back (``release``) as soon as the copy out of it is issued; the reader waits for that copy's event
 before it reads another block into the slot. File reads release the GIL, so the sampling thread runs on.
+
+A block needed before it was scheduled (the first step, before the call order is known, or a model that
+changes it) is read at once on the calling thread, into a spare pageable buffer: the reads under way for
+later blocks are kept, so no byte is read twice for it.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ class _Slot:
     buffer: torch.Tensor
     block: int | None = None
     read: Future | None = None
-    scheduled: int = 0  # when it was scheduled, to give up the one read furthest ahead first
     freed: torch.Event | None = None  # the copy out of it, which the next read into it waits for
 
 
@@ -57,7 +60,8 @@ class FileReader:
         self._slots = [_Slot(buffer) for buffer in buffers]
         self._on_read = on_read
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-offload-read")
-        self._scheduled = 0
+        # Pageable, so a copy out of it has read it by the time the copy call returns: reusable at once.
+        self._spare: torch.Tensor | None = None
         self.file_bytes = 0  # bytes read from files so far
 
     @property
@@ -86,14 +90,16 @@ class FileReader:
         return slot is not None and slot.read.done()
 
     def take(self, block: int, read: BlockRead) -> torch.Tensor:
-        """The slot holding ``block``'s bytes, read now if it was not scheduled (giving up the read furthest
-        ahead when no slot is free); raises what its read raised."""
+        """``block``'s bytes: its slot once its read is done, or, when it was not scheduled, the spare buffer
+        it is read into now; raises what its read raised."""
         slot = self._holding(block)
-        if slot is None:
-            slot = next((slot for slot in self._slots if slot.block is None), None) or self._give_up_furthest()
-            self._start(slot, block, read)
-        slot.read.result()
-        return slot.buffer
+        if slot is not None:
+            slot.read.result()
+            return slot.buffer
+        if self._spare is None or self._spare.numel() < read.nbytes:
+            self._spare = torch.empty(read.nbytes, dtype=torch.uint8)
+        self._read(self._spare, None, block, read)
+        return self._spare
 
     def release(self, block: int, stream: torch.Stream | None) -> None:
         """The copy out of ``block``'s slot is issued (on ``stream``): the slot may take the next read."""
@@ -111,19 +117,13 @@ class FileReader:
         self._pool.shutdown(wait=True)
         for slot in self._slots:
             slot.block, slot.read = None, None
+        self._spare = None
 
     def _holding(self, block: int) -> _Slot | None:
         return next((slot for slot in self._slots if slot.block == block), None)
 
-    def _give_up_furthest(self) -> _Slot:
-        slot = max(self._slots, key=lambda slot: slot.scheduled)
-        slot.read.exception()  # waits for it: its thread is writing into the slot
-        slot.block, slot.read = None, None
-        return slot
-
     def _start(self, slot: _Slot, block: int, read: BlockRead) -> None:
-        self._scheduled += 1
-        slot.block, slot.scheduled = block, self._scheduled
+        slot.block = block
         slot.read = self._pool.submit(self._read, slot.buffer, slot.freed, block, read)
 
     def _read(self, buffer: torch.Tensor, freed: torch.Event | None, block: int, read: BlockRead) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from .file_source import FileSlice
+
 
 class Runner(Protocol):
     @property
@@ -38,6 +40,28 @@ class Runner(Protocol):
 
     @property
     def device_buffer_bytes(self) -> int: ...
+
+    @property
+    def staging_bytes(self) -> int:
+        """Of ``host_bytes``, the staging slots file-tier units are read into."""
+        ...
+
+    @property
+    def read_each_step(self) -> frozenset[int]:
+        """The streamed units read from their file at each step (the file tier: no host buffer)."""
+        ...
+
+    @property
+    def file_tier_bytes(self) -> int:
+        """The bytes one pass through the file tier reads."""
+        ...
+
+    @property
+    def bytes_read(self) -> int:
+        """The bytes read from files since the engine was enabled."""
+        ...
+
+    def file_slices(self) -> tuple[FileSlice, ...]: ...
 
     @property
     def host_bytes(self) -> int: ...

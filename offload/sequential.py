@@ -137,10 +137,14 @@ class SequentialOffloader:
     unit = _streamers("unit")
     units = _streamers("units")
     streamed = _streamers("streamed")
+    read_each_step = _streamers("read_each_step")
+    file_tier_bytes = _streamers("file_tier_bytes")
+    bytes_read = _streamers("bytes_read")
     refused_pinning = _streamers("refused_pinning")
     failed_pinning = _streamers("failed_pinning")
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
+    staging_bytes = _streamers("staging_bytes")
 
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""
@@ -149,6 +153,10 @@ class SequentialOffloader:
     def close_open_step(self) -> None:
         """See ``BlockStreamer.close_open_step``."""
         self.streamer.close_open_step()
+
+    def file_slices(self) -> tuple[FileSlice, ...]:
+        """See ``BlockStreamer.file_slices``."""
+        return self.streamer.file_slices()
 
     def state(self, module: nn.Module) -> ModuleState:
         index = next(i for i, m in enumerate(self.modules) if m is module)

@@ -385,8 +385,12 @@ class BlockStreamer:
     @property
     def host_bytes(self) -> int:
         """Host memory the streamer holds: its blocks' host buffers and the reader's staging slots."""
-        slots = self._reader.slot_bytes if self._reader is not None else 0
-        return sum(state.host.numel() for state in self._state.values()) + slots
+        return sum(state.host.numel() for state in self._state.values()) + self.staging_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """The reader's staging slots, the host memory file-tier blocks are read into."""
+        return self._reader.slot_bytes if self._reader is not None else 0
 
     @property
     def device_buffer_bytes(self) -> int:
@@ -538,6 +542,10 @@ class BlockStreamer:
     def file_tier_bytes(self) -> int:
         """The bytes read from files for one pass through every file-tier block."""
         return sum(state.read.file_bytes for state in self._state.values() if state.read is not None)
+
+    def file_slices(self) -> tuple[FileSlice, ...]:
+        """The file slices of the file-tier blocks, in block order."""
+        return tuple(source for _, state in sorted(self._state.items()) if state.read for source in state.read.slices())
 
     @property
     def bytes_read(self) -> int:
@@ -700,21 +708,31 @@ class BlockStreamer:
         self._read_ahead()
 
     def _read_ahead(self) -> None:
-        """Starts reading the next file-tier blocks that need a copy, while the reader has free slots.
+        """Starts reading the next file-tier blocks that will need a copy, while the reader has free slots.
 
-        A block in the ring needs none if it is copied for its coming call (within the copy window) or the
-        ring holds every streamed block; a block left in the ring from an earlier call is read again, as
-        the copies of the blocks before it will likely overwrite it."""
+        A block in the ring needs none if it will still be there at its call: copied for it (within the
+        copy window), the ring holding every streamed block, or its region lying beyond what the copies of
+        the blocks before it will write from the ring's head (the ring overwrites its oldest regions
+        first). The estimate may miss where placement wraps; a miss costs a wasted read or a wait for one,
+        never a wrong weight."""
         if self._reader is None:
             return
-        position = len(self._order)
-        window = set(look_ahead(self._expected, position, self._state, self.prefetch))
-        for index in look_ahead(self._expected, position, self.read_each_step, len(self.read_each_step)):
-            if index in self._ring.regions and (index in window or self._ring_holds_all):
-                if self._reader.holds(index):
+        ring = self._ring
+        advance = 0  # the ring bytes the copies before the block in hand will write, from the head
+        upcoming = look_ahead(self._expected, len(self._order), self._state, len(self._state))
+        for position, index in enumerate(upcoming):
+            state = self._state[index]
+            region = ring.regions.get(index)
+            stays = region is not None and (
+                position < self.prefetch or self._ring_holds_all or (region[0] - ring.head) % ring.capacity >= advance
+            )
+            if stays:
+                if position < self.prefetch and self._reader.holds(index):
                     self._reader.release(index, None)  # read for nothing: it stayed in the ring
                 continue
-            if not self._reader.holds(index) and not self._reader.schedule(index, self._state[index].read):
+            advance += aligned(state.layout.nbytes, ring.granule)
+            needs_read = state.read is not None and not self._reader.holds(index)
+            if needs_read and not self._reader.schedule(index, state.read):
                 return
 
     @property

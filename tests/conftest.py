@@ -33,6 +33,7 @@ from harness.comfy_host import (
     ensure_tiny_models,
     resolve_comfyui_path,
 )
+from harness.dynamic_vram import STORED, DynamicVram
 from harness.inprocess import in_process_comfy
 from harness.prompts import server_env
 
@@ -143,3 +144,23 @@ def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
 def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nodes stream on the CPU (without it they pass the model through: no GPU memory to save)."""
     monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
+
+
+@pytest.fixture(scope="module")
+def stored_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Wan 2.1 checkpoint (fp32) saved again in each stored dtype of ``harness.dynamic_vram.STORED``."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("stored_wan")
+    state_dict = load_file(comfy.models["wan21"])
+    paths = {}
+    for name, dtype in STORED.items():
+        paths[name] = folder / f"wan21-{name}.safetensors"
+        save_file({key: value.to(dtype) for key, value in state_dict.items()}, paths[name])
+    return paths
+
+
+@pytest.fixture
+def dynamic_vram(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> DynamicVram:
+    """ComfyUI 0.33 with Dynamic VRAM on, on the CPU (``harness/dynamic_vram.py``)."""
+    return DynamicVram(comfy, monkeypatch)

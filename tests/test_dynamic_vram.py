@@ -14,23 +14,21 @@ The CUDA tests run the real thing through a server, Dynamic VRAM on (0.33's defa
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 from conftest import DEVICES, HOST_VERSION
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
+from harness.dynamic_vram import COMPUTE, STORED, DynamicVram
 from harness.inprocess import async_offload, sample
 from harness.prompts import (
     ARCHS,
@@ -51,93 +49,6 @@ pytestmark = [
     ),
     pytest.mark.usefixtures("allow_cpu_streaming"),
 ]
-
-
-# -- Dynamic VRAM as ComfyUI 0.33 runs it on a GPU, reproduced on the CPU ---------------------------------
-
-#: Checkpoints as users store them, and the dtypes ComfyUI computes in on a GPU (fp16 for Wan on recent
-#: NVIDIA cards, bf16 elsewhere).
-STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMPUTE = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@pytest.fixture(scope="module")
-def stored_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny Wan 2.1 checkpoint (fp32) saved again in each stored dtype."""
-    folder = tmp_path_factory.mktemp("stored_wan")
-    state_dict = load_file(comfy.models["wan21"])
-    paths = {}
-    for name, dtype in STORED.items():
-        paths[name] = folder / f"wan21-{name}.safetensors"
-        save_file({key: value.to(dtype) for key, value in state_dict.items()}, paths[name])
-    return paths
-
-
-class DynamicVram:
-    """ComfyUI 0.33 started with Dynamic VRAM, as ``main.py`` sets it up on an NVIDIA GPU, on the CPU.
-
-    * The process-wide ``comfy.memory_management.aimdo_enabled`` is on, so ``comfy.ops`` Linear and
-      Embedding take checkpoint tensors as stored (no cast to the model's dtype) for every model loaded
-      from then on, the classic twins the nodes make included.
-    * The model computes natively in half precision, as on a GPU: no manual cast (on the CPU ComfyUI
-      would cast every weight to fp32 per layer, which hides a dtype mix).
-    * Files are read the classic way: aimdo's safetensors reader maps them through the CUDA driver, and
-      gives the same tensors.
-    * The device has ``room_for_weights`` bytes for weights (``maximum_vram_for_weights``), 1 MiB unless
-      a test says otherwise.
-    * The dynamic MODEL is ComfyUI's own load of the file, whose patcher answers ``is_dynamic()``: on a
-      CPU load device ComfyUI hands back a plain ModelPatcher (``ModelPatcherDynamic.__new__``).
-    """
-
-    def __init__(self, comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-        from comfy import memory_management
-        from comfy.model_patcher import ModelPatcher
-
-        self.comfy = comfy
-        self.flag = memory_management
-        read = comfy.utils.load_torch_file
-
-        def read_classically(*args, **kwargs):
-            with self.aimdo(False):
-                return read(*args, **kwargs)
-
-        monkeypatch.setattr(comfy.utils, "load_torch_file", read_classically)
-        monkeypatch.setattr(comfy.mm, "unet_manual_cast", lambda *args, **kwargs: None)
-        monkeypatch.setattr(self.flag, "aimdo_enabled", True)
-        # A GPU smaller than the tiny models, so the nodes stream them (a model that fits is left to
-        # Dynamic VRAM, see test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident).
-        self.room_for_weights = 2**20
-        monkeypatch.setattr(comfy.mm, "maximum_vram_for_weights", lambda device=None: self.room_for_weights)
-
-        class DynamicOnCPU(ModelPatcher):
-            def is_dynamic(self) -> bool:
-                return True
-
-        self.patcher_class = DynamicOnCPU
-
-    @contextlib.contextmanager
-    def aimdo(self, enabled: bool) -> Iterator[None]:
-        before, self.flag.aimdo_enabled = self.flag.aimdo_enabled, enabled
-        try:
-            yield
-        finally:
-            self.flag.aimdo_enabled = before
-
-    def load(self, path: Path, dtype: torch.dtype):
-        """The dynamic MODEL: ComfyUI's Load Diffusion Model with the flag on."""
-        model = self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
-        model.__class__ = self.patcher_class
-        return model
-
-    def load_classic(self, path: Path, dtype: torch.dtype):
-        """The same file loaded as with --disable-dynamic-vram: the reference."""
-        with self.aimdo(False):
-            return self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
-
-
-@pytest.fixture
-def dynamic_vram(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> DynamicVram:
-    return DynamicVram(comfy, monkeypatch)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -286,59 +197,6 @@ def test_settings_that_stream_nothing_step_aside_and_a_budget_below_the_model_st
     assert isinstance(budget, comfy.patcher.BlockOffloadPatcher)
     reference = sample(comfy, dynamic_vram.load_classic(stored_wan["bf16"], torch.bfloat16))
     assert torch.equal(sample(comfy, budget), reference)
-    comfy.mm.unload_all_models()
-
-
-#: Blocks of the deep tiny Wan the memory test streams: enough that the stream buffers (two blocks on
-#: the CPU "device") and the run's own allocations are small beside the weights.
-DEEP_WAN_BLOCKS = 40
-
-
-@pytest.fixture(scope="module")
-def deep_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Wan 2.1 (fp32) with its blocks repeated to ``DEEP_WAN_BLOCKS``; ComfyUI counts the depth."""
-    state_dict = load_file(comfy.models["wan21"])
-    for index in range(tm.WAN21_LAYERS, DEEP_WAN_BLOCKS):
-        source = f"blocks.{index % tm.WAN21_LAYERS}."
-        for key in [key for key in state_dict if key.startswith(source)]:
-            state_dict[f"blocks.{index}.{key.removeprefix(source)}"] = state_dict[key].clone()
-    path = tmp_path_factory.mktemp("deep_wan") / "wan21-deep.safetensors"
-    save_file(state_dict, path)
-    return path
-
-
-def test_the_twin_adds_at_most_its_own_weights_to_host_ram(
-    comfy: SimpleNamespace, dynamic_vram: DynamicVram, deep_wan: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """Host RAM beyond what ComfyUI alone holds (the loaded dynamic MODEL) when the pack streams its twin:
-    at most 1.1x the twin's weights, which is what streaming them from RAM needs. Stored fp32, computed
-    in fp16: the twin is read in the stored dtype and cast, the worst case for a transient copy."""
-    process = psutil.Process()
-    # ComfyUI alone has run a prompt: the first run's own allocations (kernels, thread pools) are its.
-    sample(comfy, dynamic_vram.load_classic(comfy.models["wan21"], torch.float16))
-    comfy.mm.unload_all_models()
-    model = dynamic_vram.load(deep_wan, torch.float16)
-    gc.collect()
-    alone = process.memory_info().rss
-
-    streaming = async_offload(comfy, model, resident=0)
-    sample(comfy, streaming)
-    gc.collect()
-    added = process.memory_info().rss - alone
-    engine = streaming.offload_engine
-    # On the CPU the "device" is RAM too: what ComfyUI loaded and the stream buffers would be VRAM on a GPU.
-    device_side = streaming.loaded_size() + engine.runner.device_buffer_bytes
-    twin_bytes = streaming.model_size()
-    host_added = added - device_side
-    with capsys.disabled():
-        print(
-            f"\ntwin of a {len(engine.plan.block_bytes)}-block Wan, {twin_bytes / 2**20:.1f} MiB in fp16 "
-            f"(stored fp32): host RAM +{host_added / 2**20:.1f} MiB ({host_added / twin_bytes:.2f}x), of which "
-            f"{engine.runner.host_bytes / 2**20:.1f} MiB the streamed blocks' host buffers; "
-            f"RSS +{added / 2**20:.1f} MiB with the {device_side / 2**20:.1f} MiB a GPU would hold"
-        )
-    assert engine.runner.host_bytes == engine.plan.streamed_bytes
-    assert host_added <= 1.1 * twin_bytes, (host_added, twin_bytes)
     comfy.mm.unload_all_models()
 
 

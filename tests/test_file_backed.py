@@ -1,0 +1,189 @@
+"""Dynamic VRAM models streamed from their own checkpoint file (ComfyUI 0.33): no copy of the model in RAM.
+
+ComfyUI's Dynamic VRAM reader maps the checkpoint (``harness/dynamic_vram.py`` runs the real reader on the
+CPU); the pack's twin keeps those views, holds host buffers for as many streamed blocks as its cap allows
+(``BLOCK_OFFLOAD_MAX_PINNED_GB``), and reads the others from the file at every step. Each case is compared
+bitwise with the same file loaded the classic way, fully resident, in the same compute dtype.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import HOST_VERSION
+from safetensors.torch import load_file, save_file
+
+from harness import tiny_models as tm
+from harness.dynamic_vram import COMPUTE, DynamicVram
+from harness.host_memory import peak_during
+from harness.inprocess import offloaded, sample
+from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
+
+from block_offload.offload import release_freed_host_memory
+
+pytestmark = [
+    pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"),
+    pytest.mark.usefixtures("allow_cpu_streaming"),
+]
+
+GIB = 2**30
+#: Blocks of the deep tiny Wan: enough that the blocks are most of the model, as in a real Wan, and that
+#: the stream buffers (a few blocks, on the CPU "device") and the run's own allocations are small beside it.
+BLOCKS = 64
+STAGING_SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def deep_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Wan 2.1 with its blocks repeated to ``BLOCKS``, stored in fp32 and in bf16."""
+    state_dict = load_file(comfy.models["wan21"])
+    for index in range(tm.WAN21_LAYERS, BLOCKS):
+        source = f"blocks.{index % tm.WAN21_LAYERS}."
+        for key in [key for key in state_dict if key.startswith(source)]:
+            state_dict[f"blocks.{index}.{key.removeprefix(source)}"] = state_dict[key].clone()
+    folder = tmp_path_factory.mktemp("deep_wan")
+    paths = {}
+    for name, dtype in {"fp32": torch.float32, "bf16": torch.bfloat16}.items():
+        paths[name] = folder / f"wan21-deep-{name}.safetensors"
+        save_file({key: value.to(dtype) for key, value in state_dict.items()}, paths[name])
+    return paths
+
+
+def block_bytes(model) -> int:
+    """The blocks' bytes in the dtype the model computes in (a classic load holds them so)."""
+    return sum(comfy_size(block) for block in model.model.diffusion_model.blocks)
+
+
+def comfy_size(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def cap_host_buffers(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    from block_offload.nodes.pinned_memory import PINNED_LIMIT_ENV
+
+    monkeypatch.setenv(PINNED_LIMIT_ENV, str(nbytes / GIB))
+
+
+class Forwards:
+    """Counts the passes through a model's blocks (one engine step each), and the bytes its engine had read
+    from the file as each began."""
+
+    def __init__(self, model) -> None:
+        self.count = 0
+        self.read_before: list[int] = []
+        self._model = model
+        self._handle = model.model.diffusion_model.register_forward_pre_hook(self._called)
+
+    def _called(self, *_: object) -> None:
+        self.count += 1
+        engine = self._model.offload_engine
+        self.read_before.append(engine.runner.bytes_read if engine else 0)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def assert_reads_match_the_file_tier(runner, forwards: Forwards, prefetch: int, first_pass_known: bool) -> None:
+    """Each pass read every file-tier unit once, as stored, and nothing else, but for the reads made ahead for
+    the next pass (as far as the copies and the staging slots run). The first pass of a sequential wrapper
+    guesses the modules' call order (their list order) and may read some twice: exact from the second on."""
+    per_pass = runner.file_tier_bytes
+    ahead = (prefetch + STAGING_SLOTS) * runner.staging_bytes // STAGING_SLOTS
+    after_first = runner.bytes_read - forwards.read_before[1]
+    assert abs(after_first - (forwards.count - 1) * per_pass) <= ahead, (after_first, per_pass, ahead)
+    if first_pass_known:
+        total = runner.bytes_read
+        assert forwards.count * per_pass <= total <= forwards.count * per_pass + ahead, (total, per_pass, ahead)
+
+
+@pytest.mark.parametrize("compute", list(COMPUTE))
+@pytest.mark.parametrize("stored", ["fp32", "bf16"])
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    deep_wan: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    node: str,
+    stored: str,
+    compute: str,
+) -> None:
+    path, dtype = deep_wan[stored], COMPUTE[compute]
+    classic = dynamic_vram.load_classic(path, dtype)
+    reference = sample(comfy, classic)
+    cap = block_bytes(classic) // 4
+    comfy.mm.unload_all_models()
+    del classic
+    cap_host_buffers(monkeypatch, cap)
+
+    model = dynamic_vram.load(path, dtype)
+    streaming = offloaded(comfy, node, model)
+    forwards = Forwards(streaming)
+    latent = sample(comfy, streaming)
+    forwards.remove()
+    assert torch.equal(latent, reference), differs(latent, reference)
+
+    engine = streaming.offload_engine
+    runner = engine.runner
+    read = runner.read_each_step
+    assert len(read) >= len(runner.streamed) // 2, f"{len(read)} of {len(runner.streamed)} read from the file"
+    assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
+    assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
+    assert "read from the checkpoint file each step" in engine.summary, engine.summary
+    comfy.mm.unload_all_models()
+
+
+@pytest.mark.parametrize("cap_share", [None, 0.25], ids=["uncapped", "cap-a-quarter"])
+def test_host_memory_at_the_peak_is_the_cap_and_the_buffers(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    deep_wan: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    cap_share: float | None,
+) -> None:
+    """Anonymous memory (RssAnon: what the process allocated, not the checkpoint pages it maps) added by
+    streaming the twin, at its peak, sampled while the node places the model and samples: at most the host
+    buffers (the cap, or with none, the streamed blocks), the staging slots, what a GPU would hold (the
+    resident part and the stream buffers, RAM on the CPU "device") and 10 % of the model. Stored fp32,
+    computed in fp16: read in the stored dtype and cast, the worst case for a transient copy."""
+    path, dtype = deep_wan["fp32"], torch.float16
+    # ComfyUI alone has run a prompt: the first run's own allocations (kernels, thread pools) are its.
+    classic = dynamic_vram.load_classic(path, dtype)
+    sample(comfy, classic)
+    model_bytes = comfy_size(classic.model)
+    cap = int(block_bytes(classic) * cap_share) if cap_share else None
+    comfy.mm.unload_all_models()
+    del classic
+    if cap is not None:
+        cap_host_buffers(monkeypatch, cap)
+    model = dynamic_vram.load(path, dtype)
+    gc.collect()
+    release_freed_host_memory()  # the classic reference's memory, freed but kept by the allocator
+
+    with peak_during(os.getpid()) as peak:
+        streaming = offloaded(comfy, ASYNC, model)
+        sample(comfy, streaming)
+    runner = streaming.offload_engine.runner
+    host_buffers = runner.host_bytes - runner.staging_bytes
+    device_side = streaming.loaded_size() + runner.device_buffer_bytes
+    bound = (cap if cap is not None else host_buffers) + runner.staging_bytes + device_side + 0.1 * model_bytes
+    with capsys.disabled():
+        print(
+            f"\n{BLOCKS}-block Wan, {model_bytes / 2**20:.1f} MiB in fp16 (stored fp32), cap "
+            f"{'none' if cap is None else f'{cap / 2**20:.1f} MiB'}: RssAnon +{peak.anon_growth / 2**20:.1f} MiB "
+            f"at the peak (host buffers {host_buffers / 2**20:.1f}, staging {runner.staging_bytes / 2**20:.1f}, "
+            f"device side {device_side / 2**20:.1f} MiB; bound {bound / 2**20:.1f}); "
+            f"{len(runner.read_each_step)} of {len(runner.streamed)} blocks read from the file"
+        )
+    if cap is None:
+        assert not runner.read_each_step, "no cap: every block fits in host memory"
+    else:
+        assert host_buffers <= cap and runner.read_each_step
+    assert peak.anon_growth <= bound, (peak.anon_growth, bound)
+    comfy.mm.unload_all_models()
