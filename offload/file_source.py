@@ -28,6 +28,21 @@ class FileChangedError(RuntimeError):
     """A checkpoint file that weights are streamed from changed (truncated, rewritten) while in use."""
 
 
+#: What to do about a changed file, said by every ``FileChangedError``.
+RELOAD = (
+    "The model's weights are read from this file at every step: load the model again (unload models and free "
+    "the node cache, then queue), or restore the file."
+)
+
+
+def file_name(handle: int) -> str:
+    """The path of an open descriptor, where the system tells it (Linux), for messages."""
+    try:
+        return os.readlink(f"/proc/self/fd/{handle}")
+    except OSError:
+        return f"file descriptor {handle}"
+
+
 @dataclass(frozen=True, eq=False)
 class FileSlice:
     """``nbytes`` bytes at ``offset`` of an open file, and the same bytes as a view of its mapping.
@@ -57,8 +72,9 @@ def read_slice(source: FileSlice, destination: torch.Tensor) -> int:
         count = POSITIONAL_READ(source.handle, [view[done:]], source.offset + done)
         if count <= 0:
             raise FileChangedError(
-                f"the checkpoint ended {source.nbytes - done} bytes early at offset {source.offset + done}: "
-                "the file was truncated or replaced while its weights were streamed from it"
+                f"{file_name(source.handle)} ended {source.nbytes - done} bytes early at offset "
+                f"{source.offset + done}: the checkpoint was truncated or replaced while its weights were streamed "
+                f"from it. {RELOAD}"
             )
         done += count
     return done
@@ -83,8 +99,8 @@ class FileStamp:
         now = FileStamp.of(self.handle)
         if now != self:
             raise FileChangedError(
-                f"the checkpoint file changed while its weights were streamed from it (size {self.size} -> "
-                f"{now.size} bytes, modified {(now.modified_ns - self.modified_ns) / 1e9:+.1f} s)"
+                f"{file_name(self.handle)} changed while its weights were streamed from it (size {self.size} -> "
+                f"{now.size} bytes, modified {(now.modified_ns - self.modified_ns) / 1e9:+.1f} s). {RELOAD}"
             )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -186,4 +187,88 @@ def test_host_memory_at_the_peak_is_the_cap_and_the_buffers(
     else:
         assert host_buffers <= cap and runner.read_each_step
     assert peak.anon_growth <= bound, (peak.anon_growth, bound)
+    comfy.mm.unload_all_models()
+
+
+def with_lora(comfy: SimpleNamespace, model, strength: float):
+    return comfy.sd.load_lora_for_models(model, None, load_file(comfy.models["wan21_lora"]), strength, 0)[0]
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_lora_before_and_after_and_a_strength_change_on_blocks_read_from_the_file(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    stored_wan: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    node: str,
+) -> None:
+    """No host buffer at all (a cap of one byte): every streamed block is read from the file, cast from
+    fp32 to bf16 on the device and patched there, bitwise as ComfyUI's classic full load patches it."""
+    path, dtype = stored_wan["fp32"], torch.bfloat16
+    references = {
+        strength: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), strength))
+        for strength in (1.0, 0.5)
+    }
+    comfy.mm.unload_all_models()
+    cap_host_buffers(monkeypatch, 1)
+    model = dynamic_vram.load(path, dtype)
+    cases = {
+        "LoRA then node": (1.0, lambda: offloaded(comfy, node, with_lora(comfy, model, 1.0))),
+        "node then LoRA": (1.0, lambda: with_lora(comfy, offloaded(comfy, node, model), 1.0)),
+        "strength changed": (0.5, lambda: with_lora(comfy, offloaded(comfy, node, model), 0.5)),
+        "strength changed before the node": (0.5, lambda: offloaded(comfy, node, with_lora(comfy, model, 0.5))),
+    }
+    for case, (strength, build) in cases.items():
+        streaming = build()
+        latent = sample(comfy, streaming)
+        assert torch.equal(latent, references[strength]), f"{case}: {differs(latent, references[strength])}"
+        runner = streaming.offload_engine.runner
+        assert runner.read_each_step == runner.streamed and runner.staging_bytes == runner.host_bytes, case
+    comfy.mm.unload_all_models()
+
+
+def test_a_quantized_checkpoint_streams_its_stored_bytes_from_the_file(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp8 ``comfy_quant`` (QuantizedTensor): the quantized data and scales are read from the file as stored
+    and rebuilt around the device copy, bitwise as the classic load computes."""
+    path = comfy.models[tm.WAN21_FP8]
+    reference = sample(comfy, dynamic_vram.load_classic(path, torch.bfloat16))
+    comfy.mm.unload_all_models()
+    cap_host_buffers(monkeypatch, 1)
+    model = dynamic_vram.load(path, torch.bfloat16)
+    for node in (ASYNC, PARTIAL, SEQUENTIAL):
+        streaming = offloaded(comfy, node, model)
+        forwards = Forwards(streaming)
+        latent = sample(comfy, streaming)
+        forwards.remove()
+        assert torch.equal(latent, reference), f"{node}: {differs(latent, reference)}"
+        runner = streaming.offload_engine.runner
+        assert runner.read_each_step, f"{node}: nothing read from the file"
+        assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
+        comfy.mm.unload_all_models()
+
+
+def test_a_checkpoint_truncated_mid_run_stops_with_a_clear_error_and_comfyui_goes_on(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    stored_wan: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "wan21-bf16.safetensors"
+    shutil.copy(stored_wan["bf16"], path)
+    cap_host_buffers(monkeypatch, 1)
+    model = dynamic_vram.load(path, torch.bfloat16)
+    streaming = offloaded(comfy, ASYNC, model)
+    sample(comfy, streaming)
+    with open(path, "r+b") as file:
+        file.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(RuntimeError, match=rf"{path.name} (changed|ended .* early).*load the model again"):
+        sample(comfy, streaming)
+    comfy.mm.unload_all_models()
+    # ComfyUI goes on: another model loads, streams and samples.
+    other = dynamic_vram.load(stored_wan["bf16"], torch.bfloat16)
+    reference = sample(comfy, dynamic_vram.load_classic(stored_wan["bf16"], torch.bfloat16))
+    assert torch.equal(sample(comfy, offloaded(comfy, ASYNC, other)), reference)
     comfy.mm.unload_all_models()
