@@ -89,11 +89,12 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _recorded_dtypes(
-    model: torch.nn.Module, streamed: frozenset[str] = frozenset()
+    model: torch.nn.Module, streamed: frozenset[str] = frozenset(), recurse: bool = True
 ) -> Iterator[tuple[dict, str, torch.Tensor, torch.dtype | None]]:
-    """Every parameter and buffer (outside the ``streamed`` modules) with its table, name and the dtype ComfyUI
-    recorded for it (``<name>_comfy_model_dtype``); None where it recorded none or the tensor is quantized."""
-    for module_name, module in model.named_modules():
+    """Every parameter and buffer (outside the ``streamed`` modules; the model's own only, unless ``recurse``)
+    with its table, name and the dtype ComfyUI recorded for it (``<name>_comfy_model_dtype``); None where it
+    recorded none or the tensor is quantized."""
+    for module_name, module in model.named_modules() if recurse else (("", model),):
         if streamed and inside(module_name, streamed):
             continue
         for table in (module._parameters, module._buffers):
@@ -130,6 +131,11 @@ def cast_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset[str] = f
             tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
         else:
             table[name] = tensor.to(dtype)
+
+
+def stored_as_computed(module: torch.nn.Module, recurse: bool = True) -> bool:
+    """Whether every plain tensor of ``module`` is held in the dtype ComfyUI computes it in (none to cast)."""
+    return all(dtype in (None, tensor.dtype) for _, _, tensor, dtype in _recorded_dtypes(module, recurse=recurse))
 
 
 def recorded_dtype(module: torch.nn.Module, name: str) -> torch.dtype | None:

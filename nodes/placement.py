@@ -35,8 +35,9 @@ from ..offload import (
     module_bytes,
     streamed_modules,
 )
+from ..offload.layout import aligned, module_stored_bytes
 from .architectures import find_blocks
-from .dynamic_vram import recorded_dtype
+from .dynamic_vram import recorded_dtype, stored_as_computed
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
 
@@ -78,11 +79,28 @@ def place(
 ) -> Placement:
     """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit), its summary
     saying which of ComfyUI's loaders the weights came from (see ``_place``)."""
-    placement = _place(request, model, budget, loader_need)
+    staging = _cast_staging(request, model)
+    placement = _place(request, model, budget - staging, loader_need)
     summary = f"{placement.summary}; weights from {request.loader}"
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
-    return dataclasses.replace(placement, summary=summary)
+    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging)
+
+
+def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:
+    """Device bytes for the engine to cast file-tier units through (``BlockStreamer``'s staging buffer): the
+    largest unit as stored, where a Dynamic VRAM twin's file stores a dtype other than the one ComfyUI
+    computes in (an fp32 checkpoint run in bf16). Counted whenever that is so, as which units end up read
+    from the file is decided when the engine starts, by the host memory left then."""
+    if not request.dynamic_vram_twin:
+        return 0
+    diffusion_model = model.model.diffusion_model
+    if request.sequential:
+        units, recurse = [module for _, module in streamed_modules(diffusion_model)], False
+    else:
+        units, recurse = [block for _, block in find_blocks(diffusion_model)[1]], True
+    casting = [module_stored_bytes(unit, recurse) for unit in units if not stored_as_computed(unit, recurse)]
+    return aligned(max(casting, default=0))
 
 
 def _place(

@@ -43,7 +43,9 @@ MIN_INTERVAL_S = 0.25  # at most four messages a second
 # What the downloadable timeline of one run may hold (block calls in all its steps): ~30 MB at most.
 MAX_RUN_SPANS = 200_000
 SPAN_FIELDS = ("block", "copy_start", "copy_end", "compute_start", "compute_end", "stall", "bytes_copied")
-RESIDENT, STREAMED = "R", "S"
+# A unit's place: on the device, streamed from a host buffer, or streamed from its checkpoint file.
+RESIDENT, STREAMED, FROM_FILE = "R", "S", "F"
+READ_FIELDS = ("block", "start", "end", "bytes_read")
 
 _PROCESS = psutil.Process()
 _HOST_TOTAL = psutil.virtual_memory().total
@@ -146,6 +148,10 @@ def _compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
             ]
             for s in step.spans
         ],
+        "bytes_read": step.bytes_read,
+        "read_gbps": _rounded(step.read_gbps),
+        "read_fields": READ_FIELDS,
+        "reads": [[r.block, _rounded(r.start), _rounded(r.end), r.bytes_read] for r in step.reads],
     }
 
 
@@ -252,9 +258,13 @@ class _Publisher:
 
     @staticmethod
     def _placement(engine: Engine) -> str:
-        """One letter per block (per module for the sequential wrapper): resident or streamed."""
-        streamed = engine.runner.streamed
-        return "".join(STREAMED if i in streamed else RESIDENT for i in range(engine.runner.units))
+        """One letter per block (per module for the sequential wrapper): resident, streamed from host memory,
+        or streamed from the checkpoint file."""
+        runner = engine.runner
+        streamed, from_file = runner.streamed, runner.read_each_step
+        return "".join(
+            FROM_FILE if i in from_file else STREAMED if i in streamed else RESIDENT for i in range(runner.units)
+        )
 
     # -- the run -----------------------------------------------------------------------------
 

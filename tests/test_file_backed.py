@@ -136,6 +136,15 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
     assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
+    # The panel: the three tiers in the placement strip, the plan line, a read lane in the last step.
+    status = comfy.report.snapshot()
+    assert status["placement"].count("F") == len(read) and status["plan"] == engine.summary, status["placement"]
+    assert status["last_step"]["reads"] and status["last_step"]["bytes_read"] > 0, status["last_step"]
+    # ComfyUI counted what the engine allocates on the device: the ring, and (fp32 stored) the cast staging.
+    assert 0 < runner.device_buffer_bytes <= engine.placement.buffer_bytes, (
+        runner.device_buffer_bytes,
+        engine.placement,
+    )
     comfy.mm.unload_all_models()
 
 

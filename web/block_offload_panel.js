@@ -18,6 +18,7 @@ const STATUS_EVENT = "block_offload.status";
 const REPORT_PATH = "/block_offload/report";
 const TIMELINE_PATH = "/block_offload/timeline?download=1";
 const RESIDENT = "R";
+const FROM_FILE = "F"; // streamed, read from the checkpoint file at every step (no host buffer)
 // The status schema this panel reads (nodes/report.py SCHEMA_VERSION); another one is not drawn.
 const SCHEMA_VERSION = 1;
 
@@ -25,7 +26,9 @@ const COLORS = {
   resident: "#4f8fd6",
   streaming: "#3fb68b",
   other: "#a77bd8",
+  file: "#c77d4f",
   copy: "#d6a23f",
+  read: "#8d6e63",
   compute: "#4f8fd6",
   computeStreamed: "#3fb68b",
   stall: "#e5533d",
@@ -371,11 +374,13 @@ class PanelView {
     if (!models.length && status?.placement) models = [{ ...status }];
     const rows = models.map((model) => {
       const resident = [...model.placement].filter((p) => p === RESIDENT).length;
+      const fromFile = [...model.placement].filter((p) => p === FROM_FILE).length;
       const title = el(
         "div",
         "bo-dim",
         `${model.node}: ${resident} of ${model.placement.length} blocks resident, ` +
           `${model.placement.length - resident} streamed ` +
+          (fromFile ? `(${fromFile} read from the checkpoint file each step) ` : "") +
           `(${model.ring_bytes ? `through a ${bytes(model.ring_bytes)} ring` : `prefetch ${model.prefetch}`}` +
           `${model.pinned ? ", pinned" : ""})`,
       );
@@ -389,7 +394,8 @@ class PanelView {
       const placement = model.placement;
       const cell = width / placement.length;
       for (let i = 0; i < placement.length; i++) {
-        ctx.fillStyle = placement[i] === RESIDENT ? COLORS.resident : COLORS.streaming;
+        ctx.fillStyle =
+          placement[i] === RESIDENT ? COLORS.resident : placement[i] === FROM_FILE ? COLORS.file : COLORS.streaming;
         ctx.fillRect(i * cell, 0, Math.max(1, cell - (cell > 4 ? 1 : 0)), height);
       }
       const current = model.running && status.running && model.node === status.node;
@@ -428,18 +434,29 @@ class PanelView {
       end = Math.max(end, span.compute_end, span.copy_end ?? 0);
     }
     const other = state.lastStepPrompt && status?.prompt_id !== state.lastStepPrompt ? " (an earlier prompt)" : "";
+    // File-tier reads (timed on the host, from the host's start of the step) get a lane above the copies.
+    const readFields = Object.fromEntries((step.read_fields ?? []).map((name, i) => [name, i]));
+    const reads = (step.reads ?? []).map((row) =>
+      Object.fromEntries(Object.entries(readFields).map(([k, i]) => [k, row[i]])),
+    );
+    for (const read of reads) end = Math.max(end, read.end);
     this.stepLine.textContent =
       `step ${step.step + 1}${other}: ${ms(step.duration_ms)}, ${spans.length} block calls, ` +
       `${bytes(step.bytes_copied)} copied in ${ms(step.copy_ms)}` +
+      (reads.length ? `, ${bytes(step.bytes_read)} read from the file (${step.read_gbps} GB/s)` : "") +
       (early ? "; copies cut at 0 began during the step before (prefetch)" : "");
 
     const gutter = 62;
     const axis = 16;
-    const laneHeight = Math.max(14, Math.min(56, (height - axis - 12) / 2));
-    const lanes = { copy: 4, compute: 8 + laneHeight };
+    const laneCount = reads.length ? 3 : 2;
+    const laneHeight = Math.max(14, Math.min(56, (height - axis - 12) / laneCount));
+    const lanes = reads.length
+      ? { read: 4, copy: 8 + laneHeight, compute: 12 + 2 * laneHeight }
+      : { copy: 4, compute: 8 + laneHeight };
     const x = (t) => gutter + ((t - start) / (end - start || 1)) * (width - gutter - 6);
     ctx.fillStyle = fg;
     ctx.globalAlpha = 0.75;
+    if (reads.length) ctx.fillText("read", 4, lanes.read + laneHeight / 2);
     ctx.fillText("copy", 4, lanes.copy + laneHeight / 2);
     ctx.fillText("compute", 4, lanes.compute + laneHeight / 2);
     ctx.globalAlpha = 1;
@@ -451,6 +468,14 @@ class PanelView {
       ctx.fillText(text, (x0 + x1) / 2, y + laneHeight / 2);
       ctx.textAlign = "left";
     };
+    for (const read of reads) {
+      if (read.end <= start) continue;
+      const x0 = x(Math.max(start, read.start));
+      const x1 = Math.max(x0 + 1, x(read.end));
+      ctx.fillStyle = COLORS.read;
+      ctx.fillRect(x0, lanes.read, x1 - x0, laneHeight);
+      label(String(read.block), x0, x1, lanes.read);
+    }
     for (const span of spans) {
       if (span.copy_start !== null && span.copy_end > start) {
         const x0 = x(Math.max(start, span.copy_start));
