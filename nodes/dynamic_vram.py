@@ -19,6 +19,7 @@ packed in the recorded dtypes, file-tier blocks read as stored and cast on the d
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload import FileSlice
 from .architectures import inside
 from .request import OffloadRequest
+from .state import state_of
 
 
 class DynamicVramError(ValueError):
@@ -56,6 +58,9 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     twin = _CLASSIC_TWINS.get(model.model)
     if twin is None:
         twin = _CLASSIC_TWINS[model.model] = _file_backed_twin(model, node)
+        state_of(twin[0]).file_views = {
+            name: tensor for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
+        }
     classic = model.clone(disable_dynamic=True, model_override=twin)
     # clone() hands over the dynamic parent's size, which counts the checkpoint's stored dtypes.
     classic.size = weight_bytes(classic)
@@ -136,6 +141,23 @@ def cast_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset[str] = f
 def stored_as_computed(module: torch.nn.Module, recurse: bool = True) -> bool:
     """Whether every plain tensor of ``module`` is held in the dtype ComfyUI computes it in (none to cast)."""
     return all(dtype in (None, tensor.dtype) for _, _, tensor, dtype in _recorded_dtypes(module, recurse=recurse))
+
+
+def _plain_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if type(tensor) in _PLAIN:
+            yield name, tensor
+
+
+def back_to_file(model: torch.nn.Module) -> None:
+    """Points a twin's plain weights that ComfyUI moved back to the host (its unload copies what it loaded to
+    the offload device) at their views of the file again, as they were before any load: the copies go, and
+    the next load casts them again. Weights elsewhere (on the device, a streamed block's host buffer) stay."""
+    views = state_of(model).file_views
+    for name, tensor in _plain_tensors(model):
+        view = views.get(name)
+        if view is not None and tensor.device.type == "cpu" and tensor.data_ptr() != view.data_ptr():
+            tensor.data = view
 
 
 def recorded_dtype(module: torch.nn.Module, name: str) -> torch.dtype | None:

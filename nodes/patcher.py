@@ -31,7 +31,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
 from .architectures import inside
-from .dynamic_vram import cast_to_recorded_dtypes, classic_clone, uses_dynamic_vram
+from .dynamic_vram import back_to_file, cast_to_recorded_dtypes, classic_clone, uses_dynamic_vram
 from .engine import Engine, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
@@ -256,6 +256,9 @@ class BlockOffloadPatcher(ModelPatcher):
             state = state_of(self.model)
             state.hidden = frozenset()  # blocks parked earlier are ordinary weights again
             state.parked_load = None
+            unpatched = super().unpatch_model(device_to, unpatch_weights)
+            back_to_file(self.model)  # a Dynamic VRAM twin keeps no copy of what ComfyUI loaded
+            return unpatched
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):

@@ -281,3 +281,29 @@ def test_a_checkpoint_truncated_mid_run_stops_with_a_clear_error_and_comfyui_goe
     reference = sample(comfy, dynamic_vram.load_classic(stored_wan["bf16"], torch.bfloat16))
     assert torch.equal(sample(comfy, offloaded(comfy, ASYNC, other)), reference)
     comfy.mm.unload_all_models()
+
+
+def test_an_unloaded_twin_keeps_no_copy_of_what_comfyui_loaded(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, deep_wan: dict[str, Path]
+) -> None:
+    """ComfyUI's unload moves what it loaded (the resident block and everything outside the blocks, cast to
+    fp16) back to the host; the twin points those weights at the file again, and loads them again after."""
+    path, dtype = deep_wan["fp32"], torch.float16
+    reference = sample(comfy, dynamic_vram.load_classic(path, dtype))
+    comfy.mm.unload_all_models()
+    model = dynamic_vram.load(path, dtype)
+    streaming = offloaded(comfy, ASYNC, model)
+    assert torch.equal(sample(comfy, streaming), reference)
+    twin = streaming.model
+    from block_offload.nodes.state import state_of
+
+    views = state_of(twin).file_views
+    weights = {name for name in twin.state_dict() if name.startswith("diffusion_model.")}  # not the sigmas
+    assert weights <= set(views), f"not views of the checkpoint: {weights - set(views)}"
+    assert twin.diffusion_model.head.head.weight.dtype == torch.float16  # cast for ComfyUI's load
+    comfy.mm.unload_all_models()
+    held = {name: tensor for name, tensor in twin.named_parameters()}
+    moved = [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
+    assert not moved, f"left as copies after the unload: {moved[:5]}"
+    assert torch.equal(sample(comfy, offloaded(comfy, ASYNC, model)), reference)
+    comfy.mm.unload_all_models()
