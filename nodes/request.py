@@ -44,7 +44,7 @@ class OffloadRequest:
     def loader(self) -> str:
         """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
         if self.dynamic_vram_twin:
-            return "a Dynamic VRAM model streamed as a classic twin"
+            return "a Dynamic VRAM model, streamed from its checkpoint file"
         return "ComfyUI's classic loader"
 
 

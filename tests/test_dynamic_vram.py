@@ -100,7 +100,7 @@ def test_every_node_streams_a_dynamic_model_exactly_as_its_classic_load(
     assert streaming.model_size() == classic.model_size() == comfy.mm.module_size(streaming.model)
     engine = streaming.offload_engine
     assert engine.recorder.latest().spans, "nothing streamed"
-    assert engine.placement.summary.endswith("weights from a Dynamic VRAM model streamed as a classic twin")
+    assert engine.placement.summary.endswith("weights from a Dynamic VRAM model, streamed from its checkpoint file")
 
     comfy.mm.unload_all_models()
     assert model.is_dynamic() and model.get_attachment(comfy.patcher.ATTACHMENT) is None
