@@ -55,6 +55,24 @@ class Engine:
     # The file tier's read bandwidth, measured as the engine started (bytes/s; None: no file tier).
     read_bandwidth: float | None = None
 
+    def note_cold_reads(self) -> None:
+        """A notice (once per engine) when the last step read the file at under half the bandwidth measured
+        as the engine started: the page cache no longer holds the checkpoint, and each step waits for the
+        disk. The tiers stay as placed; the next load measures again."""
+        step = self.recorder.latest()
+        if not self.read_bandwidth or step is None or step.read_gbps is None:
+            return
+        if step.read_gbps * 1e9 >= self.read_bandwidth / 2 or any("page cache" in n for n in self.notices):
+            return
+        notice = (
+            f"The checkpoint file was read at {step.read_gbps:.2f} GB/s in the last step, under half the "
+            f"{self.read_bandwidth / 1e9:.2f} GB/s measured as the model was placed: the page cache no longer "
+            f"holds it (cold), so steps wait for the disk. Free RAM, or a larger {PINNED_LIMIT_ENV}, keeps "
+            "more blocks in host memory."
+        )
+        logging.warning(f"Block Offload ({self.request.node}): {notice}")
+        self.notices.append(notice)
+
     @property
     def read_ms(self) -> float | None:
         """The least a step can take while the file tier is read at the measured bandwidth."""

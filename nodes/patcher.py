@@ -314,6 +314,7 @@ class BlockOffloadPatcher(ModelPatcher):
             if engine is not None:
                 # ComfyUI calls this after sampling, interrupted or not; an interrupt on 0.33 skips the hooks.
                 engine.runner.close_open_step()
+                engine.note_cold_reads()
                 report.run_finished(engine)
         finally:
             super().cleanup()

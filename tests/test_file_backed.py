@@ -140,6 +140,11 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     status = comfy.report.snapshot()
     assert status["placement"].count("F") == len(read) and status["plan"] == engine.summary, status["placement"]
     assert status["last_step"]["reads"] and status["last_step"]["bytes_read"] > 0, status["last_step"]
+    # Reads at under half the bandwidth measured at the start (a cache turned cold): one notice, once.
+    engine.read_bandwidth = 1e15
+    engine.note_cold_reads()
+    engine.note_cold_reads()
+    assert len([n for n in engine.notices if "page cache no longer holds it" in n]) == 1, engine.notices
     # ComfyUI counted what the engine allocates on the device: the ring, and (fp32 stored) the cast staging.
     assert 0 < runner.device_buffer_bytes <= engine.placement.buffer_bytes, (
         runner.device_buffer_bytes,
