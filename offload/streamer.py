@@ -350,6 +350,8 @@ class BlockStreamer:
             if state is not None:
                 if self._ring is not None:
                     self._ring.drop(index)
+                if self._reader is not None:
+                    self._reader.release(index, None)  # a read made ahead for it goes unused
                 self._restore(state, self.device)
                 self._unpin(state)
         self.streamed = frozenset(self._state)
