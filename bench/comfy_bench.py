@@ -488,7 +488,7 @@ def placed(patcher) -> Placed:
     placement = engine.placement
     overlap = step.overlap if step is not None else None
     copied = step.bytes_copied if step is not None else None
-    return Placed(placement.summary, key, streamed, overlap, placement.predicted_ms, placement.measuring, copied)
+    return Placed(placement.summary, key, streamed, overlap, engine.predicted_ms, placement.measuring, copied)
 
 
 @contextlib.contextmanager

@@ -81,6 +81,13 @@ class Engine:
         return self.runner.file_tier_bytes / self.read_bandwidth * 1e3
 
     @property
+    def predicted_ms(self) -> float | None:
+        """The planner's step time (a planned automatic placement), or the reads' least step time where that
+        is longer: the reader runs beside the copies and the compute, so the slower of them sets the pace."""
+        predictions = [ms for ms in (self.placement.predicted_ms, self.read_ms) if ms is not None]
+        return max(predictions) if self.placement.predicted_ms is not None and predictions else None
+
+    @property
     def plan(self) -> OffloadPlan | None:
         return self.placement.plan
 
@@ -159,7 +166,10 @@ def _tiers_summary(runner: Runner, bandwidth: float | None) -> str:
     held = f"{streamed - len(read)} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB)"
     if not read:
         return f"; {held}, none read from the checkpoint file"
-    read_from = f"{len(read)} read from the checkpoint file each step ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
+    read_from = (
+        f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
+        f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
+    )
     if bandwidth:
         read_ms = runner.file_tier_bytes / bandwidth * 1e3
         read_from += (
