@@ -317,13 +317,14 @@ def dynamic_twin(comfy: Comfy, classic, dtype: torch.dtype):
     """The same weights loaded by ComfyUI 0.33's own loader with Dynamic VRAM on (a ``ModelPatcherDynamic``;
     the weights are assigned, not copied again).
 
-    A node on it asks for a classic twin with ``clone(disable_dynamic=True)``, which ComfyUI makes by
-    loading the checkpoint again (``cached_patcher_init``); a clone of ``classic``, the same weights as a
-    classic model, stands in for that reload, whose time from disk is therefore not in these figures.
+    A node on it builds its twin by running the loader's recipe again (``cached_patcher_init``: with Dynamic
+    VRAM's loader, the weights views of the checkpoint file); here there is no file, and a clone of
+    ``classic``, the same weights in host memory, stands in for that build: these rows have no file tier
+    (every streamed block keeps a host buffer), and no read from disk is in their figures.
     """
     weights = {key: value.detach().clone() for key, value in classic.model.diffusion_model.state_dict().items()}
     dynamic = comfy.sd.load_diffusion_model_state_dict(weights, model_options={"dtype": dtype})
-    dynamic.cached_patcher_init = (lambda disable_dynamic: classic.clone(), ())
+    dynamic.cached_patcher_init = (lambda disable_dynamic=False: classic.clone(), ())
     return dynamic
 
 
