@@ -81,7 +81,7 @@ def _file_backed_twin(model: ModelPatcher, node: str) -> tuple:
         "the checkpoint file (the MODEL you connected is unchanged)"
     )
     loader, arguments, *which = model.cached_patcher_init
-    built = loader(*arguments)
+    built = loader(*arguments, disable_dynamic=False)  # as ComfyUI calls a recipe, with Dynamic VRAM kept
     if which:
         built = built[which[0]]
     # The builder is only a way to the model: it never loads it, and must not unpin or detach anything
