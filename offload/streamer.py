@@ -141,6 +141,8 @@ class _ParkedBuffer:
     recurse: bool  # laid out with the block's submodules, or its own tensors only
     # Its pinned bytes' reservation, released when the buffer is freed, or taken back by an adopting share.
     reservation: weakref.finalize | None
+    # A block packed from its file: its parts as views of the file, which a real unload points it back at.
+    originals: tuple[torch.Tensor, ...] | None = None
 
     def host(self) -> torch.Tensor | None:
         storage = self.storage()
@@ -182,9 +184,13 @@ def unpark(modules: Iterable[nn.Module]) -> None:
             continue
         start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
         layout = BlockLayout.of(module, recurse=parked.recurse)
+        current = layout.current()
+        originals = parked.originals or current  # a block from its file goes back to the file's views
         parts = tuple(
-            part.clone() if part.device.type == "cpu" and start <= part.data_ptr() < end else part
-            for part in layout.current()
+            (original if parked.originals else part.clone())
+            if part.device.type == "cpu" and start <= part.data_ptr() < end
+            else part
+            for part, original in zip(current, originals, strict=True)
         )
         layout.point_at(layout.assemble(parts))
 
@@ -555,8 +561,10 @@ class BlockStreamer:
         return self._reader.file_bytes if self._reader is not None else 0
 
     def _park(self, index: int, state: _StreamedBlock) -> None:
-        """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views)."""
-        if state.originals is not None:
+        """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views).
+        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
+        file at each step, or stored in a lossy dtype, goes back to its originals."""
+        if state.read is not None or (state.originals is not None and not state.file_backed):
             state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
             self._unpin(state)
             return
@@ -565,7 +573,13 @@ class BlockStreamer:
             self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
         )
         _PARKED[self.blocks[index]] = _ParkedBuffer(
-            weakref.ref(storage), state.host.numel(), _signature(state.layout), state.pinned, self.recurse, reservation
+            weakref.ref(storage),
+            state.host.numel(),
+            _signature(state.layout),
+            state.pinned,
+            self.recurse,
+            reservation,
+            state.originals if state.file_backed else None,
         )
 
     def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
@@ -586,7 +600,11 @@ class BlockStreamer:
         elif parked.pinned and self._pinned is not None:
             return None  # pinned outside this budget: adopting it would leave the budget short
         reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
-        return _StreamedBlock(layout, layout, host, layout.assemble(parts), host.device, None, parked.pinned, reserved)
+        views = layout.assemble(parts)
+        file_backed = parked.originals is not None
+        return _StreamedBlock(
+            layout, layout, host, views, host.device, parked.originals, parked.pinned, reserved, file_backed=file_backed
+        )
 
     def _unpin(self, state: _StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""

@@ -26,6 +26,7 @@ from harness.inprocess import offloaded, sample
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
 from block_offload.offload import release_freed_host_memory
+from block_offload.offload.layout import BlockLayout
 
 pytestmark = [
     pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"),
@@ -312,3 +313,52 @@ def test_an_unloaded_twin_keeps_no_copy_of_what_comfyui_loaded(
     assert not moved, f"left as copies after the unload: {moved[:5]}"
     assert torch.equal(sample(comfy, offloaded(comfy, ASYNC, model)), reference)
     comfy.mm.unload_all_models()
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_lora_changes_on_a_twin_write_no_host_byte(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    stored_wan: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    node: str,
+) -> None:
+    """Host buffers packed from the file park and are adopted like any (their file views kept beside them):
+    a strength change, the LoRA removed, a LoRA before the node, each bitwise ComfyUI's classic load with the
+    same patches, and no block packed again, in the host tier or the file tier."""
+    path, dtype = stored_wan["bf16"], torch.float16
+    references = {s: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), s)) for s in (1.0, 0.5)}
+    classic = dynamic_vram.load_classic(path, dtype)
+    references[0.0] = sample(comfy, classic)
+    cap_host_buffers(monkeypatch, block_bytes(classic) // 2)
+    comfy.mm.unload_all_models()
+    del classic
+
+    model = dynamic_vram.load(path, dtype)
+    streaming = offloaded(comfy, node, model)
+    first = with_lora(comfy, streaming, 1.0)
+    assert torch.equal(sample(comfy, first), references[1.0])
+    runner = first.offload_engine.runner
+    assert runner.read_each_step and runner.streamed - runner.read_each_step, "both tiers"
+    packed: list[int] = []
+    pack_into = BlockLayout.pack_into
+
+    def counting(self, host):
+        packed.append(host.numel())
+        return pack_into(self, host)
+
+    monkeypatch.setattr(BlockLayout, "pack_into", counting)
+    for strength, patcher in [
+        (0.5, with_lora(comfy, streaming, 0.5)),  # another strength
+        (0.0, streaming),  # the LoRA removed
+        (1.0, offloaded(comfy, node, with_lora(comfy, model, 1.0))),  # before the node: another engine
+    ]:
+        assert torch.equal(sample(comfy, patcher), references[strength]), strength
+    assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
+    comfy.mm.unload_all_models()
+    # The real unload gives every weight of the twin back to the file.
+    from block_offload.nodes.state import state_of
+
+    views = state_of(streaming.model).file_views
+    held = dict(streaming.model.named_parameters())
+    assert not [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
