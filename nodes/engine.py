@@ -37,6 +37,7 @@ from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement
 from .request import OffloadRequest
+from .state import state_of
 
 
 @dataclass
@@ -217,6 +218,7 @@ def _runner(
             recorder=recorder,
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
+            call_order=_last_order(model, "module", len(modules)),
             **_file_tier_options(request, modules, recurse=False),
         )
     _, blocks = find_blocks(diffusion_model)
@@ -231,8 +233,15 @@ def _runner(
         root=diffusion_model,
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
+        call_order=_last_order(model, "block", len(blocks)),
         **_file_tier_options(request, streamed, recurse=True),
     )
+
+
+def _last_order(model: ModelPatcher, unit: str, units: int) -> tuple[int, ...] | None:
+    """The call order the model's last engine saw, when it streamed the same units."""
+    last = state_of(model.model).call_order
+    return last[2] if last is not None and last[:2] == (unit, units) else None
 
 
 def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:

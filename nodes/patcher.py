@@ -281,6 +281,8 @@ class BlockOffloadPatcher(ModelPatcher):
         if engine is None:
             return
         remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
+        runner = engine.runner
+        state.call_order = (runner.unit, runner.units, runner.last_order)
         engine.stop(park)
         state.engine = None
         if not park:

@@ -37,6 +37,9 @@ class ModelState:
     # A Dynamic VRAM twin's plain weights as views of their checkpoint file, by name: a real unload points
     # what ComfyUI moved back to the host at them again, so the twin holds no copy of them in RAM.
     file_views: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The last engine's call order (its unit, its count of units, the order): the next engine of the model
+    # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
+    call_order: tuple[str, int, tuple[int, ...]] | None = None
 
 
 def state_of(model: nn.Module) -> ModelState:

@@ -11,7 +11,7 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 
 import torch
@@ -93,10 +93,11 @@ class SequentialOffloader:
         file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
         read_each_step: Iterable[int] = (),
         dtype_of: DtypeOf | None = None,
+        call_order: Sequence[int] | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
-        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``) and ``dtype_of``: see
-        ``BlockStreamer``."""
+        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of`` and ``call_order``:
+        see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -116,6 +117,7 @@ class SequentialOffloader:
             file_slice=file_slice,
             read_each_step=read_each_step,
             dtype_of=dtype_of,
+            call_order=call_order,
         )
         self._promotion_hook = None
 
@@ -145,6 +147,7 @@ class SequentialOffloader:
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
     staging_bytes = _streamers("staging_bytes")
+    last_order = _streamers("last_order")
 
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""

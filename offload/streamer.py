@@ -214,6 +214,8 @@ class BlockStreamer:
     the copy are ordered on one stream. It shrinks what each step copies; the
     originals are kept too, because a rounded copy must never replace them.
     ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
+    ``call_order``: the order the blocks were called in by an earlier streamer of the same model
+    (``last_order``), so the first step copies and reads ahead in that order rather than the list's.
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -242,6 +244,7 @@ class BlockStreamer:
         read_each_step: Iterable[int] = (),
         dtype_of: DtypeOf | None = None,
         staging_slots: int = 2,
+        call_order: Sequence[int] | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -280,7 +283,9 @@ class BlockStreamer:
         self._stamps: tuple = ()  # the files read from, as they were when streaming began
         self._handles: list[RemovableHandle] = []
         self._active: list[_ActiveCall] = []
-        self._expected: list[int] = list(range(len(self.blocks)))
+        # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
+        known = call_order is not None and all(0 <= index < len(self.blocks) for index in call_order)
+        self._expected: list[int] = list(call_order) if known and call_order else list(range(len(self.blocks)))
         self._order: list[int] = []
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
         self.enabled = False

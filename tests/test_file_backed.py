@@ -362,3 +362,25 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     views = state_of(streaming.model).file_views
     held = dict(streaming.model.named_parameters())
     assert not [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
+
+
+def test_a_later_engine_starts_from_the_call_order_its_model_last_ran(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sequential wrapper's modules are not called in their list order, so an engine's first pass reads
+    some of them twice; the next engine of the model (another patch set) starts from the order the last
+    one saw, and reads each file-tier module once from its first pass on."""
+    cap_host_buffers(monkeypatch, 1)
+    model = dynamic_vram.load(stored_wan["bf16"], torch.float16)
+    first = offloaded(comfy, SEQUENTIAL, model)
+    sample(comfy, first)
+    engine = first.offload_engine
+    order = engine.runner.last_order
+    assert list(order) != sorted(order), "the modules' calls follow their list order: nothing to learn"
+    second = with_lora(comfy, first, 0.5)
+    forwards = Forwards(second)
+    sample(comfy, second)
+    forwards.remove()
+    assert second.offload_engine is not engine, "the patch set changed: another engine"
+    assert_reads_match_the_file_tier(second.offload_engine.runner, forwards, prefetch=1, first_pass_known=True)
+    comfy.mm.unload_all_models()
