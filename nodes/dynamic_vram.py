@@ -11,20 +11,22 @@ the file's mapping (``comfy.utils.load_safetensors``: each storage carries its `
 Building it reads no weight: the pages are read when a weight is used.
 
 Those weights are as stored: only ``ModelPatcherDynamic`` casts them, to the dtype ComfyUI recorded
-(``<name>_comfy_model_dtype``), as it pages them in. So does the pack: what ComfyUI loads to the device
-is cast just before (``cast_to_recorded_dtypes``), and the engine casts the streamed blocks (host buffers
-packed in the recorded dtypes, file-tier blocks read as stored and cast on the device: ``file_slice`` and
-``recorded_dtype`` are what it is given).
+(``<name>_comfy_model_dtype``), as it pages them in. So does the pack: what ComfyUI loads is cast as it
+loads it, weight by weight, on the device (``load_in_recorded_dtype``), and the engine casts the streamed
+blocks (host buffers packed in the recorded dtypes, file-tier blocks read as stored and cast on the device:
+``file_slice`` and ``recorded_dtype`` are what it is given).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import weakref
 from collections.abc import Iterator
 
 import comfy.model_management
+import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
@@ -125,17 +127,44 @@ def room_for_weights(model: ModelPatcher, request: OffloadRequest) -> int:
     return min(room, request.budget_bytes) if request.budget_bytes else room
 
 
-def cast_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset[str] = frozenset()) -> None:
-    """Casts every plain parameter and buffer outside the ``streamed`` modules to the dtype ComfyUI recorded
-    for it, as ModelPatcherDynamic does when it pages a weight in: what ComfyUI loads computes in one dtype,
-    as after a classic load. Quantized tensors (a tensor subclass) are ComfyUI's ops' to handle."""
-    for table, name, tensor, dtype in _recorded_dtypes(model, streamed):
-        if dtype is None or tensor.dtype == dtype:
+def cast_unloaded_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset[str] = frozenset()) -> None:
+    """Casts, outside the ``streamed`` modules, what ComfyUI's load does not pass through
+    ``patch_weight_to_device`` to the dtypes ComfyUI recorded for it: buffers (moved as they are by
+    ``module.to``) and the own parameters of a module with parameters below it too (Wan's ``modulation``:
+    ComfyUI's classic load leaves them out of its load list, and the model casts them at each use). All
+    small; the weights ComfyUI loads go through ``load_in_recorded_dtype``, one at a time."""
+    for module_name, module in model.named_modules():
+        if streamed and inside(module_name, streamed):
             continue
-        if isinstance(tensor, torch.nn.Parameter):
-            tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
-        else:
-            table[name] = tensor.to(dtype)
+        own = set(module._parameters)
+        below = any(True for name, _ in module.named_parameters() if name not in own)
+        for table, name, tensor, dtype in _recorded_dtypes(module, recurse=False):
+            cast = table is module._buffers or below
+            if cast and dtype is not None and tensor.dtype != dtype:
+                if isinstance(tensor, torch.nn.Parameter):
+                    tensor.data = tensor.data.to(dtype)  # the same Parameter: ComfyUI's patches refer to it
+                else:
+                    table[name] = tensor.to(dtype)
+
+
+# The entry ComfyUI keeps in ``ModelPatcher.backup`` for a patched weight (``patch_weight_to_device``).
+_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+
+
+def load_in_recorded_dtype(patcher: ModelPatcher, key: str, device: torch.device) -> None:
+    """Moves one weight ComfyUI is loading to ``device`` in the dtype ComfyUI recorded for it, cast there, as
+    ModelPatcherDynamic pages a weight in: the cast never makes a copy of the weight in host memory, however
+    much of the model ComfyUI loads. A patched weight's backup (what ComfyUI's unpatch puts back) is its view
+    of the file, not a copy of it. Quantized tensors (a tensor subclass) are ComfyUI's ops' to handle."""
+    module_name, _, name = key.rpartition(".")
+    module = comfy.utils.get_attr(patcher.model, module_name) if module_name else patcher.model
+    weight = getattr(module, name)
+    dtype = recorded_dtype(module, name) or weight.dtype
+    if type(weight) not in _PLAIN or (weight.device == device and weight.dtype == dtype):
+        return
+    if key in patcher.patches and key not in patcher.backup:
+        patcher.backup[key] = _Backup(weight.data, False)
+    weight.data = weight.data.to(device=device, dtype=dtype)
 
 
 def stored_as_computed(module: torch.nn.Module, recurse: bool = True) -> bool:

@@ -31,7 +31,13 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
 from .architectures import inside
-from .dynamic_vram import back_to_file, cast_to_recorded_dtypes, classic_clone, uses_dynamic_vram
+from .dynamic_vram import (
+    back_to_file,
+    cast_unloaded_to_recorded_dtypes,
+    classic_clone,
+    load_in_recorded_dtype,
+    uses_dynamic_vram,
+)
 from .engine import Engine, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
@@ -132,6 +138,12 @@ class BlockOffloadPatcher(ModelPatcher):
         finally:
             self.__dict__.pop("_block_offload_repatching", None)
 
+    def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
+        # ComfyUI's load calls this for every weight of every module it loads, before it moves the module.
+        if device_to is not None and self.offload_request.dynamic_vram_twin:
+            load_in_recorded_dtype(self, key, device_to)
+        return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+
     def loaded_state(self) -> tuple:
         """ComfyUI's books on the model's weights: any load or unload by any patcher changes them."""
         model = self.model
@@ -187,8 +199,9 @@ class BlockOffloadPatcher(ModelPatcher):
         state.hidden = placement.streamed
         self.__dict__["_block_offload_streams"] = bool(placement.streamed)  # see ``pre_run``
         if request.dynamic_vram_twin:
-            # What ComfyUI loads computes in the recorded dtypes; the engine casts the streamed blocks itself.
-            cast_to_recorded_dtypes(self.model, placement.streamed)
+            # What ComfyUI loads computes in the recorded dtypes (its weights: ``patch_weight_to_device``); the
+            # engine casts the streamed blocks itself.
+            cast_unloaded_to_recorded_dtypes(self.model, placement.streamed)
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
