@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a CUDA machine (docs/benchmarks.md, "GPU checks"):
 #
-#   scripts/gpu_check.sh [engine|comfy|all] [--out DIR]
+#   scripts/gpu_check.sh [engine|comfy|files|all] [--out DIR]
 #
 #   engine  (default; about 3-5 min on an H100, estimated): every engine CUDA test (tests/test_engine_cuda.py:
 #           equality, peak bound, overlap, the fresh-slot race, released events under heavy compute, exact
 #           pinning, pageable overlap, one copy stream, per-step peak; the CUDA cases of
 #           test_reliability_engine.py and test_parking.py), bench/engine_microbench.py and
 #           bench/recorder_overhead.py. Needs torch, pytest, pytest-timeout and websocket-client.
+#   files   bench/file_tier.py: a 16-block stack of Wan 14B-sized blocks (10 GB in bf16) streamed from its own
+#           safetensors file, host buffers for 0/25/50/100 % of it, warm and cold page cache, against the limit
+#           max(resident, H2D bytes / pinned bandwidth, file bytes / read bandwidth) (issue 26).
 #   comfy   the CUDA tests that run ComfyUI (Dynamic VRAM on/off, panel, reliability): needs a
 #           prepared host (COMFYUI_PATH and ComfyUI's requirements); run it as a second device call.
 #
@@ -23,9 +26,9 @@ part="engine"
 out="$repo"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    engine|comfy|all) part="$1"; shift ;;
+    engine|comfy|files|all) part="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
-    *) echo "gpu_check: unknown argument '$1'; use engine, comfy or all, and --out DIR" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown argument '$1'; use engine, comfy, files or all, and --out DIR" >&2; exit 2 ;;
   esac
 done
 python="${PYTHON:-python3}"
@@ -70,6 +73,9 @@ if [[ "$part" == engine || "$part" == all ]]; then
     "tests/test_parking.py::test_pinned_buffers_are_adopted_without_a_second_reservation"
   step "engine micro-benchmark" "$python" -m bench.engine_microbench
   step "recorder overhead" "$python" -m bench.recorder_overhead
+fi
+if [[ "$part" == files || "$part" == all ]]; then
+  step "file tier against its limit" "$python" -m bench.file_tier --cold --folder "${GPU_CHECK_FILES:-/tmp}"
 fi
 if [[ "$part" == comfy || "$part" == all ]]; then
   step "ComfyUI CUDA tests" "${pytest[@]}" tests/test_dynamic_vram.py tests/test_reliability.py tests/test_panel.py \

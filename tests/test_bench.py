@@ -356,3 +356,34 @@ def test_rows_of_a_budget_take_their_rounds_in_turn_and_a_row_out_of_memory_is_d
     assert by_method[RESIDENT].steady_ms == [20.0, 50.0] and by_method[RESIDENT].ms_per_step == 35.0
     assert len(by_method[f"{AUTO} (first run: strided, measuring)"].rounds) == 1
     assert by_method[AUTO].steady_ms == [90.0, 130.0]
+
+
+def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> None:
+    """``bench/file_tier.py`` on the CPU (the times mean nothing): every share and cache state streams the
+    stack from its file and gives the resident output bit for bit; the fewer host buffers, the more blocks
+    read from the file."""
+    from bench import file_tier
+
+    rows = file_tier.main(
+        [
+            "--allow-cpu",
+            "--blocks",
+            "4",
+            "--dim",
+            "64",
+            "--tokens",
+            "16",
+            "--stored",
+            "float32",
+            "--cold",
+            "--host-shares",
+            "0",
+            "0.5",
+            "1",
+            "--folder",
+            str(tmp_path),
+        ]
+    )
+    assert [(r["host_share"], r["cold"]) for r in rows] == [(s, c) for s in (0, 0.5, 1) for c in (False, True)]
+    assert all(r["bitwise"] for r in rows)
+    assert [r["blocks_from_file"] for r in rows[::2]] == [4, 2, 0]
