@@ -12,12 +12,20 @@ to the compute dtype. A streamed block so computes exactly what a loaded one doe
 where ComfyUI's lowvram path would round differently. GGUF weights carry their patches to ComfyUI-GGUF's own
 ops (``tensor.patches``), which apply them at compute time. A weight outside ComfyUI's ops (Wan's
 ``modulation``) is patched once before packing, as before: its block is packed again when its patches change.
+
+The adapters (the LoRA's up and down matrices, and whatever else a patch holds in host memory) travel with
+their block: packed once per set of patches (an engine) into a host buffer of the block's (pinned where the
+block's is), copied into the ring right after the block's weights on the copy stream, and read there by
+``LoadedPatch`` (``stage_adapters``); ComfyUI's lowvram path copies each from pageable memory on the
+compute stream, layer by layer, at every step.
 """
 
 from __future__ import annotations
 
+import copy
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import comfy.float
 import comfy.lora
@@ -52,6 +60,36 @@ class LoadedPatch:
         self.key, self.patches, self.param = key, patches, param
         self._module = weakref.ref(module)
         self._seed = string_to_seed(key)  # a CRC of the key: once, not at every step
+        # Where the adapters are staged (``stage_adapters``): the engine (weakly), the unit and the positions
+        # of this weight's tensors among the unit's companions; the patches last rebuilt around them.
+        self._runner: weakref.ref | None = None
+        self._unit = 0
+        self._positions: tuple[int, ...] = ()
+        self._staged: tuple[tuple[torch.Tensor, ...] | None, list | None] = (None, None)
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self._module()
+
+    def adapters(self) -> list[torch.Tensor]:
+        """The host tensors this weight's patches hold, in the order ``_staged_patches`` replaces them."""
+        return list(_host_tensors(self.patches[self.key]))
+
+    def stage(self, runner: object, unit: int, positions: tuple[int, ...]) -> None:
+        self._runner, self._unit, self._positions = weakref.ref(runner), unit, positions
+
+    def _staged_patches(self) -> list:
+        """The weight's patches around its adapters' copies in the ring, when the engine staged them."""
+        runner = self._runner() if self._runner is not None else None
+        views = runner.companions(self._unit) if runner is not None else None
+        if views is None:
+            return self.patches[self.key]
+        last_views, last_patches = self._staged
+        if views is not last_views:  # the block's region moved: rebuilt around its views there
+            replaced = iter([views[position] for position in self._positions])
+            last_patches = _with_host_tensors(self.patches[self.key], replaced)
+            self._staged = (views, last_patches)
+        return last_patches
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         module = self._module()
@@ -65,7 +103,7 @@ class LoadedPatch:
             temp = comfy.model_management.cast_to_device(stored, weight.device, lora_dtype, copy=True)
         if convert_func is not None:
             temp = convert_func(temp, inplace=True)
-        patched = comfy.lora.calculate_weight(self.patches[self.key], temp, self.key)
+        patched = comfy.lora.calculate_weight(self._staged_patches(), temp, self.key)
         if set_func is None:
             patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=self._seed)
         else:
@@ -82,6 +120,7 @@ class DevicePatching:
     on_device: int = 0  # LoadedPatch at compute time
     carried: int = 0  # GGUF tensors carrying their patches to compute time
     baked: int = 0  # patched once before packing
+    loaded: tuple[LoadedPatch, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         said = [
@@ -104,6 +143,7 @@ def _carries_patches(weight: torch.Tensor) -> bool:
 def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> DevicePatching:
     """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
     on_device = carried = baked = counted = 0
+    loaded: list[LoadedPatch] = []
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
         # as ComfyUI's own load trusts the flag (its unpatch clears it).
@@ -124,6 +164,7 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
                 patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
                 functions[param] = patch + list(wrappers)
                 on_device += len(patch)
+                loaded += patch
             elif key in model.patches:
                 bake.append(key)
         if functions:
@@ -141,7 +182,89 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
     # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
-    return DevicePatching(on_device, carried, baked)
+    return DevicePatching(on_device, carried, baked, tuple(loaded))
+
+
+def _host_tensors(value: object) -> Iterator[torch.Tensor]:
+    """The host tensors a patch holds (``comfy.lora``'s formats: tuples and lists of them, and the weight
+    adapters of ``comfy.weight_adapter``, whose tensors are in ``weights``), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu":
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _host_tensors(item)
+    elif isinstance(getattr(value, "weights", None), (tuple, list)):
+        yield from _host_tensors(value.weights)
+
+
+def _with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object:
+    """``value`` with its host tensors (in ``_host_tensors``'s order) replaced from ``replacements``."""
+    if isinstance(value, torch.Tensor):
+        return next(replacements) if value.device.type == "cpu" else value
+    if isinstance(value, list):
+        return [_with_host_tensors(item, replacements) for item in value]
+    if isinstance(value, tuple):
+        items = [_with_host_tensors(item, replacements) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(getattr(value, "weights", None), (tuple, list)):
+        adapter = copy.copy(value)  # the adapter's own code, around the copies
+        adapter.weights = _with_host_tensors(value.weights, replacements)
+        return adapter
+    return value
+
+
+def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> dict[str, int]:
+    """The host bytes of the patch adapters of each of the named units' weights (with its submodules'
+    unless not ``recurse``): what staging them with their unit adds to it."""
+    held: dict[str, dict[int, int]] = {}
+    for key, patches in model.patches.items():
+        owner = key.rpartition(".")[0]
+        parts = owner.split(".")
+        prefixes = [".".join(parts[:end]) for end in range(len(parts), 0, -1)] if recurse else [owner]
+        unit = next((prefix for prefix in prefixes if prefix in units), None)
+        if unit is not None:
+            tensors = held.setdefault(unit, {})
+            for tensor in _host_tensors(patches):
+                tensors[id(tensor)] = tensor.numel() * tensor.element_size()
+    return {unit: sum(tensors.values()) for unit, tensors in held.items()}
+
+
+@dataclass(frozen=True)
+class AdapterStaging:
+    """The engine's companions (each streamed unit's patch adapters, each tensor once) and where each
+    ``LoadedPatch``'s own are among its unit's, told to it once the engine exists (``bind``)."""
+
+    companions: dict[int, tuple[torch.Tensor, ...]]
+    places: tuple[tuple[LoadedPatch, int, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool) -> AdapterStaging:
+        unit_of = {
+            id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))
+        }
+        companions: dict[int, list[torch.Tensor]] = {}
+        positions: dict[int, dict[int, int]] = {}
+        places = []
+        for patch in patching.loaded:
+            unit = unit_of.get(id(patch.module))
+            if unit is None:
+                continue
+            tensors, where = companions.setdefault(unit, []), positions.setdefault(unit, {})
+            for tensor in patch.adapters():
+                if id(tensor) not in where:
+                    where[id(tensor)] = len(tensors)
+                    tensors.append(tensor)
+            places.append((patch, unit, tuple(where[id(tensor)] for tensor in patch.adapters())))
+        return cls({unit: tuple(tensors) for unit, tensors in companions.items()}, tuple(places))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors in self.companions.values() for t in tensors)
+
+    def bind(self, runner: object) -> None:
+        for patch, unit, positions in self.places:
+            patch.stage(runner, unit, positions)
 
 
 def _bake(model: ModelPatcher, key: str, device: torch.device) -> None:

@@ -32,7 +32,7 @@ from ..offload import (
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .architectures import find_blocks, inside
-from .device_patches import patch_streamed_weights
+from .device_patches import AdapterStaging, patch_streamed_weights
 from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement
@@ -124,7 +124,10 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:
         model.unpin_weight(key)
     patching = patch_streamed_weights(model, placement.streamed, device)
-    runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device))
+    units, recurse = _streamed_units(model, placement.plan)
+    adapters = AdapterStaging.of(patching, units, recurse)
+    runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device), adapters.companions)
+    adapters.bind(runner)
     runner.enable()
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
@@ -198,16 +201,27 @@ def _file_tier_options(request: OffloadRequest, units: dict[int, nn.Module], rec
     return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}
 
 
+def _streamed_units(model: ModelPatcher, plan: OffloadPlan | None) -> tuple[dict[int, nn.Module], bool]:
+    """The units the engine streams, by index: every tensor-owning module (the sequential wrapper), or the
+    plan's streamed blocks; and whether a unit is a module with its submodules."""
+    diffusion_model = model.model.diffusion_model
+    if plan is None:
+        return dict(enumerate(module for _, module in streamed_modules(diffusion_model))), False
+    _, blocks = find_blocks(diffusion_model)
+    return {index: blocks[index][1] for index in plan.streamed}, True
+
+
 def _runner(
     model: ModelPatcher,
     request: OffloadRequest,
     plan: OffloadPlan | None,
     device: torch.device,
     recorder: TimelineRecorder,
+    companions: dict[int, tuple[torch.Tensor, ...]],
 ) -> Runner:
     diffusion_model = model.model.diffusion_model
+    units, recurse = _streamed_units(model, plan)
     if plan is None:
-        modules = dict(enumerate(module for _, module in streamed_modules(diffusion_model)))
         return SequentialOffloader(
             diffusion_model,
             device,
@@ -218,11 +232,11 @@ def _runner(
             recorder=recorder,
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
-            call_order=_last_order(model, "module", len(modules)),
-            **_file_tier_options(request, modules, recurse=False),
+            call_order=_last_order(model, "module", len(units)),
+            companions=companions,
+            **_file_tier_options(request, units, recurse),
         )
     _, blocks = find_blocks(diffusion_model)
-    streamed = {index: blocks[index][1] for index in plan.streamed}
     return BlockStreamer(
         [block for _, block in blocks],
         device,
@@ -234,7 +248,8 @@ def _runner(
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
         call_order=_last_order(model, "block", len(blocks)),
-        **_file_tier_options(request, streamed, recurse=True),
+        companions=companions,
+        **_file_tier_options(request, units, recurse),
     )
 
 

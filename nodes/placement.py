@@ -37,6 +37,7 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .architectures import find_blocks
+from .device_patches import adapter_bytes
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
@@ -81,10 +82,28 @@ def place(
     saying which of ComfyUI's loaders the weights came from (see ``_place``)."""
     staging = _cast_staging(request, model)
     placement = _place(request, model, budget - staging, loader_need)
+    adapters = _adapters_in_ring(request, model, placement)
+    if adapters:  # placed again with the room they take: more blocks may stream, so counted on that placement
+        placement = _place(request, model, budget - staging - adapters, loader_need)
+        adapters = _adapters_in_ring(request, model, placement)
     summary = f"{placement.summary}; weights from {request.loader}"
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
-    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging)
+    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging + adapters)
+
+
+def _adapters_in_ring(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
+    """Device bytes the streamed units' patch adapters add to the ring, which holds each unit with them
+    (``nodes/device_patches.py``): as many of the largest unit's as the ring holds units by default, none
+    for a ring the planner sized in bytes (its size stays; the adapters take room among the blocks)."""
+    plan = placement.plan
+    if plan is not None and plan.ring_bytes:
+        return 0
+    largest = max(adapter_bytes(model, placement.streamed, recurse=plan is not None).values(), default=0)
+    # A block stream holds prefetch + 1 units; the sequential wrapper, its prefetch and a unit running inside
+    # another too.
+    slots = plan.prefetch + 1 if plan is not None else request.prefetch + 2
+    return slots * aligned(largest) if largest else 0
 
 
 def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from .file_source import FileSlice
 
 
@@ -42,6 +44,11 @@ class Runner(Protocol):
     def device_buffer_bytes(self) -> int: ...
 
     @property
+    def companion_bytes(self) -> int:
+        """Of ``host_bytes``, the units' companions (a host's per-unit extras, copied with them)."""
+        ...
+
+    @property
     def staging_bytes(self) -> int:
         """Of ``host_bytes``, the staging slots file-tier units are read into."""
         ...
@@ -62,6 +69,10 @@ class Runner(Protocol):
         ...
 
     def file_slices(self) -> tuple[FileSlice, ...]: ...
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        """Unit ``index``'s companion tensors as device views while it runs (None: none, or not in the ring)."""
+        ...
 
     @property
     def last_order(self) -> tuple[int, ...]:

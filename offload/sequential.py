@@ -11,7 +11,7 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import Enum
 
 import torch
@@ -94,10 +94,11 @@ class SequentialOffloader:
         read_each_step: Iterable[int] = (),
         dtype_of: DtypeOf | None = None,
         call_order: Sequence[int] | None = None,
+        companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
-        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of`` and ``call_order``:
-        see ``BlockStreamer``."""
+        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order`` and
+        ``companions``: see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -118,6 +119,7 @@ class SequentialOffloader:
             read_each_step=read_each_step,
             dtype_of=dtype_of,
             call_order=call_order,
+            companions=companions,
         )
         self._promotion_hook = None
 
@@ -147,6 +149,7 @@ class SequentialOffloader:
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
     staging_bytes = _streamers("staging_bytes")
+    companion_bytes = _streamers("companion_bytes")
     last_order = _streamers("last_order")
 
     def allocate_device_buffers(self) -> None:
@@ -160,6 +163,10 @@ class SequentialOffloader:
     def file_slices(self) -> tuple[FileSlice, ...]:
         """See ``BlockStreamer.file_slices``."""
         return self.streamer.file_slices()
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        """See ``BlockStreamer.companions``."""
+        return self.streamer.companions(index)
 
     def state(self, module: nn.Module) -> ModuleState:
         index = next(i for i, m in enumerate(self.modules) if m is module)

@@ -34,7 +34,7 @@ every prompt) neither copies nor pins the streamed weights again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .companions import CompanionLayout
 from .device import (
     can_pin_memory,
     copy_stream,
@@ -128,6 +129,17 @@ class _StreamedBlock:
     # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
     read: BlockRead | None = None
     file_backed: bool = False  # ``originals`` are views of the file
+    # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
+    companion_layout: CompanionLayout | None = None
+    companion_host: torch.Tensor | None = None
+    companion_reserved: int = 0
+    companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+
+    @property
+    def region_bytes(self) -> int:
+        """The ring bytes the block takes: its own, then its companions'."""
+        extra = self.companion_layout.nbytes if self.companion_layout is not None else 0
+        return aligned(self.layout.nbytes) + extra
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,8 @@ class BlockStreamer:
     ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
     ``call_order``: the order the blocks were called in by an earlier streamer of the same model
     (``last_order``), so the first step copies and reads ahead in that order rather than the list's.
+    ``companions``: per streamed block, tensors copied with it into the ring (packed once, pinned like its
+    buffer), handed back as device views while it runs (``companions(index)``).
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -245,6 +259,7 @@ class BlockStreamer:
         dtype_of: DtypeOf | None = None,
         staging_slots: int = 2,
         call_order: Sequence[int] | None = None,
+        companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -261,6 +276,7 @@ class BlockStreamer:
         if self.read_each_step and (file_slice is None or staging_slots < 1):
             raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
         self.file_slice = file_slice
+        self._companion_tensors = dict(companions or {})
         self.dtype_of = dtype_of
         self.staging_slots = staging_slots
         self.prefetch = prefetch
@@ -298,6 +314,7 @@ class BlockStreamer:
             return
         for index in sorted(self.streamed):
             self._state[index] = self._offload(index, self.blocks[index])
+            self._pack_companions(index, self._state[index])
         self._start_reader()
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(eager(self._pre_hook(index))))
@@ -331,6 +348,7 @@ class BlockStreamer:
         # when another model is waiting for the RAM.
         for index in sorted(self._state):
             state = self._state.pop(index)
+            self._drop_companions(state)
             if park and state.origin_device.type == "cpu":
                 self._park(index, state)
             elif state.file_backed:
@@ -350,6 +368,7 @@ class BlockStreamer:
     def _free_ring(self) -> None:
         for state in self._state.values():
             state.device_views.clear()  # views keep the memory they view alive
+            state.companion_views.clear()
         self._ring = self._buffer = self._staging = None
 
     def make_resident(self, indices: Iterable[int]) -> None:
@@ -363,6 +382,7 @@ class BlockStreamer:
                     self._ring.drop(index)
                 if self._reader is not None:
                     self._reader.release(index, None)  # a read made ahead for it goes unused
+                self._drop_companions(state)
                 self._restore(state, self.device)
                 self._unpin(state)
         self.streamed = frozenset(self._state)
@@ -385,7 +405,7 @@ class BlockStreamer:
 
     @property
     def _largest(self) -> int:
-        return max((state.layout.nbytes for state in self._state.values()), default=0)
+        return max((state.region_bytes for state in self._state.values()), default=0)
 
     @property
     def unit(self) -> str:
@@ -397,8 +417,14 @@ class BlockStreamer:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the streamer holds: its blocks' host buffers and the reader's staging slots."""
-        return sum(state.host.numel() for state in self._state.values()) + self.staging_bytes
+        """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
+        return sum(state.host.numel() for state in self._state.values()) + self.companion_bytes + self.staging_bytes
+
+    @property
+    def companion_bytes(self) -> int:
+        """Of ``host_bytes``, the blocks' companions (packed once, copied with their blocks)."""
+        held = [state.companion_host for state in self._state.values() if state.companion_host is not None]
+        return sum(host.numel() for host in held)
 
     @property
     def staging_bytes(self) -> int:
@@ -532,15 +558,52 @@ class BlockStreamer:
 
     def _staging_slot(self, nbytes: int) -> torch.Tensor:
         """A host staging slot, pinned where the budget and the driver allow (counted like a host buffer)."""
+        slot, reserved = self._small_host_buffer(nbytes)
+        self._slot_reservation += reserved
+        return slot
+
+    def _small_host_buffer(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """Host memory for staging slots and companions, pinned where the budget and the driver allow; with
+        the bytes reserved in the pin budget (0: pageable)."""
         reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
         if reserved and (self._pinned is None or self._pinned.reserve(reserved)):
-            slot = pinned_host_buffer(nbytes)
-            if slot is not None:
-                self._slot_reservation += reserved
-                return slot
+            buffer = pinned_host_buffer(nbytes)
+            if buffer is not None:
+                return buffer, reserved
             if self._pinned is not None:
                 self._pinned.release(reserved)
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8), 0
+
+    def _pack_companions(self, index: int, state: _StreamedBlock) -> None:
+        tensors = self._companion_tensors.get(index)
+        if not tensors:
+            return
+        layout = CompanionLayout.of(tensors)
+        host, reserved = self._small_host_buffer(layout.nbytes)
+        layout.pack_into(host, tensors)
+        state.companion_layout, state.companion_host, state.companion_reserved = layout, host, reserved
+
+    def _drop_companions(self, state: _StreamedBlock) -> None:
+        if state.companion_reserved and self._pinned is not None:
+            self._pinned.release(state.companion_reserved)
+        state.companion_layout = state.companion_host = None
+        state.companion_reserved = 0
+        state.companion_views.clear()
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        """Block ``index``'s companions as device views, while it is in the ring (from its copy to its region
+        being overwritten: a host reads them during the block's call); None when it has none or is elsewhere."""
+        state = self._state.get(index)
+        region = self.region_of(index)
+        if state is None or state.companion_layout is None or region is None:
+            return None
+        start = region[0] + aligned(state.layout.nbytes)
+        views = state.companion_views.get(start)
+        if views is None:
+            if len(state.companion_views) == _VIEWS_KEPT:
+                state.companion_views.clear()
+            views = state.companion_views[start] = state.companion_layout.views(self._buffer[start:])
+        return views
 
     def _stop_reader(self) -> None:
         if self._reader is None:
@@ -670,7 +733,7 @@ class BlockStreamer:
         if self._ring is None:
             self._allocate_ring()
         state = self._state[index]
-        placed = self._ring.place(index, state.layout.nbytes, held)
+        placed = self._ring.place(index, state.region_bytes, held)
         if placed is None:
             return False
         start, overwritten = placed
@@ -702,6 +765,10 @@ class BlockStreamer:
                 target.copy_(source)
         if state.read is not None:
             self._reader.release(index, self.copy_stream)
+        companions = state.companion_host
+        if companions is not None:
+            at = start + aligned(state.layout.nbytes)
+            self._buffer[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
 
     @staticmethod
     def _cast_on_device(state: _StreamedBlock) -> bool:
@@ -755,14 +822,14 @@ class BlockStreamer:
                 if position < self.prefetch and self._reader.holds(index):
                     self._reader.release(index, None)  # read for nothing: it stayed in the ring
                 continue
-            advance += aligned(state.layout.nbytes, ring.granule)
+            advance += aligned(state.region_bytes, ring.granule)
             needs_read = state.read is not None and not self._reader.holds(index)
             if needs_read and not self._reader.schedule(index, state.read):
                 return
 
     @property
     def _ring_holds_all(self) -> bool:
-        return sum(aligned(state.layout.nbytes) for state in self._state.values()) <= self.capacity
+        return sum(aligned(state.region_bytes) for state in self._state.values()) <= self.capacity
 
     def _deferred(self, state: _StreamedBlock) -> bool:
         if self.copy_stream is None:

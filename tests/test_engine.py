@@ -274,3 +274,37 @@ def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_
     assert streamer.device_buffer_bytes == sum(counter.storages.values())
     assert largest > module_bytes(model.blocks[1])  # the alignment padding, counted
     streamer.disable()
+
+
+def test_companions_travel_with_their_block_and_are_device_views_during_its_call() -> None:
+    """Per-block extra tensors (a host's LoRA adapters) are copied into the ring right after their block and
+    read there during its call: equal to what was given, inside the ring, and gone with the streamer."""
+    model = transformer_stack(num_blocks=4, dim=32)
+    x = torch.randn(2, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    companions = {i: (torch.randn(16, 8), torch.arange(i + 3, dtype=torch.int64)) for i in (1, 2, 3)}
+    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model, companions=companions)
+    streamer.enable()
+    seen: dict[int, bool] = {}
+
+    def check(index: int):
+        def hook(*_: object) -> None:
+            views = streamer.companions(index)
+            ring = streamer._buffer
+            inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
+            same = all(torch.equal(v, t) for v, t in zip(views, companions[index], strict=True))
+            seen[index] = inside and same
+
+        return hook
+
+    hooks = [model.blocks[i].register_forward_pre_hook(check(i)) for i in (1, 2, 3)]  # after the streamer's
+    for out in forward_steps(model, x, steps=3):
+        assert torch.equal(out, reference)
+    assert seen == {1: True, 2: True, 3: True}
+    assert streamer.companions(0) is None, "a resident block has none"
+    weights = sum(module_bytes(model.blocks[i]) for i in (1, 2, 3))
+    assert streamer.host_bytes >= weights + sum(t.numel() * t.element_size() for ts in companions.values() for t in ts)
+    for hook in hooks:
+        hook.remove()
+    streamer.disable()
+    assert streamer.companions(1) is None

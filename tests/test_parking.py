@@ -395,3 +395,49 @@ def test_lora_changes_and_branches_write_no_host_byte(
         assert patcher.model.lowvram_patch_counter == (patched_weights if strength else 0)
     assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
     comfy.mm.unload_all_models()
+
+
+@pytest.mark.parametrize("node", ["async", "partial", "sequential"])
+def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, node: str
+) -> None:
+    """Every streamed weight's patch is computed from adapter copies in the device ring, staged with its
+    block (packed once per set of patches), not from the LoRA's tensors in host memory; bitwise the same."""
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    patched = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+    reference = sample(comfy, patched)
+    comfy.mm.unload_all_models()
+    streaming = offloaded(comfy, node, patched)
+    import comfy.lora as comfy_lora  # importable once the ``comfy`` fixture has set ComfyUI up
+
+    calls: list[tuple[str, list[int]]] = []
+    calculate_weight = comfy_lora.calculate_weight
+
+    def spy(patches, weight, key, *args, **kwargs):
+        tensors = [t for entry in patches for t in _tensors(entry)]
+        calls.append((key, [t.data_ptr() for t in tensors]))
+        return calculate_weight(patches, weight, key, *args, **kwargs)
+
+    monkeypatch.setattr(comfy_lora, "calculate_weight", spy)
+    assert torch.equal(sample(comfy, streaming), reference)
+    engine = streaming.offload_engine
+    runner = engine.runner
+    ring = (runner.streamer if node == "sequential" else runner)._buffer
+    inside = range(ring.data_ptr(), ring.data_ptr() + ring.numel())
+    streamed = [
+        (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)
+    ]
+    assert streamed and runner.companion_bytes > 0
+    # ComfyUI counted the ring the adapters made larger.
+    assert runner.device_buffer_bytes <= engine.placement.buffer_bytes, (runner.device_buffer_bytes, engine.placement)
+    assert all(ptrs and all(ptr in inside for ptr in ptrs) for _, ptrs in streamed), streamed[:3]
+    comfy.mm.unload_all_models()
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return _tensors(getattr(value, "weights", ()))
