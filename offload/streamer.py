@@ -66,6 +66,18 @@ from .timeline import CallRecord, CopyRecord, TimelineRecorder
 _VIEWS_KEPT = 16
 
 
+def _cached_views(
+    cache: dict[int, tuple[torch.Tensor, ...]], start: int, make: Callable[[], tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, ...]:
+    """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
+    views = cache.get(start)
+    if views is None:
+        if len(cache) == _VIEWS_KEPT:
+            cache.clear()
+        views = cache[start] = make()
+    return views
+
+
 def eager(hook: Callable) -> Callable:
     """``hook``, run as plain Python under ``torch.compile``: the engine's hooks issue copies, record events
     and repoint parameters, which a traced graph would bake in once; the compiler breaks the graph around
@@ -598,12 +610,7 @@ class BlockStreamer:
         if state is None or state.companion_layout is None or region is None:
             return None
         start = region[0] + aligned(state.layout.nbytes)
-        views = state.companion_views.get(start)
-        if views is None:
-            if len(state.companion_views) == _VIEWS_KEPT:
-                state.companion_views.clear()
-            views = state.companion_views[start] = state.companion_layout.views(self._buffer[start:])
-        return views
+        return _cached_views(state.companion_views, start, lambda: state.companion_layout.views(self._buffer[start:]))
 
     def _stop_reader(self) -> None:
         if self._reader is None:
@@ -721,12 +728,7 @@ class BlockStreamer:
             self.copy_stream.wait_stream(current_stream(self.device))
 
     def _views(self, state: _StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
-        views = state.device_views.get(start)
-        if views is None:
-            if len(state.device_views) == _VIEWS_KEPT:
-                state.device_views.clear()
-            views = state.device_views[start] = state.layout.views(self._buffer[start:])
-        return views
+        return _cached_views(state.device_views, start, lambda: state.layout.views(self._buffer[start:]))
 
     def _load(self, index: int, held: Container[int]) -> bool:
         """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
