@@ -33,7 +33,6 @@ from comfy.model_patcher import ModelPatcher
 from ..offload import FileSlice
 from .architectures import inside
 from .request import OffloadRequest
-from .state import state_of
 
 
 class DynamicVramError(ValueError):
@@ -60,7 +59,7 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     twin = _CLASSIC_TWINS.get(model.model)
     if twin is None:
         twin = _CLASSIC_TWINS[model.model] = _file_backed_twin(model, node)
-        state_of(twin[0]).file_views = {
+        _FILE_VIEWS[twin[0]] = {
             name: tensor for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
         }
     classic = model.clone(disable_dynamic=True, model_override=twin)
@@ -178,11 +177,21 @@ def _plain_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, tensor
 
 
+# Per twin (its nn.Module): its plain weights as views of their checkpoint file, by name. A real unload points
+# what ComfyUI moved back to the host at them again, so the twin holds no copy of them in RAM.
+_FILE_VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def file_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A twin's weights as views of its checkpoint file, by name (empty for any other model)."""
+    return _FILE_VIEWS.get(model, {})
+
+
 def back_to_file(model: torch.nn.Module) -> None:
     """Points a twin's plain weights that ComfyUI moved back to the host (its unload copies what it loaded to
     the offload device) at their views of the file again, as they were before any load: the copies go, and
     the next load casts them again. Weights elsewhere (on the device, a streamed block's host buffer) stay."""
-    views = state_of(model).file_views
+    views = file_views(model)
     for name, tensor in _plain_tensors(model):
         view = views.get(name)
         if view is not None and tensor.device.type == "cpu" and tensor.data_ptr() != view.data_ptr():

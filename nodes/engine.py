@@ -37,7 +37,6 @@ from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement
 from .request import OffloadRequest
-from .state import state_of
 
 
 @dataclass
@@ -115,9 +114,16 @@ def observe_engines(started: EngineObserver, stopped: EngineObserver) -> None:
     _stopped_observers.append(stopped)
 
 
-def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placement, device: torch.device) -> Engine:
+def start_engine(
+    model: ModelPatcher,
+    request: OffloadRequest,
+    placement: Placement,
+    device: torch.device,
+    last_order: CallOrder | None = None,
+) -> Engine:
     """Streams ``placement``'s blocks of ``model`` (ComfyUI has loaded the rest): their weight patches
-    applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them."""
+    applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them.
+    ``last_order``: the model's last engine's call order (``call_order_of``), where the first step starts."""
     # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
     # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
     # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
@@ -126,7 +132,8 @@ def start_engine(model: ModelPatcher, request: OffloadRequest, placement: Placem
     patching = patch_streamed_weights(model, placement.streamed, device)
     units, recurse = _streamed_units(model, placement.plan)
     adapters = AdapterStaging.of(patching, units, recurse)
-    runner = _runner(model, request, placement.plan, device, recorder := TimelineRecorder(device), adapters.companions)
+    recorder = TimelineRecorder(device)
+    runner = _runner(model, request, placement.plan, device, recorder, adapters.companions, last_order)
     adapters.bind(runner)
     runner.enable()
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
@@ -218,6 +225,7 @@ def _runner(
     device: torch.device,
     recorder: TimelineRecorder,
     companions: dict[int, tuple[torch.Tensor, ...]],
+    last_order: CallOrder | None,
 ) -> Runner:
     diffusion_model = model.model.diffusion_model
     units, recurse = _streamed_units(model, plan)
@@ -232,7 +240,7 @@ def _runner(
             recorder=recorder,
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
-            call_order=_last_order(model, "module", len(units)),
+            call_order=_order_for(last_order, "module", len(units)),
             companions=companions,
             **_file_tier_options(request, units, recurse),
         )
@@ -247,15 +255,23 @@ def _runner(
         root=diffusion_model,
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
-        call_order=_last_order(model, "block", len(blocks)),
+        call_order=_order_for(last_order, "block", len(blocks)),
         companions=companions,
         **_file_tier_options(request, units, recurse),
     )
 
 
-def _last_order(model: ModelPatcher, unit: str, units: int) -> tuple[int, ...] | None:
-    """The call order the model's last engine saw, when it streamed the same units."""
-    last = state_of(model.model).call_order
+#: An engine's call order, with what it counts: its unit ("block", "module"), how many units, the order.
+CallOrder = tuple[str, int, tuple[int, ...]]
+
+
+def call_order_of(engine: Engine) -> CallOrder:
+    runner = engine.runner
+    return runner.unit, runner.units, runner.last_order
+
+
+def _order_for(last: CallOrder | None, unit: str, units: int) -> tuple[int, ...] | None:
+    """The last engine's call order, when it streamed the same units."""
     return last[2] if last is not None and last[:2] == (unit, units) else None
 
 

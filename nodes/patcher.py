@@ -38,7 +38,7 @@ from .dynamic_vram import (
     load_in_recorded_dtype,
     uses_dynamic_vram,
 )
-from .engine import Engine, start_engine
+from .engine import Engine, call_order_of, start_engine
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
@@ -207,7 +207,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if not placement.streamed:
             return
         if state.engine is None:
-            state.engine = start_engine(self, request, placement, device_to)
+            state.engine = start_engine(self, request, placement, device_to, state.call_order)
             self._check_resident_loaded(request)
         state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
@@ -294,8 +294,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if engine is None:
             return
         remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
-        runner = engine.runner
-        state.call_order = (runner.unit, runner.units, runner.last_order)
+        state.call_order = call_order_of(engine)
         engine.stop(park)
         state.engine = None
         if not park:

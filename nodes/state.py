@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -34,9 +33,6 @@ class ModelState:
     # dropping an old node output after a plain model loaded these weights) must not pass the plain load
     # off as the parked one.
     parked_load: tuple | None = None
-    # A Dynamic VRAM twin's plain weights as views of their checkpoint file, by name: a real unload points
-    # what ComfyUI moved back to the host at them again, so the twin holds no copy of them in RAM.
-    file_views: dict[str, torch.Tensor] = field(default_factory=dict)
     # The last engine's call order (its unit, its count of units, the order): the next engine of the model
     # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
     call_order: tuple[str, int, tuple[int, ...]] | None = None

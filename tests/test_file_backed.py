@@ -303,9 +303,9 @@ def test_an_unloaded_twin_keeps_no_copy_of_what_comfyui_loaded(
     streaming = offloaded(comfy, ASYNC, model)
     assert torch.equal(sample(comfy, streaming), reference)
     twin = streaming.model
-    from block_offload.nodes.state import state_of
+    from block_offload.nodes.dynamic_vram import file_views
 
-    views = state_of(twin).file_views
+    views = file_views(twin)
     weights = {name for name in twin.state_dict() if name.startswith("diffusion_model.")}  # not the sigmas
     assert weights <= set(views), f"not views of the checkpoint: {weights - set(views)}"
     assert twin.diffusion_model.head.head.weight.dtype == torch.float16  # cast for ComfyUI's load
@@ -359,9 +359,9 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
     comfy.mm.unload_all_models()
     # The real unload gives every weight of the twin back to the file.
-    from block_offload.nodes.state import state_of
+    from block_offload.nodes.dynamic_vram import file_views
 
-    views = state_of(streaming.model).file_views
+    views = file_views(streaming.model)
     held = dict(streaming.model.named_parameters())
     assert not [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
 
