@@ -42,6 +42,10 @@ from .architectures import inside
 string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
 
 
+#: Ring positions a LoadedPatch keeps its patches rebuilt for (they repeat from step to step).
+_POSITIONS_KEPT = 16
+
+
 def _lora_dtype(device: torch.device) -> torch.dtype:
     """The dtype ComfyUI patches a loaded weight in (0.33 may choose fp16 on a GPU; 0.3.75: fp32)."""
     chooser = getattr(comfy.model_management, "lora_compute_dtype", None)
@@ -65,7 +69,8 @@ class LoadedPatch:
         self._runner: weakref.ref | None = None
         self._unit = 0
         self._positions: tuple[int, ...] = ()
-        self._staged: tuple[tuple[torch.Tensor, ...] | None, list | None] = (None, None)
+        # By the views' identity (the engine keeps one tuple per ring position): the views, the patches.
+        self._staged: dict[int, tuple[tuple[torch.Tensor, ...], list]] = {}
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -84,12 +89,13 @@ class LoadedPatch:
         views = runner.companions(self._unit) if runner is not None else None
         if views is None:
             return self.patches[self.key]
-        last_views, last_patches = self._staged
-        if views is not last_views:  # the block's region moved: rebuilt around its views there
+        staged = self._staged.get(id(views))
+        if staged is None or staged[0] is not views:  # a ring position not seen yet: rebuilt around its views
+            if len(self._staged) >= _POSITIONS_KEPT:
+                self._staged.clear()
             replaced = iter([views[position] for position in self._positions])
-            last_patches = _with_host_tensors(self.patches[self.key], replaced)
-            self._staged = (views, last_patches)
-        return last_patches
+            staged = self._staged[id(views)] = (views, _with_host_tensors(self.patches[self.key], replaced))
+        return staged[1]
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         module = self._module()
