@@ -28,13 +28,13 @@ PACK_ROOT = Path(__file__).resolve().parents[1]
 def limited(start: Callable, limit: int) -> Callable:
     """``start`` (the patcher's ``start_engine``), checking first that the simulated device has room."""
 
-    def start_within_limit(model, request, placement, device):
+    def start_within_limit(model, request, placement, device, *args, **kwargs):
         needed = model.model.model_loaded_weight_memory + placement.buffer_bytes
         if needed > limit:
             raise torch.OutOfMemoryError(
                 f"simulated device limit: {needed} bytes of resident weights and stream buffers, {limit} available"
             )
-        return start(model, request, placement, device)
+        return start(model, request, placement, device, *args, **kwargs)
 
     return start_within_limit
 
