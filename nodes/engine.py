@@ -54,6 +54,7 @@ class Engine:
     summary: str = ""
     # The file tier's read bandwidth, measured as the engine started (bytes/s; None: no file tier).
     read_bandwidth: float | None = None
+    cold_reads_noted: bool = False  # the notice of ``note_cold_reads`` is given once per engine
 
     def note_cold_reads(self) -> None:
         """A notice (once per engine) when the last step read the file at under half the bandwidth measured
@@ -62,7 +63,7 @@ class Engine:
         step = self.recorder.latest()
         if not self.read_bandwidth or step is None or step.read_gbps is None:
             return
-        if step.read_gbps * 1e9 >= self.read_bandwidth / 2 or any("page cache" in n for n in self.notices):
+        if step.read_gbps * 1e9 >= self.read_bandwidth / 2 or self.cold_reads_noted:
             return
         notice = (
             f"The checkpoint file was read at {step.read_gbps:.2f} GB/s in the last step, under half the "
@@ -72,13 +73,12 @@ class Engine:
         )
         logging.warning(f"Block Offload ({self.request.node}): {notice}")
         self.notices.append(notice)
+        self.cold_reads_noted = True
 
     @property
     def read_ms(self) -> float | None:
         """The least a step can take while the file tier is read at the measured bandwidth."""
-        if not self.read_bandwidth:
-            return None
-        return self.runner.file_tier_bytes / self.read_bandwidth * 1e3
+        return _least_read_ms(self.runner, self.read_bandwidth)
 
     @property
     def predicted_ms(self) -> float | None:
@@ -133,7 +133,7 @@ def start_engine(
     units, recurse = _streamed_units(model, placement.plan)
     adapters = AdapterStaging.of(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    runner = _runner(model, request, placement.plan, device, recorder, adapters.companions, last_order)
+    runner = _runner(model, request, placement.plan, device, recorder, units, adapters.companions, last_order)
     adapters.bind(runner)
     runner.enable()
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
@@ -181,12 +181,17 @@ def _tiers_summary(runner: Runner, bandwidth: float | None) -> str:
         f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
         f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
     )
-    if bandwidth:
-        read_ms = runner.file_tier_bytes / bandwidth * 1e3
+    read_ms = _least_read_ms(runner, bandwidth)
+    if read_ms is not None:
         read_from += (
             f", {bandwidth / 1e9:.2f} GB/s read as the page cache holds it now: {read_ms:.1f} ms per step at least"
         )
     return f"; {held}, {read_from})"
+
+
+def _least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
+    """The least a step can take while the file tier is read at ``bandwidth`` (bytes/s; None: no file tier)."""
+    return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
 def _file_tier_options(request: OffloadRequest, units: dict[int, nn.Module], recurse: bool) -> dict:
@@ -224,11 +229,13 @@ def _runner(
     plan: OffloadPlan | None,
     device: torch.device,
     recorder: TimelineRecorder,
+    units: dict[int, nn.Module],
     companions: dict[int, tuple[torch.Tensor, ...]],
     last_order: CallOrder | None,
 ) -> Runner:
+    """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
+    streamed blocks)."""
     diffusion_model = model.model.diffusion_model
-    units, recurse = _streamed_units(model, plan)
     if plan is None:
         return SequentialOffloader(
             diffusion_model,
@@ -242,7 +249,7 @@ def _runner(
             pin_budget=PINNED_MEMORY,
             call_order=_order_for(last_order, "module", len(units)),
             companions=companions,
-            **_file_tier_options(request, units, recurse),
+            **_file_tier_options(request, units, recurse=False),
         )
     _, blocks = find_blocks(diffusion_model)
     return BlockStreamer(
@@ -257,7 +264,7 @@ def _runner(
         ring_bytes=plan.ring_bytes or None,
         call_order=_order_for(last_order, "block", len(blocks)),
         companions=companions,
-        **_file_tier_options(request, units, recurse),
+        **_file_tier_options(request, units, recurse=True),
     )
 
 

@@ -304,6 +304,7 @@ class BlockStreamer:
         self.copy_stream = copy_stream(self.device)
         self._state: dict[int, _StreamedBlock] = {}
         self._ring: ByteRing | None = None
+        self._holds_all = False  # the ring holds every streamed block (``_ring_holds_all``), set with the ring
         self._buffer: torch.Tensor | None = None  # the ring's memory
         self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
         self._reader: FileReader | None = None
@@ -398,6 +399,7 @@ class BlockStreamer:
                 self._restore(state, self.device)
                 self._unpin(state)
         self.streamed = frozenset(self._state)
+        self._holds_all = self._ring_holds_all()
         self.read_each_step &= self.streamed
 
     @property
@@ -503,17 +505,8 @@ class BlockStreamer:
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
         origin = layout.device or self.device
-        reserved = pinned_allocation_bytes(storage.nbytes) if self.pin_memory else 0
-        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
-        host = pinned_host_buffer(storage.nbytes) if pinned else None
-        pageable_because = None
-        if host is None:
-            if pinned and self._pinned is not None:
-                self._pinned.release(reserved)  # the driver refused: stream it from pageable memory
-            if self.pin_memory:
-                pageable_because = "driver" if pinned else "cap"
-            pinned, reserved = False, 0
-            host = torch.empty(storage.nbytes, dtype=torch.uint8)
+        host, reserved, pageable_because = self._host_buffer(storage.nbytes)
+        pinned = self.pin_memory and pageable_because is None
         storage.pack_into(host)
         host_views = storage.views(host)
         originals = None
@@ -570,28 +563,30 @@ class BlockStreamer:
 
     def _staging_slot(self, nbytes: int) -> torch.Tensor:
         """A host staging slot, pinned where the budget and the driver allow (counted like a host buffer)."""
-        slot, reserved = self._small_host_buffer(nbytes)
+        slot, reserved, _ = self._host_buffer(nbytes)
         self._slot_reservation += reserved
         return slot
 
-    def _small_host_buffer(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        """Host memory for staging slots and companions, pinned where the budget and the driver allow; with
-        the bytes reserved in the pin budget (0: pageable)."""
+    def _host_buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
+        """Host memory for a block's bytes, a staging slot or companions, pinned where the budget and the
+        driver allow: the buffer, the bytes reserved in the pin budget, and why it is pageable although
+        pinning was asked ("cap": the budget refused; "driver": the driver refused to register it)."""
         reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
-        if reserved and (self._pinned is None or self._pinned.reserve(reserved)):
-            buffer = pinned_host_buffer(nbytes)
-            if buffer is not None:
-                return buffer, reserved
-            if self._pinned is not None:
-                self._pinned.release(reserved)
-        return torch.empty(nbytes, dtype=torch.uint8), 0
+        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
+        host = pinned_host_buffer(nbytes) if pinned else None
+        if host is not None:
+            return host, reserved, None
+        if pinned and self._pinned is not None:
+            self._pinned.release(reserved)  # the driver refused: pageable memory
+        why = ("driver" if pinned else "cap") if self.pin_memory else None
+        return torch.empty(nbytes, dtype=torch.uint8), 0, why
 
     def _pack_companions(self, index: int, state: _StreamedBlock) -> None:
         tensors = self._companion_tensors.get(index)
         if not tensors:
             return
         layout = CompanionLayout.of(tensors)
-        host, reserved = self._small_host_buffer(layout.nbytes)
+        host, reserved, _ = self._host_buffer(layout.nbytes)
         layout.pack_into(host, tensors)
         state.companion_layout, state.companion_host, state.companion_reserved = layout, host, reserved
 
@@ -716,6 +711,7 @@ class BlockStreamer:
         # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
         self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
         self._ring = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
+        self._holds_all = self._ring_holds_all()
         if is_accelerator(self.device):
             for state in self._state.values():
                 if state.ready is None:
@@ -818,7 +814,7 @@ class BlockStreamer:
             state = self._state[index]
             region = ring.regions.get(index)
             stays = region is not None and (
-                position < self.prefetch or self._ring_holds_all or (region[0] - ring.head) % ring.capacity >= advance
+                position < self.prefetch or self._holds_all or (region[0] - ring.head) % ring.capacity >= advance
             )
             if stays:
                 if position < self.prefetch and self._reader.holds(index):
@@ -829,8 +825,8 @@ class BlockStreamer:
             if needs_read and not self._reader.schedule(index, state.read):
                 return
 
-    @property
     def _ring_holds_all(self) -> bool:
+        """Whether the ring holds every streamed block at once (then a block copied once stays)."""
         return sum(aligned(state.region_bytes) for state in self._state.values()) <= self.capacity
 
     def _deferred(self, state: _StreamedBlock) -> bool:
