@@ -82,3 +82,19 @@ def offloaded(comfy: SimpleNamespace, node: str, model):
     return comfy.nodes.SequentialOffloadWrapper.execute(
         model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
     ).result[0]
+
+
+def count_packs(monkeypatch) -> list[int]:
+    """From now on, the bytes of every host buffer a block is packed into (``BlockLayout.pack_into``): empty
+    while parked buffers are adopted and nothing is packed again."""
+    from block_offload.offload.layout import BlockLayout
+
+    packed: list[int] = []
+    pack_into = BlockLayout.pack_into
+
+    def counting(self, host):
+        packed.append(host.numel())
+        return pack_into(self, host)
+
+    monkeypatch.setattr(BlockLayout, "pack_into", counting)
+    return packed

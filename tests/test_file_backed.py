@@ -22,11 +22,10 @@ from safetensors.torch import load_file, save_file
 from harness import tiny_models as tm
 from harness.dynamic_vram import COMPUTE, DynamicVram
 from harness.host_memory import peak_during
-from harness.inprocess import offloaded, sample
+from harness.inprocess import count_packs, offloaded, sample
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
 from block_offload.offload import release_freed_host_memory
-from block_offload.offload.layout import BlockLayout
 
 pytestmark = [
     pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"),
@@ -342,14 +341,7 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     assert torch.equal(sample(comfy, first), references[1.0])
     runner = first.offload_engine.runner
     assert runner.read_each_step and runner.streamed - runner.read_each_step, "both tiers"
-    packed: list[int] = []
-    pack_into = BlockLayout.pack_into
-
-    def counting(self, host):
-        packed.append(host.numel())
-        return pack_into(self, host)
-
-    monkeypatch.setattr(BlockLayout, "pack_into", counting)
+    packed = count_packs(monkeypatch)
     for strength, patcher in [
         (0.5, with_lora(comfy, streaming, 0.5)),  # another strength
         (0.0, streaming),  # the LoRA removed

@@ -12,11 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.inprocess import async_offload, offloaded, sample, wan
+from harness.inprocess import async_offload, count_packs, offloaded, sample, wan
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
-from block_offload.offload.layout import BlockLayout
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -375,14 +374,7 @@ def test_lora_changes_and_branches_write_no_host_byte(
     buffers = host_buffers(first)
     patched_weights = first.model.lowvram_patch_counter  # ComfyUI's count of per-layer patches
     assert patched_weights > 0
-    packed: list[int] = []
-    pack_into = BlockLayout.pack_into
-
-    def counting(self, host):
-        packed.append(host.numel())
-        return pack_into(self, host)
-
-    monkeypatch.setattr(BlockLayout, "pack_into", counting)
+    packed = count_packs(monkeypatch)
     for strength, patcher in [
         (0.5, with_lora(streaming, 0.5)),  # another strength
         (0.0, streaming),  # the LoRA removed
