@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import comfy.float
@@ -35,6 +35,7 @@ import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
+from ..offload import device_ms
 from .architectures import inside
 
 # The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
@@ -100,23 +101,32 @@ class LoadedPatch:
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         module = self._module()
         stored = getattr(module, self.param)
-        set_func = getattr(module, f"set_{self.param}", None)
-        convert_func = getattr(module, f"convert_{self.param}", None)
-        lora_dtype = _lora_dtype(weight.device)
-        if weight.dtype == stored.dtype == lora_dtype and convert_func is None:
-            temp = weight  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
-        else:
-            temp = comfy.model_management.cast_to_device(stored, weight.device, lora_dtype, copy=True)
-        if convert_func is not None:
-            temp = convert_func(temp, inplace=True)
-        patched = comfy.lora.calculate_weight(self._staged_patches(), temp, self.key)
-        if set_func is None:
-            patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=self._seed)
-        else:
-            patched = set_func(patched, seed=self._seed, return_weight=True)
-        if hasattr(patched, "dequantize"):  # a quantized format's own tensor
-            patched = patched.dequantize()
-        return patched.to(weight.dtype)
+        return _patched(module, self.param, stored, weight, self.key, self._staged_patches(), self._seed)
+
+
+def _patched(
+    module: torch.nn.Module, param: str, stored: torch.Tensor, weight: torch.Tensor, key: str, patches: list, seed: int
+) -> torch.Tensor:
+    """``weight`` (ComfyUI's ops' cast of ``module``'s ``param``) patched as ComfyUI patches a loaded weight, from
+    ``stored``, the module's own tensor on the device (the module's ``set_`` and ``convert_`` functions
+    applied, a quantized format's)."""
+    set_func = getattr(module, f"set_{param}", None)
+    convert_func = getattr(module, f"convert_{param}", None)
+    lora_dtype = _lora_dtype(weight.device)
+    if weight.dtype == stored.dtype == lora_dtype and convert_func is None:
+        temp = weight  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
+    else:
+        temp = comfy.model_management.cast_to_device(stored, weight.device, lora_dtype, copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    patched = comfy.lora.calculate_weight(patches, temp, key)
+    if set_func is None:
+        patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
+    else:
+        patched = set_func(patched, seed=seed, return_weight=True)
+    if hasattr(patched, "dequantize"):  # a quantized format's own tensor
+        patched = patched.dequantize()
+    return patched.to(weight.dtype)
 
 
 @dataclass(frozen=True)
@@ -146,32 +156,51 @@ def _carries_patches(weight: torch.Tensor) -> bool:
     return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
 
 
+def _patched_parameters(
+    model: ModelPatcher, units: frozenset[str]
+) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
+    """The named units' modules with patched weights, each with its patched parameters and how each is patched:
+    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``device`` (a weight of
+    ComfyUI's ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing)."""
+    for name, module in model.model.named_modules():
+        # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
+        # as ComfyUI's own load trusts the flag (its unpatch clears it).
+        if not inside(name, units) or getattr(module, "comfy_patched_weights", False):
+            continue
+        ops_module = hasattr(module, "comfy_cast_weights")
+        routes = []
+        for param, tensor in module.named_parameters(recurse=False):
+            key = f"{name}.{param}"
+            if key not in model.patches and not model.weight_wrapper_patches.get(key):
+                continue
+            if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
+                routes.append((param, tensor, "carried"))
+            elif ops_module and param in ("weight", "bias"):
+                routes.append((param, tensor, "device"))
+            elif key in model.patches:
+                routes.append((param, tensor, "bake"))
+        if routes:
+            yield name, module, routes
+
+
 def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> DevicePatching:
     """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
-    for name, module in model.model.named_modules():
-        # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
-        # as ComfyUI's own load trusts the flag (its unpatch clears it).
-        if not inside(name, streamed) or getattr(module, "comfy_patched_weights", False):
-            continue
-        ops_module = hasattr(module, "comfy_cast_weights")
+    for name, module, routes in _patched_parameters(model, streamed):
         functions: dict[str, list] = {}
         bake = []
-        for param, tensor in module.named_parameters(recurse=False):
+        for param, tensor, route in routes:
             key = f"{name}.{param}"
-            wrappers = model.weight_wrapper_patches.get(key, [])
-            if key not in model.patches and not wrappers:
-                continue
-            if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
+            if route == "carried":
                 model.patch_weight_to_device(key, device_to=tensor.device)  # records them on the tensor
                 carried += 1
-            elif ops_module and param in ("weight", "bias"):
+            elif route == "device":
                 patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
-                functions[param] = patch + list(wrappers)
+                functions[param] = patch + list(model.weight_wrapper_patches.get(key, []))
                 on_device += len(patch)
                 loaded += patch
-            elif key in model.patches:
+            else:
                 bake.append(key)
         if functions:
             module.weight_function = functions.get("weight", [])
@@ -189,6 +218,58 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
     return DevicePatching(on_device, carried, baked, tuple(loaded))
+
+
+#: Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), kept for the process: the
+#: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.
+_patch_ms: dict[tuple, float] = {}
+_PATCH_KINDS_KEPT = 256
+
+
+def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.device) -> tuple[float, ...]:
+    """Per unit (a module with its submodules, by name), what its patches cost on ``device`` at each call when
+    it streams: each weight ``patch_streamed_weights`` would patch at compute time, timed as ``LoadedPatch``
+    patches it from a copy on the device (one weight at a time), once per kind of weight. () when no unit has
+    such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
+    the weights baked once before packing."""
+    costs = [0.0] * len(units)
+    for name, module, routes in _patched_parameters(model, frozenset(units)):
+        unit = next(index for index, prefix in enumerate(units) if inside(name, frozenset((prefix,))))
+        for param, tensor, route in routes:
+            key = f"{name}.{param}"
+            if route != "device" or key not in model.patches:
+                continue
+            kind = (str(device), _patch_kind(tensor, model.patches[key]), _compute_dtype(model))
+            if kind not in _patch_ms:
+                if len(_patch_ms) >= _PATCH_KINDS_KEPT:
+                    _patch_ms.clear()
+                _patch_ms[kind] = _time_patch(model, module, param, key, device)
+            costs[unit] += _patch_ms[kind]
+    return tuple(costs) if any(costs) else ()
+
+
+def _compute_dtype(model: ModelPatcher) -> torch.dtype:
+    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
+    return model.model.manual_cast_dtype or model.model_dtype()
+
+
+def _patch_kind(tensor: torch.Tensor, patches: list) -> tuple:
+    """What a patch's cost depends on: the weight's shape and dtype, and each patch's kind, adapter shapes and
+    dtypes (not its strengths nor its values)."""
+    adapters = tuple((tuple(t.shape), t.dtype) for t in _host_tensors(patches))
+    kinds = tuple(type(patch[1]).__name__ for patch in patches)
+    return tuple(tensor.shape), tensor.dtype, kinds, adapters
+
+
+def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
+    """The device time of patching one weight at compute time: from a copy of it on ``device``, the adapters
+    copied there too (the engine stages them), the weight cast to the compute dtype as ComfyUI's ops hand it."""
+    stored = comfy.model_management.cast_to_device(getattr(module, param), device, None, copy=True)
+    weight = stored.dequantize().to(_compute_dtype(model), copy=True)
+    patches = model.patches[key]
+    staged = _with_host_tensors(patches, iter([t.to(device) for t in _host_tensors(patches)]))
+    seed = string_to_seed(key)
+    return device_ms(lambda: _patched(module, param, stored, weight, key, staged, seed), device)
 
 
 def _host_tensors(value: object) -> Iterator[torch.Tensor]:

@@ -155,7 +155,7 @@ class BlockOffloadPatcher(ModelPatcher):
         state = state_of(self.model)
         engine = state.engine
         if engine is not None:  # before planning, so this load can plan from them
-            remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
+            remember_costs(engine.request, engine.placement, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
         if math.isinf(budget) and request.automatic_budget:
             budget = self._device_room()
@@ -163,7 +163,8 @@ class BlockOffloadPatcher(ModelPatcher):
         placement = asked
         fallback = state.fallback
         if fallback is not None and (fallback.request, fallback.asked) == (request, asked.plan):
-            placement = describe(fallback.placed, self)  # it ran out of memory before: start from the one that fit
+            # It ran out of memory before: start from the one that fit.
+            placement = describe(fallback.placed, self, asked.patch_ms)
         if engine is not None and (engine.request, engine.placement) != (request, placement):
             self._stop_streaming()
             engine = None
@@ -172,7 +173,7 @@ class BlockOffloadPatcher(ModelPatcher):
             return
 
         def place_plan(candidate: OffloadPlan) -> None:
-            chosen = placement if candidate == placement.plan else describe(candidate, self)
+            chosen = placement if candidate == placement.plan else describe(candidate, self, placement.patch_ms)
             self._place(request, chosen, device_to, budget, force_patch_weights)
 
         placed, failed = place_falling_back(placement.plan, place_plan, self._undo_placement)
@@ -293,7 +294,7 @@ class BlockOffloadPatcher(ModelPatcher):
         engine = state.engine
         if engine is None:
             return
-        remember_costs(engine.request, engine.plan, engine.recorder.latest(), self)
+        remember_costs(engine.request, engine.placement, engine.recorder.latest(), self)
         state.call_order = call_order_of(engine)
         engine.stop(park)
         state.engine = None

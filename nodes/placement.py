@@ -37,7 +37,7 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .architectures import find_blocks
-from .device_patches import adapter_bytes
+from .device_patches import adapter_bytes, patch_ms_per_unit
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
@@ -57,6 +57,9 @@ class Placement:
     buffer_bytes: int  # device bytes of the stream buffers, which ComfyUI counts as offload buffers
     predicted_ms: float | None = None  # the planner's step time, for a planned automatic placement
     measuring: bool = False  # an automatic placement's first run: placed by the policy, measured for the next
+    # An automatic placement's per-block cost of patches applied at each call of a streamed block (the
+    # planner's ``StackCosts.patch_ms``): what a measuring run's streamed calls spent beyond their compute.
+    patch_ms: tuple[float, ...] = ()
 
     @classmethod
     def of_plan(cls, plan: OffloadPlan) -> Placement:
@@ -176,12 +179,15 @@ def _blocks(
     pin_memory = request.pin_memory and can_pin_memory() and pinning_enabled()
     measuring, unplanned = False, ""  # why an automatic placement fell back to the request's policy
     # Partial GPU Residency plans within a budget; Async Block Offload plans which of its count of blocks stay.
+    patch_ms: tuple[float, ...] = ()
     if request.auto_placement and (budget_bytes is not None or request.resident_blocks is not None):
+        patch_ms = _patch_ms(model)
         costs = _cost_cache().get(cache_key(device_name(model.load_device), arch, sizes))
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
             unplanned = "; not measured on this device yet, so this run measures it and the next one is planned"
         else:
+            costs = dataclasses.replace(costs, patch_ms=patch_ms)
             try:
                 predicted = _best_plan(
                     costs,
@@ -196,7 +202,8 @@ def _blocks(
             else:
                 planned = describe(predicted.plan, model)
                 summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}"
-                return Placement(predicted.plan, planned.streamed, summary, planned.buffer_bytes, predicted.step_ms)
+                streamed, step_ms = planned.streamed, predicted.step_ms
+                return Placement(predicted.plan, streamed, summary, planned.buffer_bytes, step_ms, patch_ms=patch_ms)
     plan = OffloadPlan.build(
         sizes,
         resident_count=count,
@@ -206,7 +213,14 @@ def _blocks(
         pin_memory=pin_memory,
     )
     described = describe(plan, model)
-    return Placement(plan, described.streamed, described.summary + unplanned, plan.slot_bytes, measuring=measuring)
+    summary = described.summary + unplanned
+    return Placement(plan, described.streamed, summary, plan.slot_bytes, measuring=measuring, patch_ms=patch_ms)
+
+
+def _patch_ms(model: ModelPatcher) -> tuple[float, ...]:
+    """Per block, what its patches cost at each call when it streams (``patch_ms_per_unit``)."""
+    blocks = [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model)[1]]
+    return patch_ms_per_unit(model, blocks, model.load_device)
 
 
 def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
@@ -218,19 +232,22 @@ def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
     return tuple(depth for depth in PREFETCH_CHOICES if depth <= request.prefetch)
 
 
-def describe(plan: OffloadPlan, model: ModelPatcher) -> Placement:
-    """The placement of a block plan: the streamed blocks' module names and the summary line."""
+def describe(plan: OffloadPlan, model: ModelPatcher, patch_ms: tuple[float, ...] = ()) -> Placement:
+    """The placement of a block plan: the streamed blocks' module names and the summary line (``patch_ms``: the
+    blocks' patch costs, kept from the placement it replaces)."""
     arch, blocks = find_blocks(model.model.diffusion_model)
     streamed = frozenset(f"diffusion_model.{blocks[i][0]}" for i in plan.streamed)
     summary = f"{arch.name}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
-    return Placement(plan, streamed, summary, plan.slot_bytes)
+    return Placement(plan, streamed, summary, plan.slot_bytes, patch_ms=patch_ms)
 
 
 def remember_costs(
-    request: OffloadRequest, plan: OffloadPlan | None, step: StepTimeline | None, model: ModelPatcher
+    request: OffloadRequest, placement: Placement, step: StepTimeline | None, model: ModelPatcher
 ) -> None:
     """Keeps what an automatic placement's last step cost, when this model has no measurements on this
-    device yet: every block's compute time, the gaps between them, and the copy bandwidth."""
+    device yet: every block's compute time, the gaps between them, and the copy bandwidth. The patches its
+    streamed blocks applied at each call are taken out: another model's are its own (another LoRA, or none)."""
+    plan = placement.plan
     if not request.auto_placement or plan is None:
         return
     arch, _ = find_blocks(model.model.diffusion_model)
@@ -240,7 +257,8 @@ def remember_costs(
         return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
     if len({span.block for span in step.spans}) < len(plan.block_bytes):
         return  # a step cut short (an interrupted prompt) would make every later plan wrong
-    costs = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=_inline(model))
+    recorded = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=_inline(model))
+    costs = dataclasses.replace(recorded, patch_ms=placement.patch_ms).without_patches(plan.streamed)
     cache.put(key, costs)
     logging.info(
         f"Block Offload ({request.node}): measured {arch.name} on {device_name(model.load_device)}: "

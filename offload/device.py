@@ -355,3 +355,18 @@ class Clock:
         """Milliseconds from ``start`` to ``end``, waiting for the device to reach ``end``."""
         self.wait(end)
         return self.since(start)(end)
+
+
+def device_ms(work: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """The least time ``work`` takes on ``device``'s current stream over ``repeats`` runs, after one run that
+    warms caches and kernels up. Each run waits for the device: a measurement taken once, never in a step."""
+    clock, stream = Clock(device), current_stream(device)
+    work()
+    times = []
+    for _ in range(repeats):
+        start, end = clock.new_marker(), clock.new_marker()
+        clock.mark(start, stream)
+        work()
+        clock.mark(end, stream)
+        times.append(clock.elapsed_ms(start, end))
+    return min(times)

@@ -66,6 +66,11 @@ class StackCosts:
     ``gap_ms`` are per call: the block's own compute, and the compute-stream time between
     the previous call's end (the step's start, for the first call) and this call's arrival.
     ``tail_ms`` runs from the last call's end to the step's end.
+
+    ``patch_ms`` (per block; empty: none) is what a block's weight patches cost on the compute stream when
+    the block streams: a host applies them to the streamed copy at every call, where a resident block was
+    patched once as it was loaded. A placement where copies dominate hides it; where compute dominates it is
+    paid at every call, and each block kept resident saves its copy and its patches.
     """
 
     block_bytes: tuple[int, ...]
@@ -74,10 +79,13 @@ class StackCosts:
     gap_ms: tuple[float, ...]
     tail_ms: float
     bandwidth_gbps: float
+    patch_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.calls) == len(self.compute_ms) == len(self.gap_ms):
             raise ValueError("calls, compute_ms and gap_ms must have one entry per call")
+        if self.patch_ms and len(self.patch_ms) != len(self.block_bytes):
+            raise ValueError("patch_ms must have one entry per block, or none")
         if any(not 0 <= block < len(self.block_bytes) for block in self.calls):
             raise ValueError(f"a call names a block outside 0..{len(self.block_bytes) - 1}")
         if not self.bandwidth_gbps > 0:
@@ -137,6 +145,24 @@ class StackCosts:
     def copy_ms(self, block: int) -> float:
         return self.block_bytes[block] / (self.bandwidth_gbps * 1e6)
 
+    def patch_of(self, block: int) -> float:
+        """What a call of ``block`` adds to its compute when the block streams."""
+        return self.patch_ms[block] if self.patch_ms else 0.0
+
+    def patches_per_step_ms(self, streamed: frozenset[int]) -> float:
+        """The patches' compute in one step where the ``streamed`` blocks stream."""
+        return sum(self.patch_of(block) for block in self.calls if block in streamed)
+
+    def without_patches(self, streamed: frozenset[int]) -> StackCosts:
+        """Costs recorded from a step where the ``streamed`` blocks were patched at each call, as they would be
+        unpatched: the patch time taken out of their calls' compute and ``patch_ms`` cleared. What is kept
+        for later placements, which add the patches of their own model (another LoRA, or none)."""
+        compute = tuple(
+            max(0.0, ms - self.patch_of(block)) if block in streamed else ms
+            for block, ms in zip(self.calls, self.compute_ms, strict=True)
+        )
+        return replace(self, compute_ms=compute, patch_ms=())
+
     @property
     def resident_step_ms(self) -> float:
         """The step with every block resident: nothing to wait for."""
@@ -154,6 +180,7 @@ class StackCosts:
             tuple(float(g) for g in data["gap_ms"]),
             float(data["tail_ms"]),
             float(data["bandwidth_gbps"]),
+            tuple(float(p) for p in data.get("patch_ms", ())),
         )
 
 
@@ -175,6 +202,9 @@ class Prediction:
         slow = ""
         if self.slow_step_ms is not None:
             slow = f", {self.slow_step_ms:.1f} ms with copies {1 - SLOW_COPIES:.0%} slower"
+        patches = costs.patches_per_step_ms(self.plan.streamed)
+        if patches:
+            slow += f"; patches on the streamed blocks {patches:.1f} ms of compute"
         return (
             f"predicted {self.step_ms:.1f} ms per step (stalls {self.stall_ms:.1f} ms{slow}; all resident "
             f"{costs.resident_step_ms:.1f} ms, lower bound {bound:.1f} ms at {costs.bandwidth_gbps:.1f} GB/s)"
@@ -242,7 +272,7 @@ class _Pipeline:
             step.copied.append(False)
         step.stall += self.clock - arrive
         self._prefetch(held={block})
-        self.clock += compute
+        self.clock += compute + (self.costs.patch_of(block) if streamed else 0.0)
         if streamed:
             self.released_at[block] = self.clock
         if self.trace is not None:

@@ -4,12 +4,14 @@ placement through a real ComfyUI (measure on the first prompt, plan on the next)
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import random
 import re
 import statistics
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +25,7 @@ from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_line
 from harness.transformer_stack import transformer_stack
 
 from block_offload.offload import GIB, BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
+from block_offload.offload.layout import aligned
 from block_offload.offload.planner import (
     PREFETCH_CHOICES,
     CostCache,
@@ -101,6 +104,51 @@ def test_inline_copies_add_up() -> None:
     costs = four_blocks(compute_ms=10, copy_ms=4)
     inline = simulate(costs, plan_of(costs, {0}, prefetch=1), inline_copies=True)
     assert inline.step_ms == pytest.approx(40 + 3 * 4)
+
+
+def test_patches_on_streamed_blocks_are_hidden_by_copies_and_paid_by_compute() -> None:
+    """A LoRA patched on the device at each call of a streamed block: compute on the compute stream."""
+    patch_ms = (3.0,) * 4
+    copy_bound = four_blocks(compute_ms=2, copy_ms=10)
+    plan = plan_of(copy_bound, set(), prefetch=1)
+    unpatched = simulate(copy_bound, plan).step_ms
+    # 2 + 3 ms of compute per block still waits for a 10 ms copy: the patches cost nothing.
+    assert simulate(replace(copy_bound, patch_ms=patch_ms), plan).step_ms == pytest.approx(unpatched) == 40
+    compute_bound = replace(four_blocks(compute_ms=10, copy_ms=4), patch_ms=patch_ms)
+    assert simulate(compute_bound, plan_of(compute_bound, set(), prefetch=1)).step_ms == pytest.approx(4 * 13)
+    # A resident block was patched as ComfyUI loaded it: no patch at its call.
+    resident = simulate(compute_bound, plan_of(compute_bound, {0}, prefetch=1))
+    assert resident.step_ms == pytest.approx(10 + 3 * 13)
+    assert "patches on the streamed blocks 9.0 ms of compute" in resident.describe(compute_bound)
+    assert compute_bound.resident_step_ms == 40  # everything resident: every patch applied at load
+
+
+def test_the_planner_keeps_the_patched_blocks_resident_where_compute_dominates() -> None:
+    """Eight equal blocks, compute-bound: without patches any two resident blocks give the same step. With
+    a LoRA on blocks 3 and 6 only, those are the ones kept: their patches would cost at every call."""
+    block = 8 * 2**20  # aligned: a ring slot holds exactly one
+    costs = StackCosts.uniform(8, compute_ms=10, block_bytes=block, bandwidth_gbps=block / 4e6)  # 4 ms copies
+    budget = 4 * block  # two resident blocks and a two-block ring, or three and one
+    unpatched = best_plan(costs, budget)
+    assert unpatched.step_ms == pytest.approx(80)
+    patched_costs = replace(costs, patch_ms=tuple(5.0 if block in (3, 6) else 0.0 for block in range(8)))
+    patched = best_plan(patched_costs, budget)
+    assert {3, 6} <= patched.plan.resident and patched.step_ms == pytest.approx(80)
+    # The placement chosen without the patches (the leading blocks) would pay for both at every step.
+    assert not {3, 6} & unpatched.plan.resident
+    assert simulate(patched_costs, unpatched.plan).step_ms == pytest.approx(90)
+
+
+def test_costs_recorded_with_patches_are_kept_without_them(tmp_path: Path) -> None:
+    recorded = StackCosts((MB,) * 3, (0, 1, 2), (13.0, 10.0, 13.0), (0.0,) * 3, 0.0, 1.0, patch_ms=(3.0,) * 3)
+    kept = recorded.without_patches(frozenset({0, 2}))  # block 1 was resident: patched at load
+    assert kept.compute_ms == (10.0, 10.0, 10.0) and kept.patch_ms == ()
+    cache = CostCache(tmp_path / "costs.json")
+    cache.put("patched", recorded)
+    cache.put("kept", kept)
+    assert cache.get("patched") == recorded and cache.get("kept") == kept
+    with pytest.raises(ValueError, match="one entry per block"):
+        replace(kept, patch_ms=(1.0,))
 
 
 # -- the search, against brute force -----------------------------------------------------------
@@ -430,3 +478,68 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     status = engine.recorder.listener.status(None)
     assert status["ring_bytes"] == plan.slot_bytes and status["models"][-1]["ring_bytes"] == plan.slot_bytes
     comfy.mm.unload_all_models()
+
+
+# -- a LoRA's patches, costed per block and planned around -----------------------------------------------------
+
+
+@pytest.mark.usefixtures("allow_cpu_streaming")
+def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block's patches are timed on the device as ``LoadedPatch`` applies them at a streamed call. A LoRA
+    on blocks 0 and 2 of the tiny Wan costs on those only, the same at another strength (measured once per kind
+    of weight). Planned from compute-bound costs, Partial GPU Residency keeps those two resident, streams bitwise,
+    and its plan line counts the patches of what streams. A measuring run with the LoRA keeps the costs
+    without the patch time of its streamed calls."""
+    device_patches = importlib.import_module("block_offload.nodes.device_patches")
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    lora = {key: value for key, value in lora.items() if ".blocks.0." in key or ".blocks.2." in key}
+
+    def with_lora(strength: float):
+        return comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
+
+    patched = with_lora(1.0)
+    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    names = [f"diffusion_model.{name}" for name, _ in blocks]
+    patch_ms = device_patches.patch_ms_per_unit(patched, names, CPU)
+    assert len(patch_ms) == 5 and patch_ms[0] > 0 and patch_ms[2] > 0, patch_ms
+    assert patch_ms[1] == patch_ms[3] == patch_ms[4] == 0
+    assert device_patches.patch_ms_per_unit(with_lora(0.5), names, CPU) == patch_ms
+    assert device_patches.patch_ms_per_unit(model, names, CPU) == ()
+
+    reference = sample(comfy, patched)
+    sizes = [module_bytes(block) for _, block in blocks]
+    outside = model.model_size() - sum(sizes)
+    budget_gb = (outside + 2 * max(sizes) + 2 * aligned(max(sizes))) / GIB  # two resident blocks, a two-slot ring
+    cache = comfy.placement._cost_cache()
+    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes)
+    # Compute-bound: 100 ms a block, each copy a tenth of that; any two resident blocks tie without the LoRA.
+    costs = StackCosts.uniform(len(sizes), 100.0, max(sizes), bandwidth_gbps=max(sizes) / 10e6)
+    cache.path.unlink(missing_ok=True)
+    cache.put(key, replace(costs, block_bytes=tuple(sizes)))
+    monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
+    node = comfy.nodes.PartialGPUResidency
+    planned = node.execute(patched, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
+    planned = planned.result[0]
+    assert torch.equal(sample(comfy, planned), reference)
+    placement = planned.offload_engine.placement
+    assert "chosen by the planner" in placement.summary and {0, 2} <= placement.plan.resident, placement.summary
+    assert placement.patch_ms == patch_ms
+    comfy.mm.unload_all_models()
+
+    # Not measured yet: the run measures with the LoRA on its streamed blocks and keeps the costs without it.
+    cache.path.unlink()
+    measuring = node.execute(patched, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
+    measuring = measuring.result[0]
+    assert torch.equal(sample(comfy, measuring), reference)
+    engine = measuring.offload_engine
+    assert engine.placement.measuring and {0, 2} <= engine.placement.plan.streamed
+    inline = comfy.placement._inline(measuring)
+    recorded = StackCosts.from_timeline(engine.recorder.latest(), sizes, inline_copies=inline)
+    comfy.mm.unload_all_models()  # the unload keeps the measurement
+    kept = cache.get(key)
+    expected = replace(recorded, patch_ms=patch_ms).without_patches(engine.placement.plan.streamed)
+    assert kept.compute_ms == pytest.approx(expected.compute_ms) and kept.patch_ms == ()
+    assert kept.compute_ms != pytest.approx(recorded.compute_ms)
