@@ -37,6 +37,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload import device_ms
 from .architectures import inside
+from .dynamic_vram import recorded_dtype
 
 # The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
 # warns at each call), only in comfy.model_patcher before.
@@ -103,6 +104,14 @@ class LoadedPatch:
         stored = getattr(module, self.param)
         return _patched(module, self.param, stored, weight, self.key, self._staged_patches(), self._seed)
 
+    def write_to_host(self, device: torch.device) -> None:
+        """Writes the patched weight over the module's own tensor (a view of its host buffer), computed on
+        ``device`` as at each call: the block computes with the same weight, bit for bit, without patching."""
+        module = self._module()
+        host = getattr(module, self.param)
+        on_device = host.to(device, copy=True)
+        host.copy_(_patched(module, self.param, on_device, on_device, self.key, self.patches[self.key], self._seed))
+
 
 def _patched(
     module: torch.nn.Module, param: str, stored: torch.Tensor, weight: torch.Tensor, key: str, patches: list, seed: int
@@ -137,12 +146,15 @@ class DevicePatching:
     carried: int = 0  # GGUF tensors carrying their patches to compute time
     baked: int = 0  # patched once before packing
     loaded: tuple[LoadedPatch, ...] = field(default=(), compare=False)
+    # Patched once into their host buffers (``write_patches_to_host``), in the units chosen to bake.
+    on_host: tuple[LoadedPatch, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         said = [
             f"{count} {how}"
             for count, how in (
                 (self.on_device, "on the device at compute time"),
+                (len(self.on_host), "once into their host buffers"),
                 (self.carried, "by ComfyUI-GGUF at compute time"),
                 (self.baked, "once before packing"),
             )
@@ -157,15 +169,16 @@ def _carries_patches(weight: torch.Tensor) -> bool:
 
 
 def _patched_parameters(
-    model: ModelPatcher, units: frozenset[str]
+    model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
     """The named units' modules with patched weights, each with its patched parameters and how each is patched:
     ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``device`` (a weight of
-    ComfyUI's ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing)."""
+    ComfyUI's ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing).
+    Modules ComfyUI has loaded and patched only with ``patched_too``."""
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
         # as ComfyUI's own load trusts the flag (its unpatch clears it).
-        if not inside(name, units) or getattr(module, "comfy_patched_weights", False):
+        if not inside(name, units) or (getattr(module, "comfy_patched_weights", False) and not patched_too):
             continue
         ops_module = hasattr(module, "comfy_cast_weights")
         routes = []
@@ -183,13 +196,17 @@ def _patched_parameters(
             yield name, module, routes
 
 
-def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device: torch.device) -> DevicePatching:
-    """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them."""
+def patch_streamed_weights(
+    model: ModelPatcher, streamed: frozenset[str], device: torch.device, bake: frozenset[str] = frozenset()
+) -> DevicePatching:
+    """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them. Those of
+    the ``bake`` units' plain weights are left for ``write_patches_to_host``, once the engine has packed them."""
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
+    on_host: list[LoadedPatch] = []
     for name, module, routes in _patched_parameters(model, streamed):
         functions: dict[str, list] = {}
-        bake = []
+        bake_now = []  # outside ComfyUI's ops: patched once, before packing
         for param, tensor, route in routes:
             key = f"{name}.{param}"
             if route == "carried":
@@ -197,11 +214,14 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
                 carried += 1
             elif route == "device":
                 patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
+                if patch and inside(name, bake) and _plain(tensor):
+                    on_host += patch
+                    patch = []
                 functions[param] = patch + list(model.weight_wrapper_patches.get(key, []))
                 on_device += len(patch)
                 loaded += patch
             else:
-                bake.append(key)
+                bake_now.append(key)
         if functions:
             module.weight_function = functions.get("weight", [])
             module.bias_function = functions.get("bias", [])
@@ -209,15 +229,41 @@ def patch_streamed_weights(model: ModelPatcher, streamed: frozenset[str], device
                 module.prev_comfy_cast_weights = module.comfy_cast_weights
                 counted += sum(isinstance(f, LoadedPatch) for f in (*module.weight_function, *module.bias_function))
             module.comfy_cast_weights = True
-        for key in bake:
+        for key in bake_now:
             _bake(model, key, device)
-        if bake:
+        if bake_now:
             module.comfy_patched_weights = True  # a clone taking these weights over must not patch them again
-            baked += len(bake)
+            baked += len(bake_now)
     # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
-    return DevicePatching(on_device, carried, baked, tuple(loaded))
+    return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host))
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A weight whose host buffer view holds it as computed from (no quantized format of its own)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_floating_point()
+
+
+def write_patches_to_host(
+    patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool, needing: frozenset[int], device
+) -> frozenset[int]:
+    """Writes the patches ``patch_streamed_weights`` left for the host buffers into those of the units
+    ``needing`` them (the engine's ``needs_content``: packed now, or adopted without them), each weight patched
+    on ``device`` as at compute time. Returns the units written."""
+    unit_of = _unit_of(units, recurse)
+    written = set()
+    for patch in patching.on_host:
+        unit = unit_of.get(id(patch.module))
+        if unit in needing:
+            patch.write_to_host(device)
+            written.add(unit)
+    return frozenset(written)
+
+
+def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]:
+    """The unit index of each module of the ``units`` (with their submodules unless not ``recurse``), by id."""
+    return {id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))}
 
 
 #: Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), kept for the process: the
@@ -233,13 +279,14 @@ def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.d
     such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
     the weights baked once before packing."""
     costs = [0.0] * len(units)
-    for name, module, routes in _patched_parameters(model, frozenset(units)):
+    # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
+    for name, module, routes in _patched_parameters(model, frozenset(units), patched_too=True):
         unit = next(index for index, prefix in enumerate(units) if inside(name, frozenset((prefix,))))
         for param, tensor, route in routes:
             key = f"{name}.{param}"
             if route != "device" or key not in model.patches:
                 continue
-            kind = (str(device), _patch_kind(tensor, model.patches[key]), _compute_dtype(model))
+            kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
             if kind not in _patch_ms:
                 if len(_patch_ms) >= _PATCH_KINDS_KEPT:
                     _patch_ms.clear()
@@ -253,18 +300,26 @@ def _compute_dtype(model: ModelPatcher) -> torch.dtype:
     return model.model.manual_cast_dtype or model.model_dtype()
 
 
-def _patch_kind(tensor: torch.Tensor, patches: list) -> tuple:
-    """What a patch's cost depends on: the weight's shape and dtype, and each patch's kind, adapter shapes and
-    dtypes (not its strengths nor its values)."""
+def _streamed_dtype(module: torch.nn.Module, param: str, tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a weight streams in, wherever it is now: a Dynamic VRAM twin's plain weight in the one ComfyUI
+    recorded for it (its file may store another, a resident one was cast), any other weight in its own."""
+    return (recorded_dtype(module, param) if _plain(tensor) else None) or tensor.dtype
+
+
+def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patches: list) -> tuple:
+    """What a patch's cost depends on: the weight's shape and the dtype it streams in, and each patch's kind,
+    adapter shapes and dtypes (not its strengths nor its values, nor where the weight is now: a block kept
+    resident by one placement must cost what it did for the next one to plan)."""
     adapters = tuple((tuple(t.shape), t.dtype) for t in _host_tensors(patches))
     kinds = tuple(type(patch[1]).__name__ for patch in patches)
-    return tuple(tensor.shape), tensor.dtype, kinds, adapters
+    return tuple(tensor.shape), _streamed_dtype(module, param, tensor), kinds, adapters
 
 
 def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
     """The device time of patching one weight at compute time: from a copy of it on ``device``, the adapters
     copied there too (the engine stages them), the weight cast to the compute dtype as ComfyUI's ops hand it."""
-    stored = comfy.model_management.cast_to_device(getattr(module, param), device, None, copy=True)
+    tensor = getattr(module, param)
+    stored = comfy.model_management.cast_to_device(tensor, device, _streamed_dtype(module, param, tensor), copy=True)
     weight = stored.dequantize().to(_compute_dtype(model), copy=True)
     patches = model.patches[key]
     staged = _with_host_tensors(patches, iter([t.to(device) for t in _host_tensors(patches)]))
@@ -327,9 +382,7 @@ class AdapterStaging:
 
     @classmethod
     def of(cls, patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool) -> AdapterStaging:
-        unit_of = {
-            id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))
-        }
+        unit_of = _unit_of(units, recurse)
         companions: dict[int, list[torch.Tensor]] = {}
         positions: dict[int, dict[int, int]] = {}
         places = []

@@ -59,8 +59,9 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     twin = _CLASSIC_TWINS.get(model.model)
     if twin is None:
         twin = _CLASSIC_TWINS[model.model] = _file_backed_twin(model, node)
+        # Tensors of their own over the file's bytes: a Parameter's data is replaced as ComfyUI loads it.
         _FILE_VIEWS[twin[0]] = {
-            name: tensor for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
+            name: tensor.detach() for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
         }
     classic = model.clone(disable_dynamic=True, model_override=twin)
     # clone() hands over the dynamic parent's size, which counts the checkpoint's stored dtypes.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,11 +20,13 @@ from torch import nn
 
 from ..offload import (
     GIB,
+    BakeDecision,
     BlockStreamer,
     OffloadPlan,
     Runner,
     SequentialOffloader,
     TimelineRecorder,
+    parked_from_file,
     read_bandwidth,
     release_freed_host_memory,
     streamed_modules,
@@ -32,11 +34,12 @@ from ..offload import (
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .architectures import find_blocks, inside
-from .device_patches import AdapterStaging, patch_streamed_weights
+from .device_patches import AdapterStaging, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
-from .placement import Placement
+from .placement import Placement, bake
 from .request import OffloadRequest
+from .state import PatchHistory
 
 
 @dataclass
@@ -55,6 +58,20 @@ class Engine:
     # The file tier's read bandwidth, measured as the engine started (bytes/s; None: no file tier).
     read_bandwidth: float | None = None
     cold_reads_noted: bool = False  # the notice of ``note_cold_reads`` is given once per engine
+    # The set of patches its streamed blocks apply (ComfyUI's ``patches_uuid``; None: none), and which blocks
+    # hold them baked into their host buffers.
+    patches: Hashable = None
+    baked: frozenset[int] = frozenset()
+
+    def patch_history(self, before: PatchHistory | None) -> PatchHistory | None:
+        """The model's patch history once this engine stops: its steps added to those of the engines before it
+        that ran the same patches."""
+        if self.patches is None:
+            return None
+        steps = self.recorder.steps_ended
+        if before is not None and before.patches == self.patches:
+            steps += before.steps
+        return PatchHistory(self.patches, steps, self.read_bandwidth)
 
     def note_cold_reads(self) -> None:
         """A notice (once per engine) when the last step read the file at under half the bandwidth measured
@@ -120,22 +137,36 @@ def start_engine(
     placement: Placement,
     device: torch.device,
     last_order: CallOrder | None = None,
+    history: PatchHistory | None = None,
 ) -> Engine:
     """Streams ``placement``'s blocks of ``model`` (ComfyUI has loaded the rest): their weight patches
     applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them.
-    ``last_order``: the model's last engine's call order (``call_order_of``), where the first step starts."""
+    ``last_order``: the model's last engine's call order (``call_order_of``), where the first step starts;
+    ``history``: the patches its last engines ran, which may make baking them pay (``_bake``)."""
     # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
     # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
     # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:
         model.unpin_weight(key)
-    patching = patch_streamed_weights(model, placement.streamed, device)
     units, recurse = _streamed_units(model, placement.plan)
+    file_options, in_host = _file_tier_options(request, units, recurse)
+    read_each_step = file_options.get("read_each_step", frozenset())
+    baking = _bake(model, request, placement, units, read_each_step, in_host, history)
+    baked = baking.blocks if baking is not None else frozenset()
+    _, blocks = find_blocks(model.model.diffusion_model)
+    baked_names = frozenset(f"diffusion_model.{blocks[index][0]}" for index in baked)
+    patching = patch_streamed_weights(model, placement.streamed, device, baked_names)
+    patches = model.patches_uuid if patching.loaded or patching.on_host else None
+    contents = dict.fromkeys(baked, patches)
     adapters = AdapterStaging.of(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    runner = _runner(model, request, placement.plan, device, recorder, units, adapters.companions, last_order)
+    runner = _runner(
+        model, request, placement.plan, device, recorder, units, adapters.companions, last_order, file_options, contents
+    )
     adapters.bind(runner)
     runner.enable()
+    if contents:
+        runner.wrote_content(write_patches_to_host(patching, units, recurse, runner.needs_content, device))
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
         runner.allocate_device_buffers()
@@ -147,6 +178,8 @@ def start_engine(
     summary = placement.summary + patching.describe() + _pageable_summary(runner)
     if request.dynamic_vram_twin:
         summary += _tiers_summary(runner, bandwidth)
+    if baking is not None and (baking.blocks or baking.saving_ms > 0):
+        summary += baking.describe()
     engine = Engine(
         request,
         placement,
@@ -155,6 +188,8 @@ def start_engine(
         notices=_pinning_notices(request, runner),
         summary=summary,
         read_bandwidth=bandwidth,
+        patches=patches,
+        baked=baked,
     )
     for started in _started_observers:
         started(engine)
@@ -194,12 +229,15 @@ def _least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
     return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
-def _file_tier_options(request: OffloadRequest, units: dict[int, nn.Module], recurse: bool) -> dict:
+def _file_tier_options(
+    request: OffloadRequest, units: dict[int, nn.Module], recurse: bool
+) -> tuple[dict, frozenset[int]]:
     """The engine's file options for a Dynamic VRAM twin, whose weights are views of their checkpoint file:
     where each weight's bytes are, the dtypes ComfyUI computes in, and the streamed units read from the file
-    at each step, those that get no host buffer within ``host_buffer_room``. Nothing for other models."""
+    at each step, those that get no host buffer within ``host_buffer_room``; and the units in the file that
+    get one. Nothing for other models."""
     if not request.dynamic_vram_twin:
-        return {}
+        return {}, frozenset()
     in_file, elsewhere = [], 0
     for index, unit in sorted(units.items()):
         nbytes = module_stored_bytes(unit, recurse, recorded_dtype)
@@ -210,7 +248,32 @@ def _file_tier_options(request: OffloadRequest, units: dict[int, nn.Module], rec
     held = sum(runner.host_bytes for runner in _live_runners if runner.enabled)
     kept = host_tier(in_file, host_buffer_room(held) - elsewhere)
     read_each_step = frozenset(index for index, _ in in_file) - kept
-    return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}
+    return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}, kept
+
+
+def _bake(
+    model: ModelPatcher,
+    request: OffloadRequest,
+    placement: Placement,
+    units: dict[int, nn.Module],
+    read_each_step: frozenset[int],
+    in_host: frozenset[int],
+    history: PatchHistory | None,
+) -> BakeDecision | None:
+    """Whether this engine bakes its streamed blocks' patches into their host buffers (``placement.bake``). Only
+    a Dynamic VRAM twin's blocks held in host memory can: their originals are views of the checkpoint file, to
+    pack from again when the patches change; any other block would need a second host copy of its weights. The
+    file tier's reads bound the step as the last engine measured them."""
+    if not request.dynamic_vram_twin or placement.plan is None:
+        return None
+    candidates = in_host | frozenset(index for index, unit in units.items() if parked_from_file(unit))
+    same = history is not None and history.patches == model.patches_uuid
+    steps = history.steps if same else 0
+    least_ms = 0.0
+    if same and history.read_bandwidth:
+        read = sum(module_stored_bytes(units[index], True) for index in read_each_step)
+        least_ms = read / history.read_bandwidth * 1e3
+    return bake(placement, model, candidates - read_each_step, steps, least_ms)
 
 
 def _streamed_units(model: ModelPatcher, plan: OffloadPlan | None) -> tuple[dict[int, nn.Module], bool]:
@@ -232,9 +295,11 @@ def _runner(
     units: dict[int, nn.Module],
     companions: dict[int, tuple[torch.Tensor, ...]],
     last_order: CallOrder | None,
+    file_options: dict,
+    contents: dict[int, Hashable],
 ) -> Runner:
     """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
-    streamed blocks)."""
+    streamed blocks), with ``_file_tier_options``' and the blocks' host buffer ``contents``."""
     diffusion_model = model.model.diffusion_model
     if plan is None:
         return SequentialOffloader(
@@ -249,7 +314,7 @@ def _runner(
             pin_budget=PINNED_MEMORY,
             call_order=_order_for(last_order, "module", len(units)),
             companions=companions,
-            **_file_tier_options(request, units, recurse=False),
+            **file_options,
         )
     _, blocks = find_blocks(diffusion_model)
     return BlockStreamer(
@@ -264,7 +329,8 @@ def _runner(
         ring_bytes=plan.ring_bytes or None,
         call_order=_order_for(last_order, "block", len(blocks)),
         companions=companions,
-        **_file_tier_options(request, units, recurse=True),
+        contents=contents,
+        **file_options,
     )
 
 

@@ -208,7 +208,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if not placement.streamed:
             return
         if state.engine is None:
-            state.engine = start_engine(self, request, placement, device_to, state.call_order)
+            state.engine = start_engine(self, request, placement, device_to, state.call_order, state.patch_history)
             self._check_resident_loaded(request)
         state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
@@ -296,6 +296,7 @@ class BlockOffloadPatcher(ModelPatcher):
             return
         remember_costs(engine.request, engine.placement, engine.recorder.latest(), self)
         state.call_order = call_order_of(engine)
+        state.patch_history = engine.patch_history(state.patch_history)
         engine.stop(park)
         state.engine = None
         if not park:

@@ -23,10 +23,12 @@ from comfy.model_patcher import ModelPatcher
 from ..offload import (
     GIB,
     PREFETCH_CHOICES,
+    BakeDecision,
     CostCache,
     OffloadPlan,
     StackCosts,
     StepTimeline,
+    bake_decision,
     best_plan,
     buffer_bytes,
     cache_key,
@@ -60,6 +62,7 @@ class Placement:
     # An automatic placement's per-block cost of patches applied at each call of a streamed block (the
     # planner's ``StackCosts.patch_ms``): what a measuring run's streamed calls spent beyond their compute.
     patch_ms: tuple[float, ...] = ()
+    costs: StackCosts | None = None  # what the planner planned a planned automatic placement from
 
     @classmethod
     def of_plan(cls, plan: OffloadPlan) -> Placement:
@@ -203,7 +206,8 @@ def _blocks(
                 planned = describe(predicted.plan, model)
                 summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}"
                 streamed, step_ms = planned.streamed, predicted.step_ms
-                return Placement(predicted.plan, streamed, summary, planned.buffer_bytes, step_ms, patch_ms=patch_ms)
+                buffers = planned.buffer_bytes
+                return Placement(predicted.plan, streamed, summary, buffers, step_ms, patch_ms=patch_ms, costs=costs)
     plan = OffloadPlan.build(
         sizes,
         resident_count=count,
@@ -215,6 +219,23 @@ def _blocks(
     described = describe(plan, model)
     summary = described.summary + unplanned
     return Placement(plan, described.streamed, summary, plan.slot_bytes, measuring=measuring, patch_ms=patch_ms)
+
+
+def bake(
+    placement: Placement, model: ModelPatcher, candidates: frozenset[int], steps_run: int, least_step_ms: float
+) -> BakeDecision | None:
+    """Whether the patches of ``candidates`` (streamed blocks whose host buffers may hold them) are applied once,
+    into those buffers (``offload.bake_decision``): for a planned placement only, the one whose costs are known."""
+    if placement.costs is None or placement.plan is None:
+        return None
+    return bake_decision(
+        placement.costs,
+        placement.plan,
+        candidates,
+        steps_run,
+        least_step_ms=least_step_ms,
+        inline_copies=_inline(model),
+    )
 
 
 def _patch_ms(model: ModelPatcher) -> tuple[float, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,16 @@ if TYPE_CHECKING:
     from .placement import Fallback
 
 _ATTRIBUTE = "block_offload_state"
+
+
+@dataclass(frozen=True)
+class PatchHistory:
+    """How long the model's streamed blocks have run one set of patches (ComfyUI's ``patches_uuid``), through
+    the engines that ran it in a row: what decides whether baking them once pays (``offload.bake_decision``)."""
+
+    patches: Hashable
+    steps: int
+    read_bandwidth: float | None = None  # the last engine's file-tier read bandwidth (bytes/s)
 
 
 @dataclass
@@ -36,6 +47,7 @@ class ModelState:
     # The last engine's call order (its unit, its count of units, the order): the next engine of the model
     # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
     call_order: tuple[str, int, tuple[int, ...]] | None = None
+    patch_history: PatchHistory | None = None  # the patches the last engines ran, and for how many steps
 
 
 def state_of(model: nn.Module) -> ModelState:

@@ -27,9 +27,11 @@ from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import (
     PREFETCH_CHOICES,
+    BakeDecision,
     CostCache,
     Prediction,
     StackCosts,
+    bake_decision,
     best_plan,
     cache_key,
     lower_bound_ms,
@@ -39,7 +41,7 @@ from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .step_aside import StepAside, platform_aside, step_aside
-from .streamer import BlockStreamer, unpark
+from .streamer import BlockStreamer, parked_from_file, unpark
 from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "PREFETCH_CHOICES",
     "BlockSpan",
     "BlockStreamer",
+    "BakeDecision",
     "CostCache",
     "CudaHostRegistrar",
     "FileChangedError",
@@ -65,6 +68,7 @@ __all__ = [
     "StepAside",
     "StepTimeline",
     "TimelineRecorder",
+    "bake_decision",
     "best_plan",
     "buffer_bytes",
     "cache_key",
@@ -84,6 +88,7 @@ __all__ = [
     "simulate",
     "step_aside",
     "streamed_modules",
+    "parked_from_file",
     "unpark",
     "unsupported_torch",
     "use_host_registrar",

@@ -34,7 +34,7 @@ every prompt) neither copies nor pins the streamed weights again.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -146,6 +146,8 @@ class _StreamedBlock:
     companion_host: torch.Tensor | None = None
     companion_reserved: int = 0
     companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
+    content: Hashable = None
 
     @property
     def region_bytes(self) -> int:
@@ -167,6 +169,7 @@ class _ParkedBuffer:
     reservation: weakref.finalize | None
     # A block packed from its file: its parts as views of the file, which a real unload points it back at.
     originals: tuple[torch.Tensor, ...] | None = None
+    content: Hashable = None  # what the host wrote over the weights as packed
 
     def host(self) -> torch.Tensor | None:
         storage = self.storage()
@@ -196,6 +199,12 @@ def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
         and tensor.shape == view.shape
         and tensor.stride() == view.stride()
     )
+
+
+def parked_from_file(module: nn.Module) -> bool:
+    """Whether ``module`` is parked on a host buffer packed from its file (whose views it goes back to)."""
+    parked = _PARKED.get(module)
+    return parked is not None and parked.originals is not None and parked.host() is not None
 
 
 def unpark(modules: Iterable[nn.Module]) -> None:
@@ -242,6 +251,11 @@ class BlockStreamer:
     (``last_order``), so the first step copies and reads ahead in that order rather than the list's.
     ``companions``: per streamed block, tensors copied with it into the ring (packed once, pinned like its
     buffer), handed back as device views while it runs (``companions(index)``).
+    ``contents``: per streamed block, a name for what the host writes over its weights in its host buffer
+    (through the block's tensors, between ``enable`` and the first step: ``needs_content`` says which, and
+    ``wrote_content`` that it is done), such as patches applied once instead of at every call. A parked buffer
+    is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
+    the block packed again from its originals, so only a block packed from its file may hold content.
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -272,6 +286,7 @@ class BlockStreamer:
         staging_slots: int = 2,
         call_order: Sequence[int] | None = None,
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        contents: Mapping[int, Hashable] | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -289,6 +304,7 @@ class BlockStreamer:
             raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
         self.file_slice = file_slice
         self._companion_tensors = dict(companions or {})
+        self.contents = {index: content for index, content in (contents or {}).items() if content is not None}
         self.dtype_of = dtype_of
         self.staging_slots = staging_slots
         self.prefetch = prefetch
@@ -490,6 +506,9 @@ class BlockStreamer:
     # -- host side ---------------------------------------------------------------------------
 
     def _offload(self, index: int, block: nn.Module) -> _StreamedBlock:
+        parked = _PARKED.get(block)
+        if parked is not None and parked.content not in (None, self.contents.get(index)):
+            unpark((block,))  # back to its file's views, to be packed from them
         layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
         current = layout.current()
         slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
@@ -650,6 +669,7 @@ class BlockStreamer:
             self.recurse,
             reservation,
             state.originals if state.file_backed else None,
+            state.content,
         )
 
     def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
@@ -673,8 +693,37 @@ class BlockStreamer:
         views = layout.assemble(parts)
         file_backed = parked.originals is not None
         return _StreamedBlock(
-            layout, layout, host, views, host.device, parked.originals, parked.pinned, reserved, file_backed=file_backed
+            layout,
+            layout,
+            host,
+            views,
+            host.device,
+            parked.originals,
+            parked.pinned,
+            reserved,
+            file_backed=file_backed,
+            content=parked.content,
         )
+
+    @property
+    def needs_content(self) -> frozenset[int]:
+        """The streamed blocks whose host buffers do not hold the content ``contents`` names for them yet."""
+        return frozenset(
+            index
+            for index, content in self.contents.items()
+            if index in self._state and self._state[index].content != content
+        )
+
+    def wrote_content(self, indices: Iterable[int]) -> None:
+        """The host has written their ``contents`` into these blocks' host buffers (their tensors, on the host)."""
+        for index in indices:
+            state = self._state[index]
+            if state.read is not None or not state.file_backed:
+                raise ValueError(
+                    f"{self.unit} {index} has no originals in a file to go back to: only a host buffer packed from "
+                    "its file may hold other content"
+                )
+            state.content = self.contents[index]
 
     def _unpin(self, state: _StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""

@@ -170,6 +170,11 @@ class TimelineRecorder:
         self._reads: list[tuple[int, float, float, int]] = []  # reads ended since the last step boundary
 
     @property
+    def steps_ended(self) -> int:
+        """How many steps have ended while recording."""
+        return self._step_index
+
+    @property
     def steps(self) -> tuple[StepTimeline, ...]:
         """The last ``keep`` finished steps, oldest first, waiting for the device if they still run."""
         self._resolve(wait=True)

@@ -25,7 +25,7 @@ from harness.host_memory import peak_during
 from harness.inprocess import count_packs, offloaded, sample
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
-from block_offload.offload import release_freed_host_memory
+from block_offload.offload import StackCosts, release_freed_host_memory
 
 pytestmark = [
     pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"),
@@ -302,15 +302,15 @@ def test_an_unloaded_twin_keeps_no_copy_of_what_comfyui_loaded(
     streaming = offloaded(comfy, ASYNC, model)
     assert torch.equal(sample(comfy, streaming), reference)
     twin = streaming.model
-    from block_offload.nodes.dynamic_vram import file_views
+    from block_offload.nodes.dynamic_vram import file_slice, file_views
 
     views = file_views(twin)
     weights = {name for name in twin.state_dict() if name.startswith("diffusion_model.")}  # not the sigmas
     assert weights <= set(views), f"not views of the checkpoint: {weights - set(views)}"
     assert twin.diffusion_model.head.head.weight.dtype == torch.float16  # cast for ComfyUI's load
     comfy.mm.unload_all_models()
-    held = {name: tensor for name, tensor in twin.named_parameters()}
-    moved = [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
+    held = dict(twin.named_parameters())
+    moved = [name for name in views if name in held and file_slice(held[name]) is None]
     assert not moved, f"left as copies after the unload: {moved[:5]}"
     assert torch.equal(sample(comfy, offloaded(comfy, ASYNC, model)), reference)
     comfy.mm.unload_all_models()
@@ -351,11 +351,11 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     assert packed == [], f"{len(packed)} blocks packed again ({sum(packed)} bytes written)"
     comfy.mm.unload_all_models()
     # The real unload gives every weight of the twin back to the file.
-    from block_offload.nodes.dynamic_vram import file_views
+    from block_offload.nodes.dynamic_vram import file_slice, file_views
 
     views = file_views(streaming.model)
     held = dict(streaming.model.named_parameters())
-    assert not [name for name, view in views.items() if name in held and held[name].data_ptr() != view.data_ptr()]
+    assert not [name for name in views if name in held and file_slice(held[name]) is None]
 
 
 def test_a_later_engine_starts_from_the_call_order_its_model_last_ran(
@@ -377,4 +377,67 @@ def test_a_later_engine_starts_from_the_call_order_its_model_last_ran(
     forwards.remove()
     assert second.offload_engine is not engine, "the patch set changed: another engine"
     assert_reads_match_the_file_tier(second.offload_engine.runner, forwards, prefetch=1, first_pass_known=True)
+    comfy.mm.unload_all_models()
+
+
+def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_packs_them_from_the_file(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planned placement where the patches are most of the step (the blocks' compute given as 0.01 ms, the
+    patches timed on this CPU): the first prompt patches at each call; once the LoRA has run long enough for
+    baking to have paid twice over, an engine writes it once into the host-tier blocks' buffers, whose
+    originals are the file's views (the file-tier blocks are still patched at each call). Each output is
+    bitwise ComfyUI's classic full load; a clone with the same patches adopts the baked buffers as they are,
+    and a strength change packs the baked blocks from the file again, and only them."""
+    from block_offload.nodes.device_patches import LoadedPatch
+
+    path, dtype = stored_wan["bf16"], torch.float16
+    references = {s: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), s)) for s in (1.0, 0.5)}
+    classic = dynamic_vram.load_classic(path, dtype)
+    cap_host_buffers(monkeypatch, block_bytes(classic) // 2)
+    comfy.mm.unload_all_models()
+    del classic
+
+    model = dynamic_vram.load(path, dtype)
+    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    sizes = [comfy.placement.module_bytes(block, comfy.placement.recorded_dtype) for _, block in blocks]
+    cache = comfy.placement._cost_cache()
+    cache.path.unlink(missing_ok=True)
+    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes)
+    costs = StackCosts(tuple(sizes), tuple(range(len(sizes))), (0.01,) * len(sizes), (0.0,) * len(sizes), 0.0, 1e3)
+    cache.put(key, costs)
+    streaming = comfy.nodes.AsyncBlockOffload.execute(
+        model, resident_blocks=1, prefetch_blocks=1, pin_memory=True, policy="auto"
+    ).result[0]
+    lora = with_lora(comfy, streaming, 1.0)
+    baked = []
+    for _ in range(3):  # evicted between prompts: each places the model again, its history kept on the model
+        assert torch.equal(sample(comfy, lora), references[1.0])
+        engine = lora.offload_engine
+        assert "chosen by the planner" in engine.summary, engine.summary
+        baked.append(engine.baked)
+        if engine.baked:
+            break
+        assert "patches applied at each call: baking them into the host buffers would save" in engine.summary
+        comfy.mm.unload_all_models()
+    runner = engine.runner
+    assert baked[0] == frozenset() and baked[-1], (baked, engine.summary)
+    assert baked[-1] == runner.streamed - runner.read_each_step, "every host-tier block, no file-tier block"
+    assert "patches baked once into the host buffers of" in engine.summary
+    for index, (_, block) in enumerate(comfy.placement.find_blocks(lora.model.diffusion_model)[1]):  # the twin's
+        calls = [f for m in block.modules() for f in getattr(m, "weight_function", []) if isinstance(f, LoadedPatch)]
+        assert bool(calls) == (index in runner.read_each_step), index
+
+    packed = count_packs(monkeypatch)
+    written: list[str] = []
+    write_to_host = LoadedPatch.write_to_host
+    monkeypatch.setattr(
+        LoadedPatch, "write_to_host", lambda self, device: (written.append(self.key), write_to_host(self, device))[1]
+    )
+    assert torch.equal(sample(comfy, lora.clone()), references[1.0])  # the same patches: as they are
+    assert packed == [] and written == []
+    changed = with_lora(comfy, streaming, 0.5)
+    assert torch.equal(sample(comfy, changed), references[0.5])
+    assert changed.offload_engine.baked == frozenset() and written == []
+    assert len(packed) == len(baked[-1]), f"{len(packed)} blocks packed again, {len(baked[-1])} were baked"
     comfy.mm.unload_all_models()

@@ -195,3 +195,61 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
     )
     streamer.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.blocks.state_dict().values())
+
+
+def test_content_written_into_host_buffers_parks_under_its_name_and_other_content_is_packed_from_the_file(
+    tmp_path: Path,
+) -> None:
+    """What a host writes over blocks' weights in their host buffers (patches applied once): a streamer naming
+    the same content adopts the parked buffers as they are; one naming none packs those blocks from the file
+    again (the unwritten model's output), and adopts a plain buffer to write content into."""
+    model, mapped = _mapped_stack(tmp_path)
+    x = torch.randn(2, 7, 32)
+    reference = forward_steps(model, x, steps=2)
+    written = copy.deepcopy(model)
+    for index in range(3):
+        for tensor in written.blocks[index].parameters():
+            tensor.data.add_(1.0)
+    written_reference = forward_steps(written, x, steps=2)
+
+    def streamer(contents: dict[int, str]) -> BlockStreamer:
+        started = _streamer(mapped, read_each_step=(3,), contents=contents)  # block 3 is read from the file
+        started.enable()
+        return started
+
+    def hosts(started: BlockStreamer) -> dict[int, int]:
+        return {index: state.host.data_ptr() for index, state in started._state.items() if state.read is None}
+
+    def same_outputs(expected: list[torch.Tensor]) -> bool:
+        outputs = forward_steps(mapped.module, x, steps=2)
+        return all(torch.equal(out, want) for out, want in zip(outputs, expected, strict=True))
+
+    plus_one = dict.fromkeys(range(3), "plus one")
+    first = streamer(plus_one)
+    assert first.needs_content == {0, 1, 2}
+    for index in first.needs_content:
+        for tensor in mapped.module.blocks[index].parameters():
+            tensor.data.add_(1.0)  # the host buffer's views, on the host
+    first.wrote_content(first.needs_content)
+    assert first.needs_content == frozenset() and same_outputs(written_reference)
+    packed = hosts(first)
+    first.disable(park=True)
+
+    again = streamer(plus_one)
+    assert again.needs_content == frozenset() and hosts(again) == packed  # adopted as they are
+    assert same_outputs(written_reference)
+    again.disable(park=True)
+
+    plain = streamer({})
+    assert same_outputs(reference)  # blocks 0-2 packed from the file again
+    assert {index: packed[index] for index in (4, 5)} == {index: hosts(plain)[index] for index in (4, 5)}
+    kept = hosts(plain)
+    plain.disable(park=True)
+
+    into_plain = streamer({0: "plus one"})
+    assert into_plain.needs_content == {0} and hosts(into_plain) == kept  # adopted, to be written
+    with pytest.raises(ValueError, match="no originals in a file"):
+        into_plain.contents[3] = "plus one"
+        into_plain.wrote_content([3])  # read from the file at each step: it has no host buffer to hold content
+    into_plain.disable()
+    assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())

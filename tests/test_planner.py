@@ -30,6 +30,7 @@ from block_offload.offload.planner import (
     PREFETCH_CHOICES,
     CostCache,
     StackCosts,
+    bake_decision,
     best_plan,
     cache_key,
     lower_bound_ms,
@@ -149,6 +150,30 @@ def test_costs_recorded_with_patches_are_kept_without_them(tmp_path: Path) -> No
     assert cache.get("patched") == recorded and cache.get("kept") == kept
     with pytest.raises(ValueError, match="one entry per block"):
         replace(kept, patch_ms=(1.0,))
+
+
+def test_patches_are_baked_once_only_where_compute_dominates_and_they_stayed_long_enough() -> None:
+    """Baking saves the candidates' patch time per step where it shows; it costs each block three copies and
+    its patch time, so it is done once the patches have run long enough to have paid that twice over."""
+    compute_bound = replace(four_blocks(compute_ms=10, copy_ms=4), patch_ms=(1.0,) * 4)
+    plan = plan_of(compute_bound, set(), prefetch=1)
+    every = frozenset(range(4))
+    # 44 ms a step patched, 40 baked: 4 ms saved per step, for 4 x (1 + 3 x 4) = 52 ms once.
+    early = bake_decision(compute_bound, plan, every, steps_run=25)
+    assert early.blocks == frozenset() and early.saving_ms == pytest.approx(4) and early.cost_ms == pytest.approx(52)
+    assert bake_decision(compute_bound, plan, every, steps_run=26).blocks == every
+    assert bake_decision(compute_bound, plan, frozenset({1}), steps_run=100).blocks == {1}
+    said = bake_decision(compute_bound, plan, every, steps_run=26).describe()
+    assert "baked once into the host buffers of 4 streamed blocks (4.0 ms per step for 52.0 ms once" in said
+    # Copies dominate: the patches are hidden, baking saves nothing however long they stay.
+    copy_bound = replace(four_blocks(compute_ms=2, copy_ms=10), patch_ms=(3.0,) * 4)
+    hidden = bake_decision(copy_bound, plan_of(copy_bound, set(), prefetch=1), every, steps_run=10**6)
+    assert hidden.blocks == frozenset() and hidden.saving_ms == pytest.approx(0)
+    # Reads from the file set a longer step than either: nothing to save either.
+    assert bake_decision(compute_bound, plan, every, steps_run=10**6, least_step_ms=60).blocks == frozenset()
+    # Under 2 % of the step: within what steps vary by.
+    small = replace(compute_bound, patch_ms=(0.1,) * 4)
+    assert bake_decision(small, plan, every, steps_run=10**6).blocks == frozenset()
 
 
 # -- the search, against brute force -----------------------------------------------------------
