@@ -39,7 +39,16 @@ from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake
 from .request import OffloadRequest
-from .state import PatchHistory
+
+
+@dataclass(frozen=True)
+class PatchHistory:
+    """How long the model's streamed blocks have run one set of patches (ComfyUI's ``patches_uuid``), through
+    the engines that ran it in a row: what decides whether baking them once pays (``offload.bake_decision``)."""
+
+    patches: Hashable
+    steps: int
+    read_bandwidth: float | None = None  # the last engine's file-tier read bandwidth (bytes/s)
 
 
 @dataclass

@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .engine import Engine, PatchHistory
     from .placement import Fallback
 
 _ATTRIBUTE = "block_offload_state"
-
-
-@dataclass(frozen=True)
-class PatchHistory:
-    """How long the model's streamed blocks have run one set of patches (ComfyUI's ``patches_uuid``), through
-    the engines that ran it in a row: what decides whether baking them once pays (``offload.bake_decision``)."""
-
-    patches: Hashable
-    steps: int
-    read_bandwidth: float | None = None  # the last engine's file-tier read bandwidth (bytes/s)
 
 
 @dataclass

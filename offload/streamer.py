@@ -506,9 +506,9 @@ class BlockStreamer:
     # -- host side ---------------------------------------------------------------------------
 
     def _offload(self, index: int, block: nn.Module) -> _StreamedBlock:
-        parked = _PARKED.get(block)
-        if parked is not None and parked.content not in (None, self.contents.get(index)):
-            unpark((block,))  # back to its file's views, to be packed from them
+        adopted = self._adopt(index, block)
+        if adopted is not None:
+            return adopted
         layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
         current = layout.current()
         slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
@@ -517,9 +517,6 @@ class BlockStreamer:
             if not file_backed:
                 raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
             return self._file_tier(block, layout, current, slices)
-        adopted = None if file_backed else self._adopt(block, layout)
-        if adopted is not None:
-            return adopted
         storage = layout
         if self._casts:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
@@ -672,11 +669,24 @@ class BlockStreamer:
             state.content,
         )
 
-    def _adopt(self, block: nn.Module, layout: BlockLayout) -> _StreamedBlock | None:
-        """The block's parked host buffer, taken over as it is, if the block still uses exactly its views
-        (a weight replaced or patched while parked means it is packed again) and it is pinned as asked."""
+    def _adopt(self, index: int, block: nn.Module) -> _StreamedBlock | None:
+        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
+        packed from its file points at the file's views again, to be packed from them (never from a buffer
+        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
         parked = _PARKED.pop(block, None)
-        if parked is None or self._casts or parked.pinned != self.pin_memory:
+        if parked is None:
+            return None
+        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
+        if adopted is None and parked.originals is not None:
+            _PARKED[block] = parked
+            unpark((block,))
+        return adopted
+
+    def _take_over(self, parked: _ParkedBuffer, layout: BlockLayout, index: int) -> _StreamedBlock | None:
+        """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
+        or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
+        the one asked for."""
+        if self._casts or parked.pinned != self.pin_memory or parked.content not in (None, self.contents.get(index)):
             return None
         host = parked.host()
         if host is None or parked.signature != _signature(layout):

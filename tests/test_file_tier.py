@@ -253,3 +253,19 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
         into_plain.wrote_content([3])  # read from the file at each step: it has no host buffer to hold content
     into_plain.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
+
+
+def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_file_again(tmp_path: Path) -> None:
+    """A streamer that cannot take a parked buffer over (here it stores another dtype) packs the block from
+    its file, not from the parked buffer: the block keeps its file's views as originals, and holds no copy of
+    its own once the streamer stops."""
+    model, mapped = _mapped_stack(tmp_path)
+    first = _streamer(mapped, read_each_step=())
+    first.enable()
+    first.disable(park=True)
+    assert not any(mapped.mapped(tensor) for tensor in mapped.module.blocks.state_dict().values())  # parked
+    second = _streamer(mapped, read_each_step=(), storage_dtype=torch.bfloat16)
+    second.enable()
+    assert all(state.file_backed for state in second._state.values())
+    second.disable()
+    assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
