@@ -317,14 +317,20 @@ def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patch
 
 def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
     """The device time of patching one weight at compute time: from a copy of it on ``device``, the adapters
-    copied there too (the engine stages them), the weight cast to the compute dtype as ComfyUI's ops hand it."""
+    copied there too (the engine stages them), the weight cast to the compute dtype as ComfyUI's ops hand it,
+    with the copy ComfyUI's ops make of a weight that has weight functions."""
     tensor = getattr(module, param)
     stored = comfy.model_management.cast_to_device(tensor, device, _streamed_dtype(module, param, tensor), copy=True)
     weight = stored.dequantize().to(_compute_dtype(model), copy=True)
     patches = model.patches[key]
     staged = _with_host_tensors(patches, iter([t.to(device) for t in _host_tensors(patches)]))
     seed = string_to_seed(key)
-    return device_ms(lambda: _patched(module, param, stored, weight, key, staged, seed), device)
+
+    def at_a_call() -> torch.Tensor:
+        stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them
+        return _patched(module, param, stored, weight, key, staged, seed)
+
+    return device_ms(at_a_call, device)
 
 
 def _host_tensors(value: object) -> Iterator[torch.Tensor]:
