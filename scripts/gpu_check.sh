@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for a CUDA machine (docs/benchmarks.md, "GPU checks"):
 #
-#   scripts/gpu_check.sh [engine|comfy|files|all] [--out DIR]
+#   scripts/gpu_check.sh [engine|comfy|files|lora|all] [--out DIR]
 #
 #   engine  (default; about 3-5 min on an H100, estimated): every engine CUDA test (tests/test_engine_cuda.py:
 #           equality, peak bound, overlap, the fresh-slot race, released events under heavy compute, exact
@@ -13,6 +13,10 @@
 #           max(resident, H2D bytes / pinned bandwidth, file bytes / read bandwidth) (issue 26).
 #   comfy   the CUDA tests that run ComfyUI (Dynamic VRAM on/off, panel, reliability): needs a
 #           prepared host (COMFYUI_PATH and ComfyUI's requirements); run it as a second device call.
+#   lora    bench/lora_cost.py on Wan 14B- and Flux 12B-shaped blocks (8 and 4+4 blocks at the real widths, bf16,
+#           rank-64 LoRA, 480p 81 frames and 1024x1024): the per-step cost of patches applied on the device
+#           beside the unpatched rows, the planner's patch cost, and a strength change's queue-to-first-step
+#           (issue 25). Needs a prepared host, as comfy.
 #
 # It writes DIR/gpu-check.md (default: the repo root): device, driver, torch, date, commit, the command and
 # every figure; paste it into docs/benchmarks.md. Wheels the machine lacks are installed from .whl/ if
@@ -26,9 +30,9 @@ part="engine"
 out="$repo"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    engine|comfy|files|all) part="$1"; shift ;;
+    engine|comfy|files|lora|all) part="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
-    *) echo "gpu_check: unknown argument '$1'; use engine, comfy, files or all, and --out DIR" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown argument '$1'; use engine, comfy, files, lora or all, and --out DIR" >&2; exit 2 ;;
   esac
 done
 python="${PYTHON:-python3}"
@@ -80,6 +84,11 @@ fi
 if [[ "$part" == comfy || "$part" == all ]]; then
   step "ComfyUI CUDA tests" "${pytest[@]}" tests/test_dynamic_vram.py tests/test_reliability.py tests/test_panel.py \
     tests/test_every_prompt_streams.py -k "gpu or cuda"
+fi
+if [[ "$part" == lora || "$part" == all ]]; then
+  lora=("$python" -m bench.lora_cost --device cuda --real --rank 64 --dtype bfloat16 --steps 3 --rounds 3)
+  step "LoRA cost, Wan 14B-shaped" "${lora[@]}" --arch wan --blocks 8 --latent 21 60 104
+  step "LoRA cost, Flux 12B-shaped" "${lora[@]}" --arch flux --blocks 4 --latent 128 128
 fi
 echo "gpu_check: figures in $report" >&2
 exit "$status"

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -387,3 +388,17 @@ def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> Non
     assert [(r["host_share"], r["cold"]) for r in rows] == [(s, c) for s in (0, 0.5, 1) for c in (False, True)]
     assert all(r["bitwise"] for r in rows)
     assert [r["blocks_from_file"] for r in rows[::2]] == [4, 2, 0]
+
+
+def test_the_lora_cost_benchmark_measures_every_row_on_the_cpu(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench/lora_cost.py`` at its smallest on the CPU (the times mean nothing): every configuration is
+    sampled, the planner's patch cost is measured, and both strength changes run to their first step."""
+    from bench import lora_cost
+
+    monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")  # the benchmark sets it; restored after the test
+    rows = lora_cost.main(["--blocks", "2", "--rank", "4", "--rounds", "1", "--steps", "1"])
+    comfy.mm.unload_all_models()
+    assert len(rows) == 7 and all(ms > 0 for ms in rows.values()), rows
+    assert rows["planner's patch cost"] > 0
