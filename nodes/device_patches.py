@@ -23,6 +23,7 @@ compute stream, layer by layer, at every step.
 from __future__ import annotations
 
 import copy
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -290,7 +291,13 @@ def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.d
             if kind not in _patch_ms:
                 if len(_patch_ms) >= _PATCH_KINDS_KEPT:
                     _patch_ms.clear()
-                _patch_ms[kind] = _time_patch(model, module, param, key, device)
+                try:
+                    _patch_ms[kind] = _time_patch(model, module, param, key, device)
+                except torch.OutOfMemoryError:
+                    # The device is full as the model is placed: the plan goes without this cost (counted as
+                    # none, as before the planner knew it), and the next placement times it again.
+                    logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
+                    continue
             costs[unit] += _patch_ms[kind]
     return tuple(costs) if any(costs) else ()
 

@@ -568,3 +568,22 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     expected = replace(recorded, patch_ms=patch_ms).without_patches(engine.placement.plan.streamed)
     assert kept.compute_ms == pytest.approx(expected.compute_ms) and kept.patch_ms == ()
     assert kept.compute_ms != pytest.approx(recorded.compute_ms)
+
+
+def test_a_device_too_full_to_time_the_patches_places_without_their_cost(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timing a patch needs a weight's copy on the device as the model is placed; a device that has no room
+    for it leaves the patches uncounted (the placement goes on), and the next placement times them again."""
+    device_patches = importlib.import_module("block_offload.nodes.device_patches")
+
+    def device_full(*_: object) -> float:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 270.00 MiB")
+
+    monkeypatch.setattr(device_patches, "_patch_ms", {})
+    monkeypatch.setattr(device_patches, "_time_patch", device_full)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    patched = comfy.sd.load_lora_for_models(wan(comfy), None, lora, 1.0, 0)[0]
+    names = [f"diffusion_model.{name}" for name, _ in comfy.placement.find_blocks(patched.model.diffusion_model)[1]]
+    assert device_patches.patch_ms_per_unit(patched, names, CPU) == ()
+    assert device_patches._patch_ms == {}
