@@ -204,12 +204,15 @@ class BlockOffloadPatcher(ModelPatcher):
             # engine casts the streamed blocks itself.
             cast_unloaded_to_recorded_dtypes(self.model, placement.streamed)
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
+        # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
+        # a weight to another dtype, ComfyUI counting it as it was).
+        offered = sum(entry[1] for entry in self._load_list())
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
             return
         if state.engine is None:
             state.engine = start_engine(self, request, placement, device_to, state.call_order, state.patch_history)
-            self._check_resident_loaded(request)
+            self._check_resident_loaded(request, offered)
         state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes
@@ -235,9 +238,8 @@ class BlockOffloadPatcher(ModelPatcher):
             loaded += size
         return need + 1  # ComfyUI's test is strict (<)
 
-    def _check_resident_loaded(self, request: OffloadRequest) -> None:
-        """Whether ComfyUI loaded all it was offered (the planned resident part); says so when it did not."""
-        offered = sum(entry[1] for entry in self._load_list())
+    def _check_resident_loaded(self, request: OffloadRequest, offered: int) -> None:
+        """Whether ComfyUI loaded all it was ``offered`` (the planned resident part); says so when it did not."""
         loaded = self.model.model_loaded_weight_memory
         if loaded >= offered:
             return

@@ -421,6 +421,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
         assert "patches applied at each call: baking them into the host buffers would save" in engine.summary
         comfy.mm.unload_all_models()
     runner = engine.runner
+    assert not [notice for notice in engine.notices if "planned resident" in notice], engine.notices
     assert baked[0] == frozenset() and baked[-1], (baked, engine.summary)
     assert baked[-1] == runner.streamed - runner.read_each_step, "every host-tier block, no file-tier block"
     assert "patches baked once into the host buffers of" in engine.summary
