@@ -174,13 +174,13 @@ def start_engine(
     )
     adapters.bind(runner)
     runner.enable()
-    if contents:
-        runner.wrote_content(write_patches_to_host(patching, units, recurse, runner.needs_content, device))
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
+        if contents:  # each weight patched on the device before the ring is allocated, one at a time
+            runner.wrote_content(write_patches_to_host(patching, units, recurse, runner.needs_content, device))
         runner.allocate_device_buffers()
     except torch.OutOfMemoryError:
-        runner.disable()
+        runner.disable()  # half-written buffers go with it: the blocks point at their file again
         raise
     _live_runners.add(runner)
     bandwidth = read_bandwidth(runner.file_slices())

@@ -212,20 +212,27 @@ def unpark(modules: Iterable[nn.Module]) -> None:
     so that their host buffers, pinned ones included, are freed: what a host's real unload calls."""
     for module in modules:
         parked = _PARKED.pop(module, None)
-        host = parked.host() if parked is not None else None
-        if host is None:
-            continue
-        start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
-        layout = BlockLayout.of(module, recurse=parked.recurse)
-        current = layout.current()
-        originals = parked.originals or current  # a block from its file goes back to the file's views
-        parts = tuple(
-            (original if parked.originals else part.clone())
-            if part.device.type == "cpu" and start <= part.data_ptr() < end
-            else part
-            for part, original in zip(current, originals, strict=True)
-        )
-        layout.point_at(layout.assemble(parts))
+        if parked is not None:
+            _leave_buffer(module, parked)
+
+
+def _leave_buffer(module: nn.Module, parked: _ParkedBuffer) -> None:
+    """Points ``module``'s parts that are views of its parked buffer at memory of their own: its file's views
+    for a block packed from its file, else a copy."""
+    host = parked.host()
+    if host is None:
+        return
+    start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
+    layout = BlockLayout.of(module, recurse=parked.recurse)
+    current = layout.current()
+    originals = parked.originals or current
+    parts = tuple(
+        (original if parked.originals else part.clone())
+        if part.device.type == "cpu" and start <= part.data_ptr() < end
+        else part
+        for part, original in zip(current, originals, strict=True)
+    )
+    layout.point_at(layout.assemble(parts))
 
 
 @dataclass
@@ -678,15 +685,16 @@ class BlockStreamer:
             return None
         adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
         if adopted is None and parked.originals is not None:
-            _PARKED[block] = parked
-            unpark((block,))
+            _leave_buffer(block, parked)
         return adopted
 
     def _take_over(self, parked: _ParkedBuffer, layout: BlockLayout, index: int) -> _StreamedBlock | None:
         """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
         or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
-        the one asked for."""
-        if self._casts or parked.pinned != self.pin_memory or parked.content not in (None, self.contents.get(index)):
+        the one asked for; never for a block to be read from its file at each step."""
+        if self._casts or index in self.read_each_step or parked.pinned != self.pin_memory:
+            return None
+        if parked.content not in (None, self.contents.get(index)):
             return None
         host = parked.host()
         if host is None or parked.signature != _signature(layout):

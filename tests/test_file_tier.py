@@ -256,9 +256,9 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
 
 
 def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_file_again(tmp_path: Path) -> None:
-    """A streamer that cannot take a parked buffer over (here it stores another dtype) packs the block from
-    its file, not from the parked buffer: the block keeps its file's views as originals, and holds no copy of
-    its own once the streamer stops."""
+    """A streamer that cannot take a parked buffer over (here it stores another dtype, or reads the block from
+    the file at each step) packs the block from its file, not from the parked buffer: the block keeps its
+    file's views as originals, and holds no copy of its own once the streamer stops."""
     model, mapped = _mapped_stack(tmp_path)
     first = _streamer(mapped, read_each_step=())
     first.enable()
@@ -268,4 +268,13 @@ def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_fi
     second.enable()
     assert all(state.file_backed for state in second._state.values())
     second.disable()
+    assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
+    # Parked again, then asked to be read from the file at each step: the file tier, not the parked buffer.
+    third = _streamer(mapped, read_each_step=())
+    third.enable()
+    third.disable(park=True)
+    fourth = _streamer(mapped, read_each_step=(0,))
+    fourth.enable()
+    assert fourth._state[0].read is not None and fourth._state[0].host.numel() == 0
+    fourth.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
