@@ -247,7 +247,11 @@ def _plain(tensor: torch.Tensor) -> bool:
 
 
 def write_patches_to_host(
-    patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool, needing: frozenset[int], device
+    patching: DevicePatching,
+    units: dict[int, torch.nn.Module],
+    recurse: bool,
+    needing: frozenset[int],
+    device: torch.device,
 ) -> frozenset[int]:
     """Writes the patches ``patch_streamed_weights`` left for the host buffers into those of the units
     ``needing`` them (the engine's ``needs_content``: packed now, or adopted without them), each weight patched
