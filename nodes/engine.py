@@ -37,7 +37,7 @@ from .architectures import find_blocks, inside
 from .device_patches import AdapterStaging, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, recorded_dtype
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
-from .placement import Placement, bake
+from .placement import Placement, bake, block_names
 from .request import OffloadRequest
 
 
@@ -162,8 +162,8 @@ def start_engine(
     read_each_step = file_options.get("read_each_step", frozenset())
     baking = _bake(model, request, placement, units, read_each_step, in_host, history)
     baked = baking.blocks if baking is not None else frozenset()
-    _, blocks = find_blocks(model.model.diffusion_model)
-    baked_names = frozenset(f"diffusion_model.{blocks[index][0]}" for index in baked)
+    # Only a block plan bakes: the sequential wrapper's model may have no block list.
+    baked_names = frozenset(block_names(model)[index] for index in baked) if baked else frozenset()
     patching = patch_streamed_weights(model, placement.streamed, device, baked_names)
     patches = model.patches_uuid if patching.loaded or patching.on_host else None
     contents = dict.fromkeys(baked, patches)

@@ -240,8 +240,12 @@ def bake(
 
 def _patch_ms(model: ModelPatcher) -> tuple[float, ...]:
     """Per block, what its patches cost at each call when it streams (``patch_ms_per_unit``)."""
-    blocks = [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model)[1]]
-    return patch_ms_per_unit(model, blocks, model.load_device)
+    return patch_ms_per_unit(model, block_names(model), model.load_device)
+
+
+def block_names(model: ModelPatcher) -> list[str]:
+    """Each block's module name in the model (under ``diffusion_model``), in block order."""
+    return [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model)[1]]
 
 
 def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:

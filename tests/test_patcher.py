@@ -200,3 +200,26 @@ def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(c
     (notice,) = forced.offload_engine.notices
     assert "planned resident; the rest is cast per layer by ComfyUI" in notice
     forced.detach()
+
+
+def test_the_sequential_wrapper_streams_a_model_whose_blocks_are_unknown(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wrapper needs no block list: with the tiny Wan's architecture taken off the list the block nodes
+    know, it still streams every module, bitwise, with and without a LoRA."""
+    from block_offload.nodes import architectures
+
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+    references = [sample(comfy, model), sample(comfy, with_lora)]
+    comfy.mm.unload_all_models()
+    monkeypatch.delitem(architectures.ARCHITECTURES, type(model.model.diffusion_model).__name__)
+    wrapped = comfy.nodes.SequentialOffloadWrapper.execute(
+        model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
+    ).result[0]
+    patchers = [wrapped, comfy.sd.load_lora_for_models(wrapped, None, lora, 1.0, 0)[0]]
+    for patcher, reference in zip(patchers, references, strict=True):
+        assert torch.equal(sample(comfy, patcher), reference)
+        assert patcher.offload_engine is not None and patcher.offload_engine.runner.streamed
+    comfy.mm.unload_all_models()
