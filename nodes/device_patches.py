@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import comfy.float
@@ -284,9 +284,10 @@ def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.d
     such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
     the weights baked once before packing."""
     costs = [0.0] * len(units)
+    index_of = {unit: index for index, unit in enumerate(units)}
     # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
     for name, module, routes in _patched_parameters(model, frozenset(units), patched_too=True):
-        unit = next(index for index, prefix in enumerate(units) if inside(name, frozenset((prefix,))))
+        unit = index_of[_unit_named(name, index_of)]
         for param, tensor, route in routes:
             key = f"{name}.{param}"
             if route != "device" or key not in model.patches:
@@ -373,15 +374,19 @@ def _with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> o
     return value
 
 
+def _unit_named(name: str, units: Container[str]) -> str | None:
+    """The one of ``units`` (module names) that the module ``name`` is, or lies inside; None if none."""
+    parts = name.split(".")
+    return next((prefix for end in range(len(parts), 0, -1) if (prefix := ".".join(parts[:end])) in units), None)
+
+
 def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> dict[str, int]:
     """The host bytes of the patch adapters of each of the named units' weights (with its submodules'
     unless not ``recurse``): what staging them with their unit adds to it."""
     held: dict[str, dict[int, int]] = {}
     for key, patches in model.patches.items():
         owner = key.rpartition(".")[0]
-        parts = owner.split(".")
-        prefixes = [".".join(parts[:end]) for end in range(len(parts), 0, -1)] if recurse else [owner]
-        unit = next((prefix for prefix in prefixes if prefix in units), None)
+        unit = _unit_named(owner, units) if recurse else (owner if owner in units else None)
         if unit is not None:
             tensors = held.setdefault(unit, {})
             for tensor in _host_tensors(patches):
