@@ -144,6 +144,15 @@ WAN21_INT8 = "wan21_int8"  # ComfyUI's per-layer ``comfy_quant``, int8_tensorwis
 WAN21_SCALED_FP8 = "wan21_scaled_fp8"  # the older ``scaled_fp8`` marker: plain fp8 on 0.3.75, converted on 0.33
 WAN21_Q8_0 = "wan21_q8_0"  # GGUF Q8_0, for ComfyUI-GGUF
 WAN21_Q4_K = "wan21_q4_k"  # GGUF Q4_K, for ComfyUI-GGUF
+# The other per-layer ``comfy_quant`` formats of ComfyUI 0.33 (``comfy/quant_ops.py`` QUANT_ALGOS), each a
+# QuantizedTensor there and unreadable by 0.3.75. All but fp8 e5m2 are quantized by comfy_kitchen, the
+# package 0.33's quant_ops runs, so they are written only where it is installed (ComfyUI 0.33's venv).
+WAN21_FP8_E5M2 = "wan21_fp8_e5m2"  # float8_e5m2, per-tensor scale
+WAN21_INT8_CONVROT = "wan21_int8_convrot"  # int8_tensorwise with ConvRot: Hadamard-rotated rows, a scale per row
+WAN21_W4A4 = "wan21_w4a4"  # convrot_w4a4: rotated, packed signed int4, a scale per row
+WAN21_W4A8 = "wan21_w4a8"  # asym_w4a8_int8: rotated, packed 4-bit codes, fp8 group and fp32 row scales, codebook
+WAN21_NVFP4 = "wan21_nvfp4"  # nvfp4: packed fp4 e2m1, fp8 scales per 16 values (swizzled), fp32 tensor scale
+WAN21_MXFP8 = "wan21_mxfp8"  # mxfp8: fp8 e4m3, e8m0 scales per 32 values (swizzled)
 
 #: ComfyUI model folder of each file; node widgets take the bare file name.
 FOLDERS: dict[str, str] = {
@@ -160,6 +169,12 @@ FOLDERS: dict[str, str] = {
     WAN21_SCALED_FP8: "diffusion_models",
     WAN21_Q8_0: "diffusion_models",
     WAN21_Q4_K: "diffusion_models",
+    WAN21_FP8_E5M2: "diffusion_models",
+    WAN21_INT8_CONVROT: "diffusion_models",
+    WAN21_W4A4: "diffusion_models",
+    WAN21_W4A8: "diffusion_models",
+    WAN21_NVFP4: "diffusion_models",
+    WAN21_MXFP8: "diffusion_models",
 }
 FILES: dict[str, str] = {
     WAN21: WAN21_FILE,
@@ -175,6 +190,12 @@ FILES: dict[str, str] = {
     WAN21_SCALED_FP8: "block_offload_tiny_wan21_scaled_fp8.safetensors",
     WAN21_Q8_0: "block_offload_tiny_wan21_q8_0.gguf",
     WAN21_Q4_K: "block_offload_tiny_wan21_q4_k.gguf",
+    WAN21_FP8_E5M2: "block_offload_tiny_wan21_fp8_e5m2.safetensors",
+    WAN21_INT8_CONVROT: "block_offload_tiny_wan21_int8_convrot.safetensors",
+    WAN21_W4A4: "block_offload_tiny_wan21_w4a4.safetensors",
+    WAN21_W4A8: "block_offload_tiny_wan21_w4a8.safetensors",
+    WAN21_NVFP4: "block_offload_tiny_wan21_nvfp4.safetensors",
+    WAN21_MXFP8: "block_offload_tiny_wan21_mxfp8.safetensors",
 }
 
 #: CLIPLoader ``type`` to use with the tiny CLIP-L for each diffusion model, and the
@@ -485,6 +506,7 @@ _ST_DTYPES = {
     torch.float16: "F16",
     torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
     torch.int8: "I8",
     torch.uint8: "U8",
 }
@@ -582,8 +604,45 @@ def _comfy_quant_layer(layer: str, weight: torch.Tensor, quant_format: str, dtyp
     """One layer in ComfyUI's per-layer format: quantized weight, ``weight_scale``, and its ``comfy_quant``
     entry (the layer's JSON config as bytes), which 0.33 loads as a QuantizedTensor."""
     data, scale = _per_tensor(weight, dtype)
-    config = torch.tensor(list(json.dumps({"format": quant_format}).encode()), dtype=torch.uint8)
-    return {f"{layer}.weight": data, f"{layer}.weight_scale": scale, f"{layer}.comfy_quant": config}
+    return {
+        f"{layer}.weight": data,
+        f"{layer}.weight_scale": scale,
+        f"{layer}.comfy_quant": _config({"format": quant_format}),
+    }
+
+
+def _config(config: dict) -> torch.Tensor:
+    """A layer's ``comfy_quant`` entry: its JSON config as bytes, as ComfyUI's own state_dict writes it."""
+    return torch.tensor(list(json.dumps(config).encode()), dtype=torch.uint8)
+
+
+def _kitchen_layer(
+    layer: str, weight: torch.Tensor, quant_format: str, layout: str, config: tuple[str, ...] = (), **options: object
+) -> dict[str, torch.Tensor]:
+    """One layer quantized by comfy_kitchen's ``layout`` class with ``options``, stored as ComfyUI 0.33 stores a
+    QuantizedTensor layer (``comfy/ops.py`` ``_quantized_weight_state_dict``): the layout's own state_dict
+    tensors (``weight``, ``weight_scale``, ...) and a ``comfy_quant`` entry with the format and the Params
+    fields named in ``config``, which its loader (``_load_quantized_module``) reads back into the Params.
+
+    comfy_kitchen is the code 0.33's ``quant_ops`` runs for these formats (it registers these very classes,
+    or for NVFP4 and MXFP8 subclasses whose round-to-nearest quantize makes the same calls), so the file holds
+    what ComfyUI's own quantizer makes. It is imported here, not ``comfy``: that needs ComfyUI's folder on
+    ``sys.path`` and, imported before a test sets ``args.cpu``, would change how the test's ComfyUI starts."""
+    from comfy_kitchen import tensor as kitchen
+
+    layout_cls = getattr(kitchen, layout)
+    qdata, params = layout_cls.quantize(weight, **options)
+    tensors = {}
+    for suffix, tensor in layout_cls.state_dict_tensors(qdata, params).items():
+        # safetensors' torch reader (0.8) has no F8_E8M0: MXFP8's block scales are stored as their bytes,
+        # which ComfyUI's loader views as e8m0 again (``pop_scale(..., torch.float8_e8m0fnu)``).
+        if tensor.dtype == torch.float8_e8m0fnu:
+            tensor = tensor.view(torch.uint8)
+        tensors[f"{layer}.weight{suffix}"] = tensor
+    tensors[f"{layer}.comfy_quant"] = _config(
+        {"format": quant_format} | {name: getattr(params, name) for name in config}
+    )
+    return tensors
 
 
 def _scaled_fp8_layer(layer: str, weight: torch.Tensor) -> dict:
@@ -601,6 +660,8 @@ class SafetensorsQuant:
     layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
     markers: dict[str, torch.Tensor] = field(default_factory=dict)
     config_in_metadata: bool = False
+    #: The package ``layer`` imports, if any: where it is missing the file is not written.
+    needs: str | None = None
 
 
 _FP8_LAYER = functools.partial(_comfy_quant_layer, quant_format="float8_e4m3fn", dtype=torch.float8_e4m3fn)
@@ -612,6 +673,53 @@ SAFETENSORS_QUANT: dict[str, SafetensorsQuant] = {
     ),
     # An empty marker: ComfyUI reads its dtype (and a 2-element one as "no fp8 matrix multiply").
     "scaled_fp8": SafetensorsQuant(_scaled_fp8_layer, {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}),
+    "float8_e5m2": SafetensorsQuant(
+        functools.partial(_comfy_quant_layer, quant_format="float8_e5m2", dtype=torch.float8_e5m2)
+    ),
+    # ConvRot rotates each row's groups of 256 by a Hadamard matrix before quantizing, so a row's scale must
+    # be its own (ComfyUI's quantize refuses convrot without per_channel); the tiny Wan's rows (256, 512 and
+    # 4096 long) are whole groups. ComfyUI marks it with "convrot"/"convrot_groupsize" in the layer's config.
+    "int8_tensorwise convrot": SafetensorsQuant(
+        functools.partial(
+            _kitchen_layer,
+            quant_format="int8_tensorwise",
+            layout="TensorWiseINT8Layout",
+            config=("convrot", "convrot_groupsize"),
+            convrot=True,
+            per_channel=True,
+        ),
+        needs="comfy_kitchen",
+    ),
+    # ComfyUI's loader fixes quant_group_size at 64 and reads linear_dtype only where it is not int4, as its
+    # state_dict writes it: the defaults are what it loads.
+    "convrot_w4a4": SafetensorsQuant(
+        functools.partial(
+            _kitchen_layer,
+            quant_format="convrot_w4a4",
+            layout="TensorCoreConvRotW4A4Layout",
+            config=("convrot_groupsize",),
+        ),
+        needs="comfy_kitchen",
+    ),
+    # The layout's default: symmetric 4-bit codes with a 16-level codebook (the fixed Lloyd-Max table for these
+    # Gaussian weights), fp8 scales per 16 values. The asymmetric variant's ``correction`` tensor is one
+    # ComfyUI's loader does not read, so a checkpoint cannot carry it.
+    "asym_w4a8_int8": SafetensorsQuant(
+        functools.partial(
+            _kitchen_layer,
+            quant_format="asym_w4a8_int8",
+            layout="AsymW4A8Int8Layout",
+            config=("group_size", "convrot_groupsize"),
+        ),
+        needs="comfy_kitchen",
+    ),
+    # Block scales in cuBLAS's swizzled tiles of 128 rows: the 64-row head's are padded to 128, as ComfyUI's.
+    "nvfp4": SafetensorsQuant(
+        functools.partial(_kitchen_layer, quant_format="nvfp4", layout="TensorCoreNVFP4Layout"), needs="comfy_kitchen"
+    ),
+    "mxfp8": SafetensorsQuant(
+        functools.partial(_kitchen_layer, quant_format="mxfp8", layout="TensorCoreMXFP8Layout"), needs="comfy_kitchen"
+    ),
 }
 
 
@@ -670,6 +778,11 @@ class QuantizedArtifact:
     @property
     def is_gguf(self) -> bool:
         return self.quant not in SAFETENSORS_QUANT
+
+    @property
+    def needs(self) -> str | None:
+        """The package writing the file takes (``gguf``, ``comfy_kitchen``), or None: torch alone."""
+        return "gguf" if self.is_gguf else SAFETENSORS_QUANT[self.quant].needs
 
     def metadata(self) -> dict[str, str]:
         """What identifies the file as ours (and up to date)."""
@@ -765,14 +878,40 @@ QUANTIZED_ARTIFACTS: tuple[QuantizedArtifact, ...] = (
     QuantizedArtifact(WAN21_SCALED_FP8, WAN21, "scaled_fp8"),
     QuantizedArtifact(WAN21_Q8_0, WAN21, "Q8_0"),
     QuantizedArtifact(WAN21_Q4_K, WAN21, "Q4_K"),
+    QuantizedArtifact(WAN21_FP8_E5M2, WAN21, "float8_e5m2"),
+    QuantizedArtifact(WAN21_INT8_CONVROT, WAN21, "int8_tensorwise convrot"),
+    QuantizedArtifact(WAN21_W4A4, WAN21, "convrot_w4a4"),
+    QuantizedArtifact(WAN21_W4A8, WAN21, "asym_w4a8_int8"),
+    QuantizedArtifact(WAN21_NVFP4, WAN21, "nvfp4"),
+    QuantizedArtifact(WAN21_MXFP8, WAN21, "mxfp8"),
 )
 
 ARTIFACTS: dict[str, Artifact | QuantizedArtifact] = {a.name: a for a in (*FLOAT_ARTIFACTS, *QUANTIZED_ARTIFACTS)}
 
 
+#: Where the package a writer needs comes from.
+_INSTALL_HINT = {
+    "gguf": "pip install -r requirements-dev.txt",
+    "comfy_kitchen": "ComfyUI 0.33's requirements.txt installs it",
+}
+
+
 def gguf_writable() -> bool:
     """Whether the ``gguf`` package (requirements-dev.txt) is there to write the GGUF checkpoints."""
     return importlib.util.find_spec("gguf") is not None
+
+
+def _needs(name: str) -> str | None:
+    """The package writing artifact ``name`` takes, or None."""
+    artifact = ARTIFACTS[name]
+    return artifact.needs if isinstance(artifact, QuantizedArtifact) else None
+
+
+def writable(name: str) -> bool:
+    """Whether this process can write artifact ``name``: the package its writer needs, if any, is installed
+    (looked up, not imported, so asking costs nothing)."""
+    needs = _needs(name)
+    return needs is None or importlib.util.find_spec(needs) is not None
 
 
 def generate(
@@ -784,8 +923,9 @@ def generate(
     """Write the tiny checkpoints under ``models_dir`` and return ``{name: path}``.
 
     ``only`` restricts to some of :data:`ARTIFACTS` (default: all); ``force`` rewrites files
-    that are already up to date; ``log`` receives one line per file. The GGUF files are left out,
-    with a line saying so, where the ``gguf`` package is missing.
+    that are already up to date; ``log`` receives one line per file. A file whose writer needs a package that
+    is missing (the GGUF files ``gguf``, most ComfyUI 0.33 quantized ones ``comfy_kitchen``) is left out, with a
+    line saying so.
     """
     models_dir = Path(models_dir)
     names = list(ARTIFACTS) if only is None else list(only)
@@ -796,9 +936,10 @@ def generate(
     for name in names:
         artifact = ARTIFACTS[name]
         path = models_dir / artifact.relpath
-        if isinstance(artifact, QuantizedArtifact) and artifact.is_gguf and not gguf_writable():
+        if not writable(name):
             if log is not None:
-                log(f"{name:<11} skipped: the gguf package is not installed (pip install -r requirements-dev.txt)")
+                needs = _needs(name)
+                log(f"{name:<11} skipped: the {needs} package is not installed ({_INSTALL_HINT[needs]})")
             continue
         if not force and artifact.is_current(path):
             status = "up to date"

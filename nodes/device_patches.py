@@ -37,6 +37,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import device_ms
+from ..offload.layout import TensorForm
 from .architectures import inside
 from .dynamic_vram import recorded_dtype
 
@@ -74,6 +75,8 @@ class LoadedPatch:
         self._positions: tuple[int, ...] = ()
         # By the views' identity (the engine keeps one tuple per ring position): the views, the patches.
         self._staged: dict[int, tuple[tuple[torch.Tensor, ...], list]] = {}
+        # How ``write_in_place`` left the weight described, where that differs from how it is stored.
+        self._form: TensorForm | None = None
 
     @property
     def module(self) -> torch.nn.Module | None:
@@ -101,9 +104,31 @@ class LoadedPatch:
         return staged[1]
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
         module = self._module()
         stored = getattr(module, self.param)
-        return _patched(module, self.param, stored, weight, self.key, self._staged_patches(), self._seed)
+        patched = _as_loaded(module, self.param, stored, self.key, self._staged_patches(), self._seed, weight)
+        return patched.to(weight.dtype)
+
+    def write_in_place(self) -> None:
+        """Writes the patched weight over the module's own tensor where it is now (a streamed block's region of
+        the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
+        its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
+        format's own kernel, and no weight function."""
+        module = self._module()
+        current = getattr(module, self.param)
+        patched = _as_loaded(module, self.param, current, self.key, self._staged_patches(), self._seed)
+        self._form = _overwrite(current, patched, self.key)
+        self.put_back()
+
+    def put_back(self) -> None:
+        """Where the re-quantized weight's own description differs from the stored one's (0.3.75 records the
+        dtype it was quantized from), the module holds the weight under it again: the engine points the module
+        at its bytes under the stored description at each call."""
+        module = self._module()
+        if self._form is not None:
+            current = getattr(module, self.param)
+            module._parameters[self.param] = self._form.assemble(TensorForm.of(current, self.key).parts_of(current))
 
     def write_to_host(self, device: torch.device) -> None:
         """Writes the patched weight over the module's own tensor (a view of its host buffer), computed on
@@ -111,50 +136,82 @@ class LoadedPatch:
         module = self._module()
         host = getattr(module, self.param)
         on_device = host.to(device, copy=True)
-        host.copy_(_patched(module, self.param, on_device, on_device, self.key, self.patches[self.key], self._seed))
+        host.copy_(_as_loaded(module, self.param, on_device, self.key, self.patches[self.key], self._seed, on_device))
 
 
-def _patched(
-    module: torch.nn.Module, param: str, stored: torch.Tensor, weight: torch.Tensor, key: str, patches: list, seed: int
+def _as_loaded(
+    module: torch.nn.Module,
+    param: str,
+    stored: torch.Tensor,
+    key: str,
+    patches: list,
+    seed: int,
+    handed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``weight`` (ComfyUI's ops' cast of ``module``'s ``param``) patched as ComfyUI patches a loaded weight, from
-    ``stored``, the module's own tensor on the device (the module's ``set_`` and ``convert_`` functions
-    applied, a quantized format's)."""
+    """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
+    ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
+    the module's ``convert_`` function, ``calculate_weight``, then its ``set_`` function (a quantized format
+    re-quantizes) or the seeded rounding to the stored dtype. A weight function (``handed``: ComfyUI's ops' copy
+    of the weight) gets it dequantized; ComfyUI's ops then compute with it as with a loaded weight."""
     set_func = getattr(module, f"set_{param}", None)
     convert_func = getattr(module, f"convert_{param}", None)
-    lora_dtype = _lora_dtype(weight.device)
-    if weight.dtype == stored.dtype == lora_dtype and convert_func is None:
-        temp = weight  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
+    lora_dtype = _lora_dtype(stored.device)
+    if handed is not None and handed.dtype == stored.dtype == lora_dtype and convert_func is None:
+        temp = handed  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
     else:
-        temp = comfy.model_management.cast_to_device(stored, weight.device, lora_dtype, copy=True)
+        temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
     patched = comfy.lora.calculate_weight(patches, temp, key)
     if set_func is None:
-        patched = comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
-    else:
-        patched = set_func(patched, seed=seed, return_weight=True)
-    if hasattr(patched, "dequantize"):  # a quantized format's own tensor
+        return comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
+    patched = set_func(patched, seed=seed, return_weight=True)
+    if handed is not None and hasattr(patched, "dequantize"):  # a quantized format's own tensor
         patched = patched.dequantize()
-    return patched.to(weight.dtype)
+    return patched
+
+
+def _overwrite(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:
+    """Copies ``patched`` into ``current``'s memory, part by part (a quantized tensor's data and scales).
+    Returns ``patched``'s form where its description (class, context) differs from ``current``'s."""
+    into, source = TensorForm.of(current, key), TensorForm.of(patched, key)
+    targets, sources = list(into.parts_of(current)), list(source.parts_of(patched))
+    same = len(targets) == len(sources) and all(
+        t.shape == s.shape and t.dtype == s.dtype for t, s in zip(targets, sources, strict=False)
+    )
+    if not same or (into.kind is not source.kind and not (into.is_plain and source.is_plain)):
+        raise RuntimeError(
+            f"Block Offload: patching {key} changed how its weight is stored ({type(current).__name__}, "
+            f"{[(tuple(t.shape), t.dtype) for t in targets]} -> {[(tuple(s.shape), s.dtype) for s in sources]}), "
+            "so it cannot be patched where it streams to. Put this patch on a model without a streaming node, "
+            "or load the checkpoint unquantized."
+        )
+    with torch.no_grad():
+        for target, part in zip(targets, sources, strict=True):
+            target.copy_(part)
+    return source if source.is_wrapper and source.context != into.context else None
 
 
 @dataclass(frozen=True)
 class DevicePatching:
     """How a streamed placement's patched weights were patched, for the plan line."""
 
-    on_device: int = 0  # LoadedPatch at compute time
+    on_device: int = 0  # LoadedPatch at compute time, as a weight function
     carried: int = 0  # GGUF tensors carrying their patches to compute time
     baked: int = 0  # patched once before packing
     loaded: tuple[LoadedPatch, ...] = field(default=(), compare=False)
     # Patched once into their host buffers (``write_patches_to_host``), in the units chosen to bake.
     on_host: tuple[LoadedPatch, ...] = field(default=(), compare=False)
+    # Patched where they arrive on the device, in their stored format (``LoadedPatch.write_in_place``): the
+    # weights of layers with a ``set_`` function (quantized formats), and their biases.
+    on_arrival: tuple[LoadedPatch, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         said = [
             f"{count} {how}"
             for count, how in (
                 (self.on_device, "on the device at compute time"),
+                (len(self.on_arrival), "on the device as they arrive, re-stored in their format"),
                 (len(self.on_host), "once into their host buffers"),
                 (self.carried, "by ComfyUI-GGUF at compute time"),
                 (self.baked, "once before packing"),
@@ -169,12 +226,20 @@ def _carries_patches(weight: torch.Tensor) -> bool:
     return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
 
 
+def _stored_by_layer(module: torch.nn.Module) -> bool:
+    """A layer whose weight ComfyUI's load stores through the layer's own ``set_weight`` (a quantized format
+    re-quantizes the patched weight): its ops compute from that form, with the format's kernel, only while it
+    has no weight or bias function. Its patched weight and bias are written where they arrive instead."""
+    return callable(getattr(module, "set_weight", None))
+
+
 def _patched_parameters(
     model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
     """The named units' modules with patched weights, each with its patched parameters and how each is patched:
-    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``device`` (a weight of
-    ComfyUI's ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing).
+    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``arrival`` (a weight or bias
+    of a layer that stores its weight itself: in place, where it arrives), ``device`` (a weight of ComfyUI's
+    ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing).
     Modules ComfyUI has loaded and patched only with ``patched_too``."""
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
@@ -190,7 +255,8 @@ def _patched_parameters(
             if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
                 routes.append((param, tensor, "carried"))
             elif ops_module and param in ("weight", "bias"):
-                routes.append((param, tensor, "device"))
+                on_arrival = _stored_by_layer(module) and key in model.patches
+                routes.append((param, tensor, "arrival" if on_arrival else "device"))
             elif key in model.patches:
                 routes.append((param, tensor, "bake"))
         if routes:
@@ -205,14 +271,19 @@ def patch_streamed_weights(
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
+    on_arrival: list[LoadedPatch] = []
     for name, module, routes in _patched_parameters(model, streamed):
         functions: dict[str, list] = {}
+        arriving = []
         bake_now = []  # outside ComfyUI's ops: patched once, before packing
         for param, tensor, route in routes:
             key = f"{name}.{param}"
             if route == "carried":
                 model.patch_weight_to_device(key, device_to=tensor.device)  # records them on the tensor
                 carried += 1
+            elif route == "arrival":
+                arriving.append(LoadedPatch(key, model.patches, module, param))
+                functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
                 patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
                 if patch and inside(name, bake) and _plain(tensor):
@@ -223,13 +294,18 @@ def patch_streamed_weights(
                 loaded += patch
             else:
                 bake_now.append(key)
-        if functions:
+        if functions or arriving:
             module.weight_function = functions.get("weight", [])
             module.bias_function = functions.get("bias", [])
             if not hasattr(module, "prev_comfy_cast_weights"):  # as ComfyUI's lowvram load marks a module
                 module.prev_comfy_cast_weights = module.comfy_cast_weights
-                counted += sum(isinstance(f, LoadedPatch) for f in (*module.weight_function, *module.bias_function))
-            module.comfy_cast_weights = True
+                counted += len(arriving) + sum(
+                    isinstance(f, LoadedPatch) for f in (*module.weight_function, *module.bias_function)
+                )
+            if module.weight_function or module.bias_function:
+                module.comfy_cast_weights = True  # a layer patched only where it arrives computes as loaded
+            on_arrival += arriving
+            loaded += arriving
         for key in bake_now:
             _bake(model, key, device)
         if bake_now:
@@ -238,7 +314,30 @@ def patch_streamed_weights(
     # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
-    return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host))
+    return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host), tuple(on_arrival))
+
+
+class ArrivalPatches:
+    """The engine's ``on_call``: each streamed unit's ``LoadedPatch.write_in_place`` patches, run as a fresh
+    copy of the unit is first used (and the re-quantized weights put back at its later calls)."""
+
+    def __init__(self, patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool) -> None:
+        unit_of = _unit_of(units, recurse)
+        self._by_unit: dict[int, list[LoadedPatch]] = {}
+        for patch in patching.on_arrival:
+            unit = unit_of.get(id(patch.module))
+            if unit is not None:
+                self._by_unit.setdefault(unit, []).append(patch)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_unit)
+
+    def __call__(self, unit: int, copied: bool) -> None:
+        for patch in self._by_unit.get(unit, ()):
+            if copied:
+                patch.write_in_place()
+            else:
+                patch.put_back()
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -275,14 +374,22 @@ def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]
 #: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.
 _patch_ms: dict[tuple, float] = {}
 _PATCH_KINDS_KEPT = 256
+#: Kinds of patched weight the probe failed on, with what it raised: logged once, not timed again.
+_untimable: dict[tuple, str] = {}
 
 
-def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.device) -> tuple[float, ...]:
+def patch_ms_per_unit(
+    model: ModelPatcher, units: Sequence[str], device: torch.device, untimed: list[str] | None = None
+) -> tuple[float, ...]:
     """Per unit (a module with its submodules, by name), what its patches cost on ``device`` at each call when
-    it streams: each weight ``patch_streamed_weights`` would patch at compute time, timed as ``LoadedPatch``
+    it streams: each weight ``patch_streamed_weights`` would patch on the device, timed as ``LoadedPatch``
     patches it from a copy on the device (one weight at a time), once per kind of weight. () when no unit has
     such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
-    the weights baked once before packing."""
+    the weights baked once before packing.
+
+    Only a plan needs the figure, so no failure of the probe fails a prompt: a weight it cannot time (an
+    adapter type of another custom node, a format it does not know) is placed without its cost, logged once,
+    and its key added to ``untimed`` for the plan line."""
     costs = [0.0] * len(units)
     index_of = {unit: index for index, unit in enumerate(units)}
     # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
@@ -290,21 +397,50 @@ def patch_ms_per_unit(model: ModelPatcher, units: Sequence[str], device: torch.d
         unit = index_of[_unit_named(name, index_of)]
         for param, tensor, route in routes:
             key = f"{name}.{param}"
-            if route != "device" or key not in model.patches:
+            if route not in ("device", "arrival") or key not in model.patches:
                 continue
-            kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
-            if kind not in _patch_ms:
-                if len(_patch_ms) >= _PATCH_KINDS_KEPT:
-                    _patch_ms.clear()
-                try:
-                    _patch_ms[kind] = _time_patch(model, module, param, key, device)
-                except torch.OutOfMemoryError:
-                    # The device is full as the model is placed: the plan goes without this cost (counted as
-                    # none, as before the planner knew it), and the next placement times it again.
-                    logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
-                    continue
-            costs[unit] += _patch_ms[kind]
+            try:
+                kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
+                ms = _timed(kind, model, module, param, key, device)
+            except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
+                ms = None
+                _note_untimable(key, error)
+            if ms is None:
+                if untimed is not None:
+                    untimed.append(key)
+                continue
+            costs[unit] += ms
     return tuple(costs) if any(costs) else ()
+
+
+def _timed(
+    kind: tuple, model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device
+) -> float | None:
+    """The patch cost of one kind of weight, timed on ``key`` the first time (None: it cannot be timed)."""
+    if kind in _untimable:
+        return None
+    if kind not in _patch_ms:
+        if len(_patch_ms) >= _PATCH_KINDS_KEPT:
+            _patch_ms.clear()
+        try:
+            _patch_ms[kind] = _time_patch(model, module, param, key, device)
+        except torch.OutOfMemoryError:
+            # The device is full as the model is placed: the plan goes without this cost (counted as none, as
+            # before the planner knew it), and the next placement times it again.
+            logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
+            return None
+        except Exception as error:
+            _untimable[kind] = f"{type(error).__name__}: {error}"
+            raise
+    return _patch_ms[kind]
+
+
+def _note_untimable(key: str, error: Exception) -> None:
+    if len(_untimable) <= _PATCH_KINDS_KEPT:  # logged once per kind (the kinds it raised on are kept)
+        logging.warning(
+            f"Block Offload: could not time the patches of {key} to plan the placement "
+            f"({type(error).__name__}: {error}); planned without their cost, streamed as usual"
+        )
 
 
 def _compute_dtype(model: ModelPatcher) -> torch.dtype:
@@ -319,28 +455,45 @@ def _streamed_dtype(module: torch.nn.Module, param: str, tensor: torch.Tensor) -
 
 
 def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patches: list) -> tuple:
-    """What a patch's cost depends on: the weight's shape and the dtype it streams in, and each patch's kind,
-    adapter shapes and dtypes (not its strengths nor its values, nor where the weight is now: a block kept
-    resident by one placement must cost what it did for the next one to plan)."""
+    """What a patch's cost depends on: the weight's shape and the dtype it streams in, its class (a quantized
+    format's), and each patch's kind, adapter shapes and dtypes (not its strengths nor its values, nor where the
+    weight is now: a block kept resident by one placement must cost what it did for the next one to plan)."""
     adapters = tuple((tuple(t.shape), t.dtype) for t in _host_tensors(patches))
     kinds = tuple(type(patch[1]).__name__ for patch in patches)
-    return tuple(tensor.shape), _streamed_dtype(module, param, tensor), kinds, adapters
+    stored = (type(tensor).__name__, getattr(tensor, "_layout_cls", None))
+    return tuple(tensor.shape), _streamed_dtype(module, param, tensor), stored, kinds, adapters
 
 
 def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
-    """The device time of patching one weight at compute time: from a copy of it on ``device``, the adapters
-    copied there too (the engine stages them), the weight cast to the compute dtype as ComfyUI's ops hand it,
-    with the copy ComfyUI's ops make of a weight that has weight functions."""
+    """The device time of patching one weight at a call: from a copy of it on ``device`` as it streams (a
+    quantized one as stored: no arithmetic on its bytes but ComfyUI's own), the adapters copied there too (the
+    engine stages them). A weight function also pays for the weight ComfyUI's ops cast to the compute dtype and
+    copy for it; a weight patched where it arrives, for the copy of its new form over the old."""
     tensor = getattr(module, param)
-    stored = comfy.model_management.cast_to_device(tensor, device, _streamed_dtype(module, param, tensor), copy=True)
-    weight = stored.dequantize().to(_compute_dtype(model), copy=True)
+    if _plain(tensor):
+        stored = tensor.to(device, _streamed_dtype(module, param, tensor), copy=True)
+    else:  # part by part: a quantized tensor's own ``to`` may hand back its memory even when asked to copy
+        form = TensorForm.of(tensor, key)
+        stored = form.assemble(part.to(device, copy=True) for part in form.parts_of(tensor))
     patches = model.patches[key]
     staged = _with_host_tensors(patches, iter([t.to(device) for t in _host_tensors(patches)]))
     seed = string_to_seed(key)
+    if _stored_by_layer(module):
+        # The layer's set_ function re-stores from the layer's own weight: a stand-in holds the device copy.
+        layer = copy.copy(module)
+        layer._parameters = {**module._parameters, param: stored}
 
-    def at_a_call() -> torch.Tensor:
-        stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them
-        return _patched(module, param, stored, weight, key, staged, seed)
+        def at_a_call() -> torch.Tensor:
+            patched = _as_loaded(layer, param, stored, key, staged, seed)
+            _overwrite(stored, patched, key)
+            return stored
+
+    else:
+        weight = stored.to(_compute_dtype(model), copy=True)
+
+        def at_a_call() -> torch.Tensor:
+            stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them
+            return _as_loaded(module, param, stored, key, staged, seed, weight).to(weight.dtype)
 
     return device_ms(at_a_call, device)
 

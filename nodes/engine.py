@@ -34,8 +34,9 @@ from ..offload import (
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .architectures import find_blocks, inside
-from .device_patches import AdapterStaging, patch_streamed_weights, write_patches_to_host
+from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, recorded_dtype
+from .fused_reads import read_by_parents
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake, block_names
 from .request import OffloadRequest
@@ -168,10 +169,10 @@ def start_engine(
     patches = model.patches_uuid if patching.loaded or patching.on_host else None
     contents = dict.fromkeys(baked, patches)
     adapters = AdapterStaging.of(patching, units, recurse)
+    arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    runner = _runner(
-        model, request, placement.plan, device, recorder, units, adapters.companions, last_order, file_options, contents
-    )
+    streaming = {"companions": adapters.companions, "contents": contents, "on_call": arrival or None}
+    runner = _runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
     adapters.bind(runner)
     runner.enable()
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
@@ -302,15 +303,16 @@ def _runner(
     device: torch.device,
     recorder: TimelineRecorder,
     units: dict[int, nn.Module],
-    companions: dict[int, tuple[torch.Tensor, ...]],
     last_order: CallOrder | None,
     file_options: dict,
-    contents: dict[int, Hashable],
+    streaming: dict,
 ) -> Runner:
     """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
-    streamed blocks), with ``_file_tier_options``' and the blocks' host buffer ``contents``."""
+    streamed blocks), with ``_file_tier_options``' and the patches' ``streaming`` options: the units'
+    ``companions``, their host buffer ``contents`` (blocks only) and the ``on_call`` transform."""
     diffusion_model = model.model.diffusion_model
     if plan is None:
+        streaming.pop("contents")  # only blocks bake
         return SequentialOffloader(
             diffusion_model,
             device,
@@ -322,7 +324,8 @@ def _runner(
             on_promote=functools.partial(_count_promoted, model.model),
             pin_budget=PINNED_MEMORY,
             call_order=_order_for(last_order, "module", len(units)),
-            companions=companions,
+            holders=read_by_parents(diffusion_model),
+            **streaming,
             **file_options,
         )
     _, blocks = find_blocks(diffusion_model)
@@ -337,8 +340,7 @@ def _runner(
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
         call_order=_order_for(last_order, "block", len(blocks)),
-        companions=companions,
-        contents=contents,
+        **streaming,
         **file_options,
     )
 

@@ -41,6 +41,7 @@ from ..offload.layout import aligned, module_stored_bytes
 from .architectures import find_blocks
 from .device_patches import adapter_bytes, patch_ms_per_unit
 from .dynamic_vram import recorded_dtype, stored_as_computed
+from .fused_reads import read_by_parents
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
 
@@ -147,7 +148,7 @@ def _place(
         dtype = request.storage_dtype or "the model's dtype"
         summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
         # The sequential wrapper's pool: on Wan 14B the largest module (time_projection) alone is 315 MB.
-        slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype)
+        slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype, read_by_parents(diffusion_model))
         return Placement(None, names, summary, slots)
     arch, blocks = find_blocks(diffusion_model)
     # A Dynamic VRAM twin's weights are as stored until cast: the device holds them in the recorded dtypes.
@@ -180,15 +181,20 @@ def _blocks(
     """The block placement for ``count`` resident blocks, or the best within ``budget_bytes``: the
     planner's, from measured costs, for an automatic placement; the request's policy otherwise."""
     pin_memory = request.pin_memory and can_pin_memory() and pinning_enabled()
-    measuring, unplanned = False, ""  # why an automatic placement fell back to the request's policy
+    measuring, unplanned = False, ""  # why an automatic placement fell back to the policy, or went without a cost
     # Partial GPU Residency plans within a budget; Async Block Offload plans which of its count of blocks stay.
     patch_ms: tuple[float, ...] = ()
     if request.auto_placement and (budget_bytes is not None or request.resident_blocks is not None):
-        patch_ms = _patch_ms(model)
+        untimed: list[str] = []
+        patch_ms = _patch_ms(model, untimed)
+        if untimed:
+            unplanned = (
+                f"; {len(untimed)} patched weights could not be timed ({untimed[0]}, ...): planned without their cost"
+            )
         costs = _cost_cache().get(cache_key(device_name(model.load_device), arch, sizes))
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
-            unplanned = "; not measured on this device yet, so this run measures it and the next one is planned"
+            unplanned += "; not measured on this device yet, so this run measures it and the next one is planned"
         else:
             costs = dataclasses.replace(costs, patch_ms=patch_ms)
             try:
@@ -201,10 +207,10 @@ def _blocks(
                     inline_copies=_inline(model),
                 )
             except ValueError as error:  # not even the stream buffers fit: the fallback decides
-                unplanned = f"; the planner found no placement: {error}"
+                unplanned += f"; the planner found no placement: {error}"
             else:
                 planned = describe(predicted.plan, model)
-                summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}"
+                summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}{unplanned}"
                 streamed, step_ms = planned.streamed, predicted.step_ms
                 buffers = planned.buffer_bytes
                 return Placement(predicted.plan, streamed, summary, buffers, step_ms, patch_ms=patch_ms, costs=costs)
@@ -238,9 +244,9 @@ def bake(
     )
 
 
-def _patch_ms(model: ModelPatcher) -> tuple[float, ...]:
+def _patch_ms(model: ModelPatcher, untimed: list[str]) -> tuple[float, ...]:
     """Per block, what its patches cost at each call when it streams (``patch_ms_per_unit``)."""
-    return patch_ms_per_unit(model, block_names(model), model.load_device)
+    return patch_ms_per_unit(model, block_names(model), model.load_device, untimed)
 
 
 def block_names(model: ModelPatcher) -> list[str]:

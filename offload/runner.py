@@ -74,6 +74,10 @@ class Runner(Protocol):
         """Unit ``index``'s companion tensors as device views while it runs (None: none, or not in the ring)."""
         ...
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory (every part of it) lies in the engine's device buffers."""
+        ...
+
     @property
     def last_order(self) -> tuple[int, ...]:
         """The units' calls in the last finished step (list order before the first)."""

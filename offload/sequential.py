@@ -45,7 +45,12 @@ def streamed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in root.named_modules() if _own_tensors(module)]
 
 
-def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | None = None) -> int:
+def buffer_bytes(
+    root: nn.Module,
+    prefetch: int,
+    storage_dtype: torch.dtype | None = None,
+    holders: Mapping[int, nn.Module] | None = None,
+) -> int:
     """Device bytes a ``SequentialOffloader`` of ``root`` allocates for streaming (before any module is kept
     on the device): its ring (``ring_capacity``: room for the prefetched modules and every level of
     nesting, each as large as the largest module), plus that module in the storage dtype to cast from."""
@@ -56,18 +61,20 @@ def buffer_bytes(root: nn.Module, prefetch: int, storage_dtype: torch.dtype | No
     staging = 0
     if storage_dtype is not None:
         staging = max(BlockLayout.of(module, storage_dtype, recurse=False).nbytes for module in modules)
-    return stream_buffer_bytes(largest, prefetch, _nesting(modules), staging)
+    return stream_buffer_bytes(largest, prefetch, _nesting(root, modules, holders or {}), staging)
 
 
-def _nesting(modules: list[nn.Module]) -> int:
-    """The deepest chain of wrapped modules inside one another: each holds a region of the ring while it runs."""
-    wrapped = {id(m) for m in modules}
+def _nesting(root: nn.Module, modules: list[nn.Module], holders: Mapping[int, nn.Module]) -> int:
+    """The most modules held in the ring at once by calls running inside one another: each call holds a region
+    per module it brings in (its own, and those of the modules it ``holders`` for)."""
+    held = Counter(id(module) for index, module in enumerate(modules) if index not in holders)
+    held.update(id(holder) for holder in holders.values())
 
     def depth(module: nn.Module) -> int:
         below = max((depth(child) for child in module.children()), default=0)
-        return below + (id(module) in wrapped)
+        return below + held[id(module)]
 
-    return max(1, max((depth(m) for m in modules), default=1))
+    return max(1, depth(root))
 
 
 def _streamers(name: str) -> property:
@@ -95,10 +102,13 @@ class SequentialOffloader:
         dtype_of: DtypeOf | None = None,
         call_order: Sequence[int] | None = None,
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        on_call: Callable[[int, bool], None] | None = None,
+        holders: Mapping[int, nn.Module] | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
-        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order`` and
-        ``companions``: see ``BlockStreamer``."""
+        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
+        ``companions``, ``on_call`` and ``holders`` (a module's parent that reads its tensors without calling
+        it: ComfyUI's fused ops): see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -113,13 +123,15 @@ class SequentialOffloader:
             recorder=recorder,
             root=root,
             recurse=False,
-            nesting=_nesting(self.modules),
+            nesting=_nesting(root, self.modules, holders or {}),
             pin_budget=pin_budget,
             file_slice=file_slice,
             read_each_step=read_each_step,
             dtype_of=dtype_of,
             call_order=call_order,
             companions=companions,
+            on_call=on_call,
+            holders=holders,
         )
         self._promotion_hook = None
 
@@ -167,6 +179,10 @@ class SequentialOffloader:
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """See ``BlockStreamer.companions``."""
         return self.streamer.companions(index)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """See ``BlockStreamer.holds``."""
+        return self.streamer.holds(tensor)
 
     def state(self, module: nn.Module) -> ModuleState:
         index = next(i for i, m in enumerate(self.modules) if m is module)

@@ -55,7 +55,7 @@ from .device import (
     unpin_host_buffer,
 )
 from .file_source import FileSlice, stamps
-from .layout import BlockLayout, DtypeOf, aligned
+from .layout import BlockLayout, DtypeOf, TensorForm, aligned
 from .pinning import PinnedMemoryBudget
 from .reader import BlockRead, FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
@@ -148,6 +148,8 @@ class _StreamedBlock:
     companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
     # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
     content: Hashable = None
+    # Its region holds a copy no call has used yet: ``on_call`` has not transformed it.
+    fresh: bool = False
 
     @property
     def region_bytes(self) -> int:
@@ -263,6 +265,13 @@ class BlockStreamer:
     ``wrote_content`` that it is done), such as patches applied once instead of at every call. A parked buffer
     is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
     the block packed again from its originals, so only a block packed from its file may hold content.
+    ``on_call(index, copied)``: a host's transform of a streamed block's weights where they are in the ring, run
+    on the compute stream at each call, once the block's tensors point at the ring; ``copied`` at the first
+    call after each copy, when the region holds the bytes as packed (ComfyUI's patches of quantized weights are
+    re-quantized in place then, as ComfyUI re-quantizes them at load; later calls only put the re-quantized
+    tensors back). A transform that raises leaves the region to be copied afresh.
+    ``holders``: per block, the module whose call brings it in, where that is not the block itself: a parent
+    whose forward reads the block's tensors without calling it (ComfyUI's fused ops read a child's weights).
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -294,6 +303,8 @@ class BlockStreamer:
         call_order: Sequence[int] | None = None,
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
         contents: Mapping[int, Hashable] | None = None,
+        on_call: Callable[[int, bool], None] | None = None,
+        holders: Mapping[int, nn.Module] | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -313,6 +324,8 @@ class BlockStreamer:
         self._companion_tensors = dict(companions or {})
         self.contents = {index: content for index, content in (contents or {}).items() if content is not None}
         self.dtype_of = dtype_of
+        self.on_call = on_call
+        self.holders = dict(holders or {})
         self.staging_slots = staging_slots
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
@@ -353,8 +366,9 @@ class BlockStreamer:
             self._pack_companions(index, self._state[index])
         self._start_reader()
         for index, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(eager(self._pre_hook(index))))
-            self._handles.append(block.register_forward_hook(eager(self._post_hook(index)), always_call=True))
+            caller = self.holders.get(index, block)
+            self._handles.append(caller.register_forward_pre_hook(eager(self._pre_hook(index))))
+            self._handles.append(caller.register_forward_hook(eager(self._post_hook(index)), always_call=True))
         if self.root is not None:
             # The step brackets every block call, the root's own included when it is a block too.
             begin, end = eager(lambda *_: self.begin_step()), eager(lambda *_: self.end_step())
@@ -421,6 +435,8 @@ class BlockStreamer:
                 self._drop_companions(state)
                 self._restore(state, self.device)
                 self._unpin(state)
+                if self.on_call is not None:  # its weights on the device for good: transformed once, there
+                    self.on_call(index, True)
         self.streamed = frozenset(self._state)
         self._holds_all = self._ring_holds_all()
         self.read_each_step &= self.streamed
@@ -429,6 +445,15 @@ class BlockStreamer:
     def last_order(self) -> tuple[int, ...]:
         """The block calls of the last finished step, in order (list order before the first step)."""
         return tuple(self._expected)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether every part of ``tensor`` (a quantized one's data and scales) lies in the engine's device
+        buffers: a streamed unit's weights while it runs, copied there for the call."""
+        if self._buffer is None:
+            return False
+        start, end = self._buffer.data_ptr(), self._buffer.data_ptr() + self._buffer.numel()
+        parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
+        return all(start <= part.data_ptr() < end for part in parts)
 
     def region_of(self, index: int) -> tuple[int, int] | None:
         """The bytes of the ring (start, end) holding streamed block ``index``, or None while it is only on
@@ -810,6 +835,7 @@ class BlockStreamer:
                         stream.wait_event(self._state[other].released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
             self._copy_in(index, state, start)
+            state.fresh = True
             if self.recorder:
                 self.recorder.copy_finished(record, stream)
             if state.ready is not None:
@@ -964,9 +990,19 @@ class BlockStreamer:
             copy, state.copy = state.copy, None
             state.layout.point_at(self._views(state, region[0]))
         self._active.append(_ActiveCall(index, state is not None, record))
+        if state is not None and self.on_call is not None:
+            self._transform(index, state)
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
         self._prefetch(defer_pageable=True)
+
+    def _transform(self, index: int, state: _StreamedBlock) -> None:
+        try:
+            self.on_call(index, state.fresh)
+        except BaseException:
+            self._ring.drop(index)  # half transformed: the next call copies it afresh
+            raise
+        state.fresh = False
 
     def _call_ends(self, index: int) -> None:
         while self._active:

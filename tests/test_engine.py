@@ -27,6 +27,7 @@ from block_offload.offload import (
     buffer_bytes,
     module_bytes,
     release_freed_host_memory,
+    streamed_modules,
 )
 from block_offload.offload.layout import ALIGNMENT, BlockLayout, aligned
 
@@ -313,3 +314,70 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
         hook.remove()
     streamer.disable()
     assert streamer.companions(1) is None
+
+
+def test_on_call_transforms_each_fresh_copy_once_and_never_the_host_buffers() -> None:
+    """A host's in-place transform of a streamed block in the ring (patches re-quantized where they arrive):
+    told ``copied`` once per copy, so applied once per copy whether the block stays in the ring or not."""
+    model = transformer_stack(num_blocks=4)
+    x = torch.randn(2, 5, 32)
+    before = snapshot(model)
+    shifted = transformer_stack(num_blocks=4)
+    shifted.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for block in shifted.blocks:
+            block.proj.weight.add_(1.0)
+    (expected,) = forward_steps(shifted, x, steps=1)
+    for ring_bytes in (None, 1 << 26):  # the ring refilled every step; the ring holding every block
+        calls: list[tuple[int, bool]] = []
+
+        def shift(index: int, copied: bool, calls: list = calls) -> None:
+            calls.append((index, copied))
+            if copied:
+                model.blocks[index].proj.weight.data.add_(1.0)
+
+        streamer = BlockStreamer(model.blocks, CPU, range(4), root=model, on_call=shift, ring_bytes=ring_bytes)
+        streamer.enable()
+        for out in forward_steps(model, x, steps=3):
+            assert torch.equal(out, expected), ring_bytes
+        copies = sum(copied for _, copied in calls)
+        assert len(calls) == 12 and copies == (4 if ring_bytes else 12), (ring_bytes, calls)
+        streamer.disable()
+        assert_same_tensors(model, before, CPU)
+
+
+def test_a_holder_brings_in_the_module_whose_tensors_its_code_reads() -> None:
+    """A parent that reads a child's weights without calling it (ComfyUI's fused ops): with the child held by
+    the parent, the read finds the weights in the engine's device buffers."""
+
+    class Fused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if engines:
+                reads.append(engines[-1].holds(self.down.weight))
+            return torch.nn.functional.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
+
+    reads: list[bool] = []
+    engines: list[SequentialOffloader] = []
+    model = torch.nn.Sequential(Fused(), Fused())
+    x = torch.randn(3, 16)
+    reference = model(x)
+    modules = [module for _, module in streamed_modules(model)]
+    holders = {modules.index(fused.down): fused for fused in model}
+    offloader = SequentialOffloader(model, CPU, holders=holders)
+    engines.append(offloader)
+    offloader.enable()
+    assert torch.equal(model(x), reference) and torch.equal(model(x), reference)
+    assert reads == [True] * 4
+    offloader.disable()
+    assert buffer_bytes(model, 1, holders=holders) > buffer_bytes(model, 1)  # the parent holds one more
+    reads.clear()
+    offloader = SequentialOffloader(model, CPU)
+    engines.append(offloader)
+    offloader.enable()
+    assert torch.equal(model(x), reference)
+    assert reads == [False, False]  # without the holder, read where it rests
+    offloader.disable()

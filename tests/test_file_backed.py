@@ -265,6 +265,30 @@ def test_a_quantized_checkpoint_streams_its_stored_bytes_from_the_file(
         comfy.mm.unload_all_models()
 
 
+@pytest.mark.parametrize("name", [tm.WAN21_INT8, tm.WAN21_W4A4])
+def test_a_lora_on_quantized_blocks_read_from_the_file_computes_as_the_classic_load(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every streamed block read from the file as stored (int8, 4-bit), then patched and re-quantized in the
+    ring as it arrives: bitwise the classic full load with the LoRA, which runs the format's own kernel."""
+    path = comfy.models[name]
+    reference = sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, torch.bfloat16), 1.0))
+    comfy.mm.unload_all_models()
+    cap_host_buffers(monkeypatch, 1)
+    model = dynamic_vram.load(path, torch.bfloat16)
+    for node in (ASYNC, PARTIAL, SEQUENTIAL):
+        for order in ("LoRA then node", "node then LoRA"):
+            if order == "LoRA then node":
+                streaming = offloaded(comfy, node, with_lora(comfy, model, 1.0))
+            else:
+                streaming = with_lora(comfy, offloaded(comfy, node, model), 1.0)
+            latent = sample(comfy, streaming)
+            assert torch.equal(latent, reference), f"{node}, {order}: {differs(latent, reference)}"
+            runner = streaming.offload_engine.runner
+            assert runner.read_each_step, f"{node}, {order}: nothing read from the file"
+            comfy.mm.unload_all_models()
+
+
 def test_a_checkpoint_truncated_mid_run_stops_with_a_clear_error_and_comfyui_goes_on(
     comfy: SimpleNamespace,
     dynamic_vram: DynamicVram,

@@ -2,8 +2,8 @@
 
 * Unloading (``POST /free``, or ComfyUI evicting a model for the next one) gives each streamed block its
   memory back as the block's host buffer goes: two 24-block fp32 Wan experts in one prompt, as Wan 2.2
-  runs them, then ``/free``; the peak resident set during the unload (the kernel's high-water mark, reset
-  just before) stays within ``UNLOAD_GROWTH`` of one expert's streamed bytes above the RSS before it.
+  runs them, then ``/free``; the anonymous memory at its peak during the unload (``RssAnon``, sampled while
+  it runs) stays within ``UNLOAD_GROWTH`` of one expert's streamed bytes above what it was before.
 * LoRA changes: a strength change, and a prompt with two LoRA branches, through Async Block Offload (every
   block streamed, their patches applied on the device) peak within ``LORA_GROWTH`` of the streamed bytes
   above what the same prompts without the node peak at, in the same server (rank-16 LoRA on every
@@ -88,9 +88,11 @@ def test_unloading_two_streamed_experts_holds_no_second_copy(comfy_host: ComfyHo
         f"/free of two experts ({streamed / MIB:.0f} MiB streamed each): RSS {peak.rss_before / MIB:.0f} MiB, "
         f"peak +{peak.rss_growth / MIB:.1f} MiB; anonymous peak +{peak.anon_growth / MIB:.1f} MiB"
     )
+    # A second copy of the weights would be anonymous memory (classic loading copies them into the process).
+    # RSS also counts file pages, code ComfyUI's unload runs for the first time (0.12x once in a fresh-clone
+    # run whose reruns grew +0.0 MiB anonymous): printed, not asserted.
     bound = UNLOAD_GROWTH * streamed
-    assert peak.rss_growth <= bound, f"the peak is {peak.rss_growth / streamed:.2f}x an expert's streamed bytes"
-    assert peak.anon_growth <= bound
+    assert peak.anon_growth <= bound, f"the peak is {peak.anon_growth / streamed:.2f}x an expert's streamed bytes"
 
 
 def lora_prompt(expert: str, lora: str, strengths: tuple[float, ...], offload: bool, seed: int) -> PromptBuilder:

@@ -47,6 +47,12 @@ WEIGHT_KIND: dict[str, str] = {
     tm.WAN21_FP8: "QuantizedTensor",
     tm.WAN21_FP8_METADATA: "QuantizedTensor",
     tm.WAN21_INT8: "QuantizedTensor",
+    tm.WAN21_FP8_E5M2: "QuantizedTensor",
+    tm.WAN21_INT8_CONVROT: "QuantizedTensor",
+    tm.WAN21_W4A4: "QuantizedTensor",
+    tm.WAN21_W4A8: "QuantizedTensor",
+    tm.WAN21_NVFP4: "QuantizedTensor",
+    tm.WAN21_MXFP8: "QuantizedTensor",
     tm.WAN21_SCALED_FP8: "QuantizedTensor" if ON_033 else "Parameter",  # 0.3.75: a plain fp8 Parameter
     tm.WAN21_Q8_0: "GGMLTensor",
     tm.WAN21_Q4_K: "GGMLTensor",
@@ -59,6 +65,10 @@ NOT_ON_HOST: dict[str, str] = (
     else {
         tm.WAN21_FP8: "ComfyUI 0.3.75 reads no per-layer comfy_quant entries (only a file's _quantization_metadata)",
         tm.WAN21_INT8: "ComfyUI 0.3.75 has no int8_tensorwise format",
+        **dict.fromkeys(
+            (tm.WAN21_FP8_E5M2, tm.WAN21_INT8_CONVROT, tm.WAN21_W4A4, tm.WAN21_W4A8, tm.WAN21_NVFP4, tm.WAN21_MXFP8),
+            "ComfyUI 0.3.75 reads no per-layer comfy_quant entries, nor has it this format",
+        ),
     }
 )
 
@@ -152,8 +162,8 @@ def assert_copies_are_the_stored_bytes(patched: object, node: str, path: Path, f
     stored, floats = stored_in_file(path), stored_in_file(fp32)
     diffusion_model = patched.model.diffusion_model
     if node == SEQUENTIAL:
-        # Every module streams on its own. Not every one is called: 0.33's Wan feed-forward runs an INT8
-        # down-projection from its parent's forward (comfy.ops.linear_input_act), reading its weight as is.
+        # Every module streams on its own, called or brought in with the parent whose code reads it (0.33's
+        # Wan feed-forward runs an INT8 down-projection from its forward: comfy.ops.linear_input_act).
         names = {id(module): name for name, module in diffusion_model.named_modules()}
         called = {names[id(engine.runner.modules[span.block])] for span in step.spans}
         units = [(name, diffusion_model.get_submodule(name)) for name in called]
@@ -312,16 +322,25 @@ def test_every_comfy_layout_is_packed_copied_and_rebuilt_around_the_copy(
 # -- through the server ---------------------------------------------------------------------------------------
 
 
-SERVER_FORMATS = [tm.WAN21_Q8_0, tm.WAN21_FP8 if ON_033 else tm.WAN21_FP8_METADATA]
+#: A format of each kind through the server (every format this host loads runs in-process in
+#: tests/test_quantized_lora.py): GGUF; fp8; on 0.33 an int8 and a 4-bit one, whose LoRA'd weights ComfyUI
+#: re-quantizes and computes with the format's own kernel; on 0.3.75 its plain scaled fp8.
+SERVER_FORMATS = [tm.WAN21_Q8_0] + (
+    [tm.WAN21_FP8, tm.WAN21_INT8, tm.WAN21_W4A4] if ON_033 else [tm.WAN21_FP8_METADATA, tm.WAN21_SCALED_FP8]
+)
 
 
 @pytest.mark.usefixtures("tiny_models")
 @pytest.mark.parametrize("name", SERVER_FORMATS)
 def test_quantized_checkpoints_through_the_server(comfy_host: ComfyHost, name: str) -> None:
     """Every node, and a LoRA before and after each, on a prompt queued over HTTP: the GGUF file through
-    ComfyUI-GGUF's Unet Loader (GGUF), the fp8 one through Load Diffusion Model; bitwise equal latents."""
+    ComfyUI-GGUF's Unet Loader (GGUF), the others through Load Diffusion Model; bitwise equal latents. The
+    block nodes place automatically, as dragged in (the patch-cost probe runs: 0.3.75 failed the prompt there)."""
     arch = ARCHS[tm.WAN21]
     build = full_prompt(arch, f"tests/quantized/{uuid.uuid4().hex[:8]}/{name}")
+    for node in build.prompt.values():
+        if node["class_type"] in ("AsyncBlockOffload", "PartialGPUResidency"):
+            node["inputs"]["policy"] = "auto"
     if name in GGUF_FORMATS:
         if "UnetLoaderGGUF" not in comfy_host.object_info():
             pytest.skip(f"the server has no UnetLoaderGGUF: ComfyUI-GGUF is not linked at {GGUF_PACK}")
