@@ -23,9 +23,9 @@ compute stream, layer by layer, at every step.
 from __future__ import annotations
 
 import copy
-import logging
+import functools
 import weakref
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
 
 import comfy.float
@@ -36,10 +36,8 @@ import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
-from ..offload import device_ms
 from ..offload.layout import TensorForm
 from .architectures import inside
-from .dynamic_vram import recorded_dtype
 
 # The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
 # warns at each call), only in comfy.model_patcher before.
@@ -84,7 +82,7 @@ class LoadedPatch:
 
     def adapters(self) -> list[torch.Tensor]:
         """The host tensors this weight's patches hold, in the order ``_staged_patches`` replaces them."""
-        return list(_host_tensors(self.patches[self.key]))
+        return list(host_tensors(self.patches[self.key]))
 
     def stage(self, runner: object, unit: int, positions: tuple[int, ...]) -> None:
         self._runner, self._unit, self._positions = weakref.ref(runner), unit, positions
@@ -100,14 +98,14 @@ class LoadedPatch:
             if len(self._staged) >= _POSITIONS_KEPT:
                 self._staged.clear()
             replaced = iter([views[position] for position in self._positions])
-            staged = self._staged[id(views)] = (views, _with_host_tensors(self.patches[self.key], replaced))
+            staged = self._staged[id(views)] = (views, with_host_tensors(self.patches[self.key], replaced))
         return staged[1]
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
         module = self._module()
         stored = getattr(module, self.param)
-        patched = _as_loaded(module, self.param, stored, self.key, self._staged_patches(), self._seed, weight)
+        patched = as_loaded(module, self.param, stored, self.key, self._staged_patches(), self._seed, weight)
         return patched.to(weight.dtype)
 
     def write_in_place(self) -> None:
@@ -117,8 +115,8 @@ class LoadedPatch:
         format's own kernel, and no weight function."""
         module = self._module()
         current = getattr(module, self.param)
-        patched = _as_loaded(module, self.param, current, self.key, self._staged_patches(), self._seed)
-        self._form = _overwrite(current, patched, self.key)
+        patched = as_loaded(module, self.param, current, self.key, self._staged_patches(), self._seed)
+        self._form = overwrite_in_place(current, patched, self.key)
         self.put_back()
 
     def put_back(self) -> None:
@@ -136,10 +134,10 @@ class LoadedPatch:
         module = self._module()
         host = getattr(module, self.param)
         on_device = host.to(device, copy=True)
-        host.copy_(_as_loaded(module, self.param, on_device, self.key, self.patches[self.key], self._seed, on_device))
+        host.copy_(as_loaded(module, self.param, on_device, self.key, self.patches[self.key], self._seed, on_device))
 
 
-def _as_loaded(
+def as_loaded(
     module: torch.nn.Module,
     param: str,
     stored: torch.Tensor,
@@ -171,7 +169,7 @@ def _as_loaded(
     return patched
 
 
-def _overwrite(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:
+def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:
     """Copies ``patched`` into ``current``'s memory, part by part (a quantized tensor's data and scales).
     Returns ``patched``'s form where its description (class, context) differs from ``current``'s."""
     into, source = TensorForm.of(current, key), TensorForm.of(patched, key)
@@ -226,14 +224,14 @@ def _carries_patches(weight: torch.Tensor) -> bool:
     return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
 
 
-def _stored_by_layer(module: torch.nn.Module) -> bool:
+def stored_by_layer(module: torch.nn.Module) -> bool:
     """A layer whose weight ComfyUI's load stores through the layer's own ``set_weight`` (a quantized format
     re-quantizes the patched weight): its ops compute from that form, with the format's kernel, only while it
     has no weight or bias function. Its patched weight and bias are written where they arrive instead."""
     return callable(getattr(module, "set_weight", None))
 
 
-def _patched_parameters(
+def patched_parameters(
     model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
     """The named units' modules with patched weights, each with its patched parameters and how each is patched:
@@ -255,7 +253,7 @@ def _patched_parameters(
             if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
                 routes.append((param, tensor, "carried"))
             elif ops_module and param in ("weight", "bias"):
-                on_arrival = _stored_by_layer(module) and key in model.patches
+                on_arrival = stored_by_layer(module) and key in model.patches
                 routes.append((param, tensor, "arrival" if on_arrival else "device"))
             elif key in model.patches:
                 routes.append((param, tensor, "bake"))
@@ -272,7 +270,7 @@ def patch_streamed_weights(
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
     on_arrival: list[LoadedPatch] = []
-    for name, module, routes in _patched_parameters(model, streamed):
+    for name, module, routes in patched_parameters(model, streamed):
         functions: dict[str, list] = {}
         arriving = []
         bake_now = []  # outside ComfyUI's ops: patched once, before packing
@@ -286,7 +284,7 @@ def patch_streamed_weights(
                 functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
                 patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
-                if patch and inside(name, bake) and _plain(tensor):
+                if patch and inside(name, bake) and is_plain(tensor):
                     on_host += patch
                     patch = []
                 functions[param] = patch + list(model.weight_wrapper_patches.get(key, []))
@@ -318,7 +316,7 @@ def patch_streamed_weights(
 
 
 class ArrivalPatches:
-    """The engine's ``on_call``: each streamed unit's ``LoadedPatch.write_in_place`` patches, run as a fresh
+    """The engine's ``transforms``: each streamed unit's ``LoadedPatch.write_in_place`` patches, run as a fresh
     copy of the unit is first used (and the re-quantized weights put back at its later calls)."""
 
     def __init__(self, patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool) -> None:
@@ -329,18 +327,18 @@ class ArrivalPatches:
             if unit is not None:
                 self._by_unit.setdefault(unit, []).append(patch)
 
-    def __bool__(self) -> bool:
-        return bool(self._by_unit)
+    def transforms(self) -> dict[int, Callable[[bool], None]]:
+        return {unit: functools.partial(self._at_a_call, unit) for unit in self._by_unit}
 
-    def __call__(self, unit: int, copied: bool) -> None:
-        for patch in self._by_unit.get(unit, ()):
+    def _at_a_call(self, unit: int, copied: bool) -> None:
+        for patch in self._by_unit[unit]:
             if copied:
                 patch.write_in_place()
             else:
                 patch.put_back()
 
 
-def _plain(tensor: torch.Tensor) -> bool:
+def is_plain(tensor: torch.Tensor) -> bool:
     """A weight whose host buffer view holds it as computed from (no quantized format of its own)."""
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_floating_point()
 
@@ -370,135 +368,7 @@ def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]
     return {id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))}
 
 
-#: Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), kept for the process: the
-#: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.
-_patch_ms: dict[tuple, float] = {}
-_PATCH_KINDS_KEPT = 256
-#: Kinds of patched weight the probe failed on, with what it raised: logged once, not timed again.
-_untimable: dict[tuple, str] = {}
-
-
-def patch_ms_per_unit(
-    model: ModelPatcher, units: Sequence[str], device: torch.device, untimed: list[str] | None = None
-) -> tuple[float, ...]:
-    """Per unit (a module with its submodules, by name), what its patches cost on ``device`` at each call when
-    it streams: each weight ``patch_streamed_weights`` would patch on the device, timed as ``LoadedPatch``
-    patches it from a copy on the device (one weight at a time), once per kind of weight. () when no unit has
-    such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
-    the weights baked once before packing.
-
-    Only a plan needs the figure, so no failure of the probe fails a prompt: a weight it cannot time (an
-    adapter type of another custom node, a format it does not know) is placed without its cost, logged once,
-    and its key added to ``untimed`` for the plan line."""
-    costs = [0.0] * len(units)
-    index_of = {unit: index for index, unit in enumerate(units)}
-    # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
-    for name, module, routes in _patched_parameters(model, frozenset(units), patched_too=True):
-        unit = index_of[_unit_named(name, index_of)]
-        for param, tensor, route in routes:
-            key = f"{name}.{param}"
-            if route not in ("device", "arrival") or key not in model.patches:
-                continue
-            try:
-                kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
-                ms = _timed(kind, model, module, param, key, device)
-            except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
-                ms = None
-                _note_untimable(key, error)
-            if ms is None:
-                if untimed is not None:
-                    untimed.append(key)
-                continue
-            costs[unit] += ms
-    return tuple(costs) if any(costs) else ()
-
-
-def _timed(
-    kind: tuple, model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device
-) -> float | None:
-    """The patch cost of one kind of weight, timed on ``key`` the first time (None: it cannot be timed)."""
-    if kind in _untimable:
-        return None
-    if kind not in _patch_ms:
-        if len(_patch_ms) >= _PATCH_KINDS_KEPT:
-            _patch_ms.clear()
-        try:
-            _patch_ms[kind] = _time_patch(model, module, param, key, device)
-        except torch.OutOfMemoryError:
-            # The device is full as the model is placed: the plan goes without this cost (counted as none, as
-            # before the planner knew it), and the next placement times it again.
-            logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
-            return None
-        except Exception as error:
-            _untimable[kind] = f"{type(error).__name__}: {error}"
-            raise
-    return _patch_ms[kind]
-
-
-def _note_untimable(key: str, error: Exception) -> None:
-    if len(_untimable) <= _PATCH_KINDS_KEPT:  # logged once per kind (the kinds it raised on are kept)
-        logging.warning(
-            f"Block Offload: could not time the patches of {key} to plan the placement "
-            f"({type(error).__name__}: {error}); planned without their cost, streamed as usual"
-        )
-
-
-def _compute_dtype(model: ModelPatcher) -> torch.dtype:
-    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
-    return model.model.manual_cast_dtype or model.model_dtype()
-
-
-def _streamed_dtype(module: torch.nn.Module, param: str, tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a weight streams in, wherever it is now: a Dynamic VRAM twin's plain weight in the one ComfyUI
-    recorded for it (its file may store another, a resident one was cast), any other weight in its own."""
-    return (recorded_dtype(module, param) if _plain(tensor) else None) or tensor.dtype
-
-
-def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patches: list) -> tuple:
-    """What a patch's cost depends on: the weight's shape and the dtype it streams in, its class (a quantized
-    format's), and each patch's kind, adapter shapes and dtypes (not its strengths nor its values, nor where the
-    weight is now: a block kept resident by one placement must cost what it did for the next one to plan)."""
-    adapters = tuple((tuple(t.shape), t.dtype) for t in _host_tensors(patches))
-    kinds = tuple(type(patch[1]).__name__ for patch in patches)
-    stored = (type(tensor).__name__, getattr(tensor, "_layout_cls", None))
-    return tuple(tensor.shape), _streamed_dtype(module, param, tensor), stored, kinds, adapters
-
-
-def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
-    """The device time of patching one weight at a call: from a copy of it on ``device`` as it streams (a
-    quantized one as stored: no arithmetic on its bytes but ComfyUI's own), the adapters copied there too (the
-    engine stages them). A weight function also pays for the weight ComfyUI's ops cast to the compute dtype and
-    copy for it; a weight patched where it arrives, for the copy of its new form over the old."""
-    tensor = getattr(module, param)
-    if _plain(tensor):
-        stored = tensor.to(device, _streamed_dtype(module, param, tensor), copy=True)
-    else:  # part by part: a quantized tensor's own ``to`` may hand back its memory even when asked to copy
-        form = TensorForm.of(tensor, key)
-        stored = form.assemble(part.to(device, copy=True) for part in form.parts_of(tensor))
-    patches = model.patches[key]
-    staged = _with_host_tensors(patches, iter([t.to(device) for t in _host_tensors(patches)]))
-    seed = string_to_seed(key)
-    if _stored_by_layer(module):
-        # The layer's set_ function re-stores from the layer's own weight: a stand-in holds the device copy.
-        layer = copy.copy(module)
-        layer._parameters = {**module._parameters, param: stored}
-
-        def at_a_call() -> torch.Tensor:
-            patched = _as_loaded(layer, param, stored, key, staged, seed)
-            _overwrite(stored, patched, key)
-            return stored
-
-    else:
-        weight = stored.to(_compute_dtype(model), copy=True)
-
-        def at_a_call() -> torch.Tensor:
-            stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them
-            return _as_loaded(module, param, stored, key, staged, seed, weight).to(weight.dtype)
-
-    return device_ms(at_a_call, device)
-
-
-def _host_tensors(value: object) -> Iterator[torch.Tensor]:
+def host_tensors(value: object) -> Iterator[torch.Tensor]:
     """The host tensors a patch holds (``comfy.lora``'s formats: tuples and lists of them, and the weight
     adapters of ``comfy.weight_adapter``, whose tensors are in ``weights``), in a fixed order."""
     if isinstance(value, torch.Tensor):
@@ -506,28 +376,28 @@ def _host_tensors(value: object) -> Iterator[torch.Tensor]:
             yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _host_tensors(item)
+            yield from host_tensors(item)
     elif isinstance(getattr(value, "weights", None), (tuple, list)):
-        yield from _host_tensors(value.weights)
+        yield from host_tensors(value.weights)
 
 
-def _with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object:
-    """``value`` with its host tensors (in ``_host_tensors``'s order) replaced from ``replacements``."""
+def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object:
+    """``value`` with its host tensors (in ``host_tensors``'s order) replaced from ``replacements``."""
     if isinstance(value, torch.Tensor):
         return next(replacements) if value.device.type == "cpu" else value
     if isinstance(value, list):
-        return [_with_host_tensors(item, replacements) for item in value]
+        return [with_host_tensors(item, replacements) for item in value]
     if isinstance(value, tuple):
-        items = [_with_host_tensors(item, replacements) for item in value]
+        items = [with_host_tensors(item, replacements) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(getattr(value, "weights", None), (tuple, list)):
         adapter = copy.copy(value)  # the adapter's own code, around the copies
-        adapter.weights = _with_host_tensors(value.weights, replacements)
+        adapter.weights = with_host_tensors(value.weights, replacements)
         return adapter
     return value
 
 
-def _unit_named(name: str, units: Container[str]) -> str | None:
+def unit_named(name: str, units: Container[str]) -> str | None:
     """The one of ``units`` (module names) that the module ``name`` is, or lies inside; None if none."""
     parts = name.split(".")
     return next((prefix for end in range(len(parts), 0, -1) if (prefix := ".".join(parts[:end])) in units), None)
@@ -539,10 +409,10 @@ def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> 
     held: dict[str, dict[int, int]] = {}
     for key, patches in model.patches.items():
         owner = key.rpartition(".")[0]
-        unit = _unit_named(owner, units) if recurse else (owner if owner in units else None)
+        unit = unit_named(owner, units) if recurse else (owner if owner in units else None)
         if unit is not None:
             tensors = held.setdefault(unit, {})
-            for tensor in _host_tensors(patches):
+            for tensor in host_tensors(patches):
                 tensors[id(tensor)] = tensor.numel() * tensor.element_size()
     return {unit: sum(tensors.values()) for unit, tensors in held.items()}
 

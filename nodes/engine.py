@@ -171,7 +171,7 @@ def start_engine(
     adapters = AdapterStaging.of(patching, units, recurse)
     arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    streaming = {"companions": adapters.companions, "contents": contents, "on_call": arrival or None}
+    streaming = {"companions": adapters.companions, "contents": contents, "transforms": arrival.transforms()}
     runner = _runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
     adapters.bind(runner)
     runner.enable()
@@ -309,7 +309,7 @@ def _runner(
 ) -> Runner:
     """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
     streamed blocks), with ``_file_tier_options``' and the patches' ``streaming`` options: the units'
-    ``companions``, their host buffer ``contents`` (blocks only) and the ``on_call`` transform."""
+    ``companions``, their host buffer ``contents`` (blocks only) and the ``transforms``."""
     diffusion_model = model.model.diffusion_model
     if plan is None:
         streaming.pop("contents")  # only blocks bake

@@ -102,13 +102,13 @@ class SequentialOffloader:
         dtype_of: DtypeOf | None = None,
         call_order: Sequence[int] | None = None,
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
-        on_call: Callable[[int, bool], None] | None = None,
+        transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
         ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
-        ``companions``, ``on_call`` and ``holders`` (a module's parent that reads its tensors without calling
-        it: ComfyUI's fused ops): see ``BlockStreamer``."""
+        ``companions``, ``transforms`` (never kept on the device: see ``make_resident``) and ``holders`` (a
+        module's parent that reads its tensors without calling it: ComfyUI's fused ops): see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -130,7 +130,7 @@ class SequentialOffloader:
             dtype_of=dtype_of,
             call_order=call_order,
             companions=companions,
-            on_call=on_call,
+            transforms=transforms,
             holders=holders,
         )
         self._promotion_hook = None
@@ -195,7 +195,7 @@ class SequentialOffloader:
     def _promote_after_first_pass(self, *_: object) -> None:
         self._promotion_hook.remove()
         self._promotion_hook = None
-        calls = Counter(self.streamer.last_order)
+        calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.transforms)
         # Most calls first; among equals the smaller module, so more of them fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
         limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too

@@ -148,7 +148,7 @@ class _StreamedBlock:
     companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
     # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
     content: Hashable = None
-    # Its region holds a copy no call has used yet: ``on_call`` has not transformed it.
+    # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
     fresh: bool = False
 
     @property
@@ -265,11 +265,12 @@ class BlockStreamer:
     ``wrote_content`` that it is done), such as patches applied once instead of at every call. A parked buffer
     is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
     the block packed again from its originals, so only a block packed from its file may hold content.
-    ``on_call(index, copied)``: a host's transform of a streamed block's weights where they are in the ring, run
-    on the compute stream at each call, once the block's tensors point at the ring; ``copied`` at the first
-    call after each copy, when the region holds the bytes as packed (ComfyUI's patches of quantized weights are
-    re-quantized in place then, as ComfyUI re-quantizes them at load; later calls only put the re-quantized
-    tensors back). A transform that raises leaves the region to be copied afresh.
+    ``transforms``: per streamed block, a host's transform of its weights where they are in the ring, called
+    (``copied``) on the compute stream at each call, once the block's tensors point at the ring, as part of the
+    call's compute; ``copied`` at the first call after each copy, when the region holds the bytes as packed
+    (ComfyUI's patches of quantized weights are re-quantized in place then, as ComfyUI re-quantizes them at
+    load; later calls only put the re-quantized tensors back). A transform that raises leaves the region to be
+    copied afresh.
     ``holders``: per block, the module whose call brings it in, where that is not the block itself: a parent
     whose forward reads the block's tensors without calling it (ComfyUI's fused ops read a child's weights).
 
@@ -303,7 +304,7 @@ class BlockStreamer:
         call_order: Sequence[int] | None = None,
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
         contents: Mapping[int, Hashable] | None = None,
-        on_call: Callable[[int, bool], None] | None = None,
+        transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
     ) -> None:
         if prefetch < 0:
@@ -324,7 +325,7 @@ class BlockStreamer:
         self._companion_tensors = dict(companions or {})
         self.contents = {index: content for index, content in (contents or {}).items() if content is not None}
         self.dtype_of = dtype_of
-        self.on_call = on_call
+        self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
         self.staging_slots = staging_slots
         self.prefetch = prefetch
@@ -422,7 +423,13 @@ class BlockStreamer:
         self._ring = self._buffer = self._staging = None
 
     def make_resident(self, indices: Iterable[int]) -> None:
-        """Stops streaming these blocks: their tensors move to the device for good."""
+        """Stops streaming these blocks: their tensors move to the device for good. Not for a block with
+        ``transforms``: resident, its weights would be the module's only copy, and a transform in place would
+        change them for good."""
+        indices = list(indices)
+        transformed = sorted(set(indices) & self.transforms.keys())
+        if transformed:
+            raise ValueError(f"blocks {transformed} are transformed where they arrive and cannot be made resident")
         self._finish_active()
         synchronize(self.device)
         for index in indices:
@@ -435,8 +442,6 @@ class BlockStreamer:
                 self._drop_companions(state)
                 self._restore(state, self.device)
                 self._unpin(state)
-                if self.on_call is not None:  # its weights on the device for good: transformed once, there
-                    self.on_call(index, True)
         self.streamed = frozenset(self._state)
         self._holds_all = self._ring_holds_all()
         self.read_each_step &= self.streamed
@@ -990,15 +995,15 @@ class BlockStreamer:
             copy, state.copy = state.copy, None
             state.layout.point_at(self._views(state, region[0]))
         self._active.append(_ActiveCall(index, state is not None, record))
-        if state is not None and self.on_call is not None:
-            self._transform(index, state)
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
+        if state is not None and index in self.transforms:  # part of the call's compute, as timed
+            self._transform(index, state)
         self._prefetch(defer_pageable=True)
 
     def _transform(self, index: int, state: _StreamedBlock) -> None:
         try:
-            self.on_call(index, state.fresh)
+            self.transforms[index](state.fresh)
         except BaseException:
             self._ring.drop(index)  # half transformed: the next call copies it afresh
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -316,7 +317,7 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     assert streamer.companions(1) is None
 
 
-def test_on_call_transforms_each_fresh_copy_once_and_never_the_host_buffers() -> None:
+def test_transforms_apply_once_per_fresh_copy_and_never_to_the_host_buffers() -> None:
     """A host's in-place transform of a streamed block in the ring (patches re-quantized where they arrive):
     told ``copied`` once per copy, so applied once per copy whether the block stays in the ring or not."""
     model = transformer_stack(num_blocks=4)
@@ -336,14 +337,32 @@ def test_on_call_transforms_each_fresh_copy_once_and_never_the_host_buffers() ->
             if copied:
                 model.blocks[index].proj.weight.data.add_(1.0)
 
-        streamer = BlockStreamer(model.blocks, CPU, range(4), root=model, on_call=shift, ring_bytes=ring_bytes)
+        transforms = {index: functools.partial(shift, index) for index in range(4)}
+        streamer = BlockStreamer(model.blocks, CPU, range(4), root=model, transforms=transforms, ring_bytes=ring_bytes)
         streamer.enable()
         for out in forward_steps(model, x, steps=3):
             assert torch.equal(out, expected), ring_bytes
         copies = sum(copied for _, copied in calls)
         assert len(calls) == 12 and copies == (4 if ring_bytes else 12), (ring_bytes, calls)
+        with pytest.raises(ValueError, match="cannot be made resident"):
+            streamer.make_resident([1])
         streamer.disable()
         assert_same_tensors(model, before, CPU)
+
+
+def test_the_sequential_wrapper_keeps_no_transformed_module_on_the_device() -> None:
+    """Kept on the device, a module's weights are its only copy: a transform in place would stay in the model."""
+    model = transformer_stack(num_blocks=2)
+    x = torch.randn(2, 5, 32)
+    modules = [module for _, module in streamed_modules(model)]
+    transformed = {modules.index(block.proj) for block in model.blocks}
+    offloader = SequentialOffloader(
+        model, CPU, vram_limit_bytes=1 << 30, transforms=dict.fromkeys(transformed, lambda copied: None)
+    )
+    offloader.enable()
+    forward_steps(model, x, steps=2)
+    assert offloader.streamed == transformed  # every other module was kept: the limit holds them all
+    offloader.disable()
 
 
 def test_a_holder_brings_in_the_module_whose_tensors_its_code_reads() -> None:
