@@ -366,10 +366,16 @@ class BlockStreamer:
             self._state[index] = self._offload(index, self.blocks[index])
             self._pack_companions(index, self._state[index])
         self._start_reader()
+        # One pair of hooks per module called: a holder brings in every block it holds, and lets them go in the
+        # reverse order, so a call ending never releases a call around it.
+        callers: dict[int, tuple[nn.Module, list[int]]] = {}
         for index, block in enumerate(self.blocks):
             caller = self.holders.get(index, block)
-            self._handles.append(caller.register_forward_pre_hook(eager(self._pre_hook(index))))
-            self._handles.append(caller.register_forward_hook(eager(self._post_hook(index)), always_call=True))
+            callers.setdefault(id(caller), (caller, []))[1].append(index)
+        for caller, indices in callers.values():
+            self._handles.append(caller.register_forward_pre_hook(eager(self._pre_hook(tuple(indices)))))
+            post = eager(self._post_hook(tuple(reversed(indices))))
+            self._handles.append(caller.register_forward_hook(post, always_call=True))
         if self.root is not None:
             # The step brackets every block call, the root's own included when it is a block too.
             begin, end = eager(lambda *_: self.begin_step()), eager(lambda *_: self.end_step())
@@ -961,15 +967,17 @@ class BlockStreamer:
         if self.recorder:
             self.recorder.end_step(current_stream(self.device))
 
-    def _pre_hook(self, index: int):
+    def _pre_hook(self, indices: tuple[int, ...]):
         def hook(module: nn.Module, args: tuple) -> None:
-            self._call_begins(index)
+            for index in indices:
+                self._call_begins(index)
 
         return hook
 
-    def _post_hook(self, index: int):
+    def _post_hook(self, indices: tuple[int, ...]):
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            self._call_ends(index)
+            for index in indices:
+                self._call_ends(index)
             if self._pageable_deferred or self._reader is not None:
                 self._prefetch()
 

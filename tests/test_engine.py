@@ -365,38 +365,54 @@ def test_the_sequential_wrapper_keeps_no_transformed_module_on_the_device() -> N
     offloader.disable()
 
 
-def test_a_holder_brings_in_the_module_whose_tensors_its_code_reads() -> None:
-    """A parent that reads a child's weights without calling it (ComfyUI's fused ops): with the child held by
-    the parent, the read finds the weights in the engine's device buffers."""
+def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
+    """A parent that reads two children's weights without calling them (ComfyUI's fused ops), inside a module
+    that streams too: with the children held by the parent, every read finds its weights in the engine's device
+    buffers, the surrounding module's included once the parent's call has ended."""
 
     class Fused(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+            self.gain = torch.nn.Parameter(torch.rand(16))
+            self.up, self.down, self.norm = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.LayerNorm(16)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if engines:
-                reads.append(engines[-1].holds(self.down.weight))
-            return torch.nn.functional.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
+                reads.append(all(engines[-1].holds(t) for t in (self.down.weight, self.norm.weight, self.gain)))
+            y = torch.nn.functional.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
+            return torch.nn.functional.layer_norm(y, (16,), self.norm.weight, self.norm.bias) * self.gain
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shift = torch.nn.Parameter(torch.rand(16))
+            self.fused = Fused()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fused(x)
+            if engines:
+                reads.append(engines[-1].holds(self.shift))
+            return y + self.shift
 
     reads: list[bool] = []
     engines: list[SequentialOffloader] = []
-    model = torch.nn.Sequential(Fused(), Fused())
+    model = torch.nn.Sequential(Outer(), Outer())
     x = torch.randn(3, 16)
     reference = model(x)
     modules = [module for _, module in streamed_modules(model)]
-    holders = {modules.index(fused.down): fused for fused in model}
+    holders = {modules.index(outer.fused.down): outer.fused for outer in model}
+    holders |= {modules.index(outer.fused.norm): outer.fused for outer in model}
     offloader = SequentialOffloader(model, CPU, holders=holders)
     engines.append(offloader)
     offloader.enable()
     assert torch.equal(model(x), reference) and torch.equal(model(x), reference)
-    assert reads == [True] * 4
+    assert reads == [True] * 8
     offloader.disable()
-    assert buffer_bytes(model, 1, holders=holders) > buffer_bytes(model, 1)  # the parent holds one more
+    assert buffer_bytes(model, 1, holders=holders) > buffer_bytes(model, 1)  # the parent holds two more
     reads.clear()
     offloader = SequentialOffloader(model, CPU)
     engines.append(offloader)
     offloader.enable()
     assert torch.equal(model(x), reference)
-    assert reads == [False, False]  # without the holder, read where it rests
+    assert reads == [False, True, False, True]  # without the holders, the children are read where they rest
     offloader.disable()
