@@ -33,7 +33,7 @@ def read_by_parents(root: nn.Module) -> dict[int, nn.Module]:
     index_of = {id(module): index for index, (_, module) in enumerate(streamed_modules(root))}
     holders: dict[int, nn.Module] = {}
     for parent in root.modules():
-        for path in _read_paths(type(parent)):
+        for path in read_paths(type(parent)):
             child = _resolve(parent, path)
             if child is not None and child is not parent and id(child) in index_of:
                 holders.setdefault(index_of[id(child)], parent)
@@ -41,7 +41,7 @@ def read_by_parents(root: nn.Module) -> dict[int, nn.Module]:
 
 
 @functools.cache
-def _read_paths(cls: type) -> tuple[tuple[str | int, ...], ...]:
+def read_paths(cls: type) -> tuple[tuple[str | int, ...], ...]:
     """The paths from ``self`` (attribute names, constant indices) of the layers ``cls``'s methods pass to a
     weight reader; () where the code cannot be read (built in, compiled)."""
     paths: list[tuple[str | int, ...]] = []
