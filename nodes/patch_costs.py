@@ -34,8 +34,8 @@ from .dynamic_vram import recorded_dtype
 #: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.
 _patch_ms: dict[tuple, float] = {}
 _PATCH_KINDS_KEPT = 256
-#: Kinds of patched weight the probe failed on, with what it raised: logged once, not timed again.
-_untimable: dict[tuple, str] = {}
+#: Kinds of patched weight the probe failed on: logged once, not timed again.
+_untimable: set[tuple] = set()
 
 
 def patch_ms_per_unit(
@@ -59,12 +59,7 @@ def patch_ms_per_unit(
             key = f"{name}.{param}"
             if route not in ("device", "arrival") or key not in model.patches:
                 continue
-            try:
-                kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
-                ms = _timed(kind, model, module, param, key, device)
-            except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
-                ms = None
-                _note_untimable(key, error)
+            ms = _cost(model, module, param, tensor, key, device)
             if ms is None:
                 if untimed is not None:
                     untimed.append(key)
@@ -73,10 +68,15 @@ def patch_ms_per_unit(
     return tuple(costs) if any(costs) else ()
 
 
-def _timed(
-    kind: tuple, model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device
+def _cost(
+    model: ModelPatcher, module: torch.nn.Module, param: str, tensor: torch.Tensor, key: str, device: torch.device
 ) -> float | None:
-    """The patch cost of one kind of weight, timed on ``key`` the first time (None: it cannot be timed)."""
+    """The patch cost of ``key``'s kind of weight, timed the first time; None where it cannot be timed."""
+    try:
+        kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
+    except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
+        _warn_untimable(key, error)
+        return None
     if kind in _untimable:
         return None
     if kind not in _patch_ms:
@@ -89,18 +89,20 @@ def _timed(
             # before the planner knew it), and the next placement times it again.
             logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
             return None
-        except Exception as error:
-            _untimable[kind] = f"{type(error).__name__}: {error}"
-            raise
+        except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
+            if len(_untimable) >= _PATCH_KINDS_KEPT:
+                _untimable.clear()
+            _untimable.add(kind)
+            _warn_untimable(key, error)
+            return None
     return _patch_ms[kind]
 
 
-def _note_untimable(key: str, error: Exception) -> None:
-    if len(_untimable) <= _PATCH_KINDS_KEPT:  # logged once per kind (the kinds it raised on are kept)
-        logging.warning(
-            f"Block Offload: could not time the patches of {key} to plan the placement "
-            f"({type(error).__name__}: {error}); planned without their cost, streamed as usual"
-        )
+def _warn_untimable(key: str, error: Exception) -> None:
+    logging.warning(
+        f"Block Offload: could not time the patches of {key} to plan the placement "
+        f"({type(error).__name__}: {error}); planned without their cost, streamed as usual"
+    )
 
 
 def _compute_dtype(model: ModelPatcher) -> torch.dtype:
