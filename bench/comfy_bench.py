@@ -114,7 +114,7 @@ class Comfy:
     sd: ModuleType
     nodes: ModuleType  # this pack's nodes
     offload: ModuleType  # this pack's engine, as the nodes see it
-    find_blocks: Callable[[torch.nn.Module], tuple[Any, list[tuple[str, torch.nn.Module]]]]
+    find_blocks: Callable[[torch.nn.Module], Any]
     no_dynamic_vram: str | None  # why the Dynamic VRAM rows cannot run here; None: they can
 
 
@@ -158,7 +158,6 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
     folder_paths.set_user_directory(str(user_dir))
     nodes = importlib.import_module(f"{PACK}.nodes.offload_nodes")
     offload = importlib.import_module(f"{PACK}.offload")
-    architectures = importlib.import_module(f"{PACK}.nodes.architectures")
     return Comfy(
         comfy.model_management,
         comfy.model_detection,
@@ -166,7 +165,7 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
         comfy.sd,
         nodes,
         offload,
-        architectures.find_blocks,
+        offload.find_blocks,
         no_dynamic_vram,
     )
 
@@ -628,7 +627,7 @@ def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, de
     model_bytes = comfy.offload.module_bytes(classic.model.diffusion_model)
     progress(f"{checkpoint.name}: built in {time.perf_counter() - started:.0f} s, {model_bytes / GIB:.2f} GiB")
     inputs = make_inputs(checkpoint, shapes, device)
-    _, blocks = comfy.find_blocks(classic.model.diffusion_model)
+    blocks = comfy.find_blocks(classic.model.diffusion_model).blocks
     block_bytes = [comfy.offload.module_bytes(block) for _, block in blocks]
     # What the host holds a block's Linear weights as (a quantized model's tensor kind).
     weight = next(w for _, block in blocks for w in block.parameters() if w.dim() == 2)

@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import comfy.sd
     import comfy.utils
 
-    from block_offload.nodes.architectures import find_blocks
     from block_offload.nodes.offload_nodes import AsyncBlockOffload
     from block_offload.nodes.patch_costs import patch_ms_per_unit
+    from block_offload.offload import find_blocks
 
     sizes = {
         **arch["real" if args.real else "cpu"],
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for row, ms in rows.items():
         print(f"  {row:<66} {ms:8.1f} ms/step  {ms / base:5.3f}x streamed")
     # What the planner counts for these patches (every block streams): each kind of patched weight timed once.
-    blocks = [f"diffusion_model.{block}" for block, _ in find_blocks(model.model.diffusion_model)[1]]
+    blocks = [f"diffusion_model.{block}" for block, _ in find_blocks(model.model.diffusion_model).blocks]
     predicted = rows["planner's patch cost"] = sum(patch_ms_per_unit(configs[patched_on_device], blocks, device))
     measured = rows[patched_on_device] - base
     print(f"  the planner's patch cost {predicted:.1f} ms/step; measured {measured:.1f} ms/step more than streamed")

@@ -37,7 +37,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
-from .architectures import inside
+from .blocks import inside
 
 # The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
 # warns at each call), only in comfy.model_patcher before.

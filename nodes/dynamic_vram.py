@@ -31,7 +31,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import FileSlice
-from .architectures import inside
+from .blocks import inside
 from .request import OffloadRequest
 
 

@@ -26,6 +26,7 @@ from ..offload import (
     Runner,
     SequentialOffloader,
     TimelineRecorder,
+    find_blocks,
     parked_from_file,
     read_bandwidth,
     release_freed_host_memory,
@@ -33,7 +34,7 @@ from ..offload import (
 )
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
-from .architectures import find_blocks, inside
+from .blocks import inside
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, recorded_dtype
 from .fused_reads import read_by_parents
@@ -195,7 +196,7 @@ def start_engine(
         placement,
         runner,
         recorder,
-        notices=_pinning_notices(request, runner),
+        notices=[notice for notice in (request.notice,) if notice] + _pinning_notices(request, runner),
         summary=summary,
         read_bandwidth=bandwidth,
         patches=patches,
@@ -292,7 +293,7 @@ def _streamed_units(model: ModelPatcher, plan: OffloadPlan | None) -> tuple[dict
     diffusion_model = model.model.diffusion_model
     if plan is None:
         return dict(enumerate(module for _, module in streamed_modules(diffusion_model))), False
-    _, blocks = find_blocks(diffusion_model)
+    blocks = find_blocks(diffusion_model).blocks
     return {index: blocks[index][1] for index in plan.streamed}, True
 
 
@@ -328,7 +329,7 @@ def _runner(
             **streaming,
             **file_options,
         )
-    _, blocks = find_blocks(diffusion_model)
+    blocks = find_blocks(diffusion_model).blocks
     return BlockStreamer(
         [block for _, block in blocks],
         device,

@@ -9,9 +9,18 @@ import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
-from ..offload import GIB, ResidencyPolicy, StepAside, platform_aside, step_aside, unsupported_torch
+from ..offload import (
+    GIB,
+    NoBlocksError,
+    ResidencyPolicy,
+    StepAside,
+    find_blocks,
+    platform_aside,
+    step_aside,
+    unsupported_torch,
+)
 from . import report
-from .architectures import UnsupportedModelError, find_blocks
+from .blocks import module_by_module_notice
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed
@@ -144,9 +153,11 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
     streams_any = True
     if not request.sequential:
         try:
-            _, blocks = find_blocks(model.model.diffusion_model)
-        except UnsupportedModelError as error:
-            raise ValueError(str(error)) from None
+            blocks = find_blocks(model.model.diffusion_model).blocks
+        except NoBlocksError as error:
+            request = request.module_by_module(module_by_module_notice(error))
+            logging.warning(f"Block Offload ({node}): {request.notice}")
+            blocks = ()
         if request.resident_blocks is not None and request.resident_blocks > len(blocks):
             raise ValueError(
                 f"resident_blocks is {request.resident_blocks} but this model has {len(blocks)} blocks; "
@@ -298,8 +309,8 @@ class SequentialOffloadWrapper(io.ComfyNode):
             node_id="SequentialOffloadWrapper",
             display_name="Sequential Offload Wrapper",
             category=CATEGORY,
-            description="Streams the model module by module; works for any model, block list or not "
-            "(SD1.5/SDXL UNets, unknown architectures).",
+            description="Streams the model module by module; works for any model, block lists or not (the block "
+            "nodes stream a model without block lists this way themselves).",
             inputs=[
                 MODEL_INPUT,
                 io.Combo.Input(

@@ -30,7 +30,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
-from .architectures import inside
+from .blocks import inside
 from .dynamic_vram import (
     back_to_file,
     cast_unloaded_to_recorded_dtypes,

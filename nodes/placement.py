@@ -34,11 +34,11 @@ from ..offload import (
     cache_key,
     can_pin_memory,
     device_name,
+    find_blocks,
     module_bytes,
     streamed_modules,
 )
 from ..offload.layout import aligned, module_stored_bytes
-from .architectures import find_blocks
 from .device_patches import adapter_bytes
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
@@ -125,7 +125,7 @@ def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:
     if request.sequential:
         units, recurse = [module for _, module in streamed_modules(diffusion_model)], False
     else:
-        units, recurse = [block for _, block in find_blocks(diffusion_model)[1]], True
+        units, recurse = [block for _, block in find_blocks(diffusion_model).blocks], True
     casting = [module_stored_bytes(unit, recurse) for unit in units if not stored_as_computed(unit, recurse)]
     return aligned(max(casting, default=0))
 
@@ -148,21 +148,23 @@ def _place(
         limit = request.vram_limit_bytes / GIB
         dtype = request.storage_dtype or "the model's dtype"
         summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
+        if request.notice:  # a block node's model without block lists
+            summary = f"{type(diffusion_model).__name__}, no block lists: {summary}"
         # The sequential wrapper's pool: on Wan 14B the largest module (time_projection) alone is 315 MB.
         slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype, read_by_parents(diffusion_model))
         return Placement(None, names, summary, slots)
-    arch, blocks = find_blocks(diffusion_model)
+    found = find_blocks(diffusion_model)
     # A Dynamic VRAM twin's weights are as stored until cast: the device holds them in the recorded dtypes.
-    sizes = [module_bytes(block, recorded_dtype if request.dynamic_vram_twin else None) for _, block in blocks]
+    sizes = [module_bytes(block, recorded_dtype if request.dynamic_vram_twin else None) for _, block in found.blocks]
     outside = model.model_size() - sum(sizes)
     room = budget - outside
     if request.budget_bytes:
         room = min(room, request.budget_bytes - outside)
     if request.resident_blocks is not None or math.isinf(room):
         count = len(sizes) if request.resident_blocks is None else request.resident_blocks
-        return _blocks(request, model, arch.name, sizes, count=count)
+        return _blocks(request, model, found.model_class, sizes, count=count)
     while True:
-        placement = _blocks(request, model, arch.name, sizes, budget_bytes=int(max(0, room)))
+        placement = _blocks(request, model, found.model_class, sizes, budget_bytes=int(max(0, room)))
         plan = placement.plan
         shortfall = loader_need(placement.streamed) + placement.buffer_bytes - budget
         if shortfall <= 0 or not plan.resident:
@@ -174,7 +176,7 @@ def _place(
 def _blocks(
     request: OffloadRequest,
     model: ModelPatcher,
-    arch: str,
+    model_class: str,
     sizes: list[int],
     count: int | None = None,
     budget_bytes: int | None = None,
@@ -192,7 +194,7 @@ def _blocks(
             unplanned = (
                 f"; {len(untimed)} patched weights could not be timed ({untimed[0]}, ...): planned without their cost"
             )
-        costs = _cost_cache().get(cache_key(device_name(model.load_device), arch, sizes))
+        costs = _cost_cache().get(cache_key(device_name(model.load_device), model_class, sizes))
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
             unplanned += "; not measured on this device yet, so this run measures it and the next one is planned"
@@ -252,7 +254,7 @@ def _patch_ms(model: ModelPatcher, untimed: list[str]) -> tuple[float, ...]:
 
 def block_names(model: ModelPatcher) -> list[str]:
     """Each block's module name in the model (under ``diffusion_model``), in block order."""
-    return [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model)[1]]
+    return [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model).blocks]
 
 
 def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
@@ -267,9 +269,9 @@ def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
 def describe(plan: OffloadPlan, model: ModelPatcher, patch_ms: tuple[float, ...] = ()) -> Placement:
     """The placement of a block plan: the streamed blocks' module names and the summary line (``patch_ms``: the
     blocks' patch costs, kept from the placement it replaces)."""
-    arch, blocks = find_blocks(model.model.diffusion_model)
-    streamed = frozenset(f"diffusion_model.{blocks[i][0]}" for i in plan.streamed)
-    summary = f"{arch.name}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
+    found = find_blocks(model.model.diffusion_model)
+    streamed = frozenset(f"diffusion_model.{found.blocks[i][0]}" for i in plan.streamed)
+    summary = f"{found.describe()}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
     return Placement(plan, streamed, summary, plan.slot_bytes, patch_ms=patch_ms)
 
 
@@ -282,9 +284,9 @@ def remember_costs(
     plan = placement.plan
     if not request.auto_placement or plan is None:
         return
-    arch, _ = find_blocks(model.model.diffusion_model)
+    model_class = find_blocks(model.model.diffusion_model).model_class
     cache = _cost_cache()
-    key = cache_key(device_name(model.load_device), arch.name, plan.block_bytes)
+    key = cache_key(device_name(model.load_device), model_class, plan.block_bytes)
     if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
         return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
     if len({span.block for span in step.spans}) < len(plan.block_bytes):
@@ -293,7 +295,7 @@ def remember_costs(
     costs = dataclasses.replace(recorded, patch_ms=placement.patch_ms).without_patches(plan.streamed)
     cache.put(key, costs)
     logging.info(
-        f"Block Offload ({request.node}): measured {arch.name} on {device_name(model.load_device)}: "
+        f"Block Offload ({request.node}): measured {model_class} on {device_name(model.load_device)}: "
         f"{sum(costs.compute_ms):.1f} ms of block compute per step, {costs.bandwidth_gbps:.2f} GB/s "
         f"host to device; the next load plans the placement from them ({cache.path})"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,15 @@ class OffloadRequest:
     auto_placement: bool = False
     # The MODEL came from ComfyUI's Dynamic VRAM: the pack streams its classic twin (``nodes/dynamic_vram.py``).
     dynamic_vram_twin: bool = False
+    # Why a block node streams module by module (its model has no block lists): logged, and shown by the panel.
+    notice: str = ""
+
+    def module_by_module(self, notice: str) -> OffloadRequest:
+        """This block node's request for a model without block lists: streamed as the Sequential Offload Wrapper
+        streams it (weights copied as loaded), Partial GPU Residency's budget kept as the modules' device limit."""
+        return dataclasses.replace(
+            self, sequential=True, resident_blocks=None, vram_limit_bytes=self.budget_bytes or 0, notice=notice
+        )
 
     @property
     def automatic_budget(self) -> bool:

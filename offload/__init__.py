@@ -6,6 +6,7 @@
 * ``Runner`` is what a host uses of either.
 * ``TimelineRecorder`` times each block's copy and compute on the device.
 * ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
+* ``find_blocks`` finds a model's transformer blocks from its module tree.
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
@@ -21,6 +22,7 @@ from .device import (
     unsupported_torch,
     use_host_registrar,
 )
+from .discovery import FoundBlocks, NoBlocksError, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
 from .host_memory import release_freed_host_memory
 from .pinning import PinnedMemoryBudget
@@ -49,6 +51,9 @@ __all__ = [
     "PREFETCH_CHOICES",
     "BlockSpan",
     "BlockStreamer",
+    "FoundBlocks",
+    "NoBlocksError",
+    "find_blocks",
     "BakeDecision",
     "CostCache",
     "CudaHostRegistrar",

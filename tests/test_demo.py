@@ -34,7 +34,10 @@ def test_the_summary_says_what_streamed_in_a_dozen_lines_and_draws_the_step(
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) <= 12, lines
     text = "\n".join(lines)
-    assert "offload:       Async Block Offload: Wan 2.1/2.2: 1/5 blocks resident" in text
+    assert (
+        "offload:       Async Block Offload: WanModel (blocks: 5 x WanAttentionBlock; 0.01 GiB): 1/5 blocks resident"
+        in text
+    )
     # policy auto: strided while it measures, then the planner's pick of the one resident block.
     placement = re.search(r"placement:     ([RS]{5})  \(R resident, S streamed\), prefetch (\d)", text)
     assert placement and placement[1].count("R") == 1 and int(placement[2]) <= 1, text

@@ -423,11 +423,12 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     del classic
 
     model = dynamic_vram.load(path, dtype)
-    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    found = comfy.placement.find_blocks(model.model.diffusion_model)
+    blocks = found.blocks
     sizes = [comfy.placement.module_bytes(block, comfy.placement.recorded_dtype) for _, block in blocks]
     cache = comfy.placement._cost_cache()
     cache.path.unlink(missing_ok=True)
-    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes)
+    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), found.model_class, sizes)
     costs = StackCosts(tuple(sizes), tuple(range(len(sizes))), (0.01,) * len(sizes), (0.0,) * len(sizes), 0.0, 1e3)
     cache.put(key, costs)
     streaming = comfy.nodes.AsyncBlockOffload.execute(
@@ -449,7 +450,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     assert baked[0] == frozenset() and baked[-1], (baked, engine.summary)
     assert baked[-1] == runner.streamed - runner.read_each_step, "every host-tier block, no file-tier block"
     assert "patches baked once into the host buffers of" in engine.summary
-    for index, (_, block) in enumerate(comfy.placement.find_blocks(lora.model.diffusion_model)[1]):  # the twin's
+    for index, (_, block) in enumerate(comfy.placement.find_blocks(lora.model.diffusion_model).blocks):  # the twin's
         calls = [f for m in block.modules() for f in getattr(m, "weight_function", []) if isinstance(f, LoadedPatch)]
         assert bool(calls) == (index in runner.read_each_step), index
 

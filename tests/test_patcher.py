@@ -125,11 +125,6 @@ def test_bad_inputs_say_what_to_do(comfy: SimpleNamespace) -> None:
     model = wan(comfy)
     with pytest.raises(ValueError, match="resident_blocks is 9 but this model has 5 blocks; use 0 to 5"):
         async_offload(comfy, model, resident=9)
-    unet = SimpleNamespace(
-        model=SimpleNamespace(diffusion_model=torch.nn.Linear(2, 2)), load_device=torch.device("cpu")
-    )
-    with pytest.raises(ValueError, match="Supported: Wan 2.1/2.2 VACE, Wan 2.1/2.2, Flux.*Sequential Offload Wrapper"):
-        comfy.nodes.AsyncBlockOffload.execute(unet, resident_blocks=0, prefetch_blocks=1, pin_memory=True)
 
 
 def test_cpu_without_opt_in_passes_the_model_through(
@@ -202,19 +197,14 @@ def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(c
     forced.detach()
 
 
-def test_the_sequential_wrapper_streams_a_model_whose_blocks_are_unknown(
-    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The wrapper needs no block list: with the tiny Wan's architecture taken off the list the block nodes
-    know, it still streams every module, bitwise, with and without a LoRA."""
-    from block_offload.nodes import architectures
-
+def test_the_sequential_wrapper_streams_every_module_with_and_without_a_lora(comfy: SimpleNamespace) -> None:
+    """The wrapper needs no block list: it streams every module, bitwise, with and without a LoRA (as the block
+    nodes stream a model without block lists: ``test_every_dit.py``)."""
     model = wan(comfy)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
     references = [sample(comfy, model), sample(comfy, with_lora)]
     comfy.mm.unload_all_models()
-    monkeypatch.delitem(architectures.ARCHITECTURES, type(model.model.diffusion_model).__name__)
     wrapped = comfy.nodes.SequentialOffloadWrapper.execute(
         model, storage_dtype="as loaded", vram_limit_gb=0.0, prefetch_modules=1, pin_memory=True
     ).result[0]

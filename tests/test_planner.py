@@ -428,11 +428,11 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
     # Measured once, when the engine stopped (the reference's model took its place) or at the next
     # load, whichever came first: ComfyUI may run the two branches in either order.
     log = first_log + second_log
-    (measured,) = [line for line in plan_lines(log, "partial") if "measured Wan 2.1/2.2 on cpu" in line]
+    (measured,) = [line for line in plan_lines(log, "partial") if "measured WanModel on cpu" in line]
     assert log.index(measuring) < log.index(measured) < log.index(planned)
     entries = json.loads(cache.read_text())["entries"]
     (key,) = entries
-    assert key.startswith(f"cpu | Wan 2.1/2.2 | {tm.WAN21_LAYERS} blocks")
+    assert key.startswith(f"cpu | WanModel | {tm.WAN21_LAYERS} blocks")
     costs = StackCosts.from_dict(entries[key]["costs"])
     assert costs.calls == tuple(range(tm.WAN21_LAYERS)) and costs.bandwidth_gbps > 0
 
@@ -476,7 +476,8 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     placement without one, the same on every run."""
     model = flux(comfy)
     reference = sample(comfy, model)
-    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    found = comfy.placement.find_blocks(model.model.diffusion_model)
+    blocks = found.blocks
     sizes = [module_bytes(block) for _, block in blocks]
     outside = model.model_size() - sum(sizes)
     budget_gb = (outside + sum(sizes) / 2) / GIB  # half the blocks' bytes for blocks and their ring
@@ -487,7 +488,8 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     costs = StackCosts(tuple(sizes), tuple(range(n)), (compute_ms,) * n, (0.0,) * n, 0.0, bandwidth_gbps)
     cache = comfy.placement._cost_cache()
     cache.path.unlink(missing_ok=True)
-    cache.put(comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes), costs)
+    device = comfy.placement.device_name(model.load_device)
+    cache.put(comfy.placement.cache_key(device, found.model_class, sizes), costs)
     monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
     node = comfy.nodes.PartialGPUResidency
     patched = node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
@@ -526,7 +528,8 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
         return comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0]
 
     patched = with_lora(1.0)
-    arch, blocks = comfy.placement.find_blocks(model.model.diffusion_model)
+    found = comfy.placement.find_blocks(model.model.diffusion_model)
+    blocks = found.blocks
     names = [f"diffusion_model.{name}" for name, _ in blocks]
     patch_ms = patch_costs.patch_ms_per_unit(patched, names, CPU)
     assert len(patch_ms) == 5 and patch_ms[0] > 0 and patch_ms[2] > 0, patch_ms
@@ -539,7 +542,7 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     outside = model.model_size() - sum(sizes)
     budget_gb = (outside + 2 * max(sizes) + 2 * aligned(max(sizes))) / GIB  # two resident blocks, a two-slot ring
     cache = comfy.placement._cost_cache()
-    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), arch.name, sizes)
+    key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), found.model_class, sizes)
     # Compute-bound: 100 ms a block, each copy a tenth of that; any two resident blocks tie without the LoRA.
     costs = StackCosts.uniform(len(sizes), 100.0, max(sizes), bandwidth_gbps=max(sizes) / 10e6)
     cache.path.unlink(missing_ok=True)
@@ -584,6 +587,6 @@ def test_a_device_too_full_to_time_the_patches_places_without_their_cost(
     monkeypatch.setattr(patch_costs, "_time_patch", device_full)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     patched = comfy.sd.load_lora_for_models(wan(comfy), None, lora, 1.0, 0)[0]
-    names = [f"diffusion_model.{name}" for name, _ in comfy.placement.find_blocks(patched.model.diffusion_model)[1]]
+    names = [f"diffusion_model.{name}" for name, _ in comfy.placement.find_blocks(patched.model.diffusion_model).blocks]
     assert patch_costs.patch_ms_per_unit(patched, names, CPU) == ()
     assert patch_costs._patch_ms == {}

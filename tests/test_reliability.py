@@ -315,7 +315,8 @@ def test_out_of_memory_falls_back_to_more_streaming_and_says_so(limited_host: Co
     notice = "Out of memory placing 4 resident blocks with prefetch 1; fell back to 1 with prefetch 1."
     _, log = run_offload(limited_host, offload_prompt(name="oom", resident_blocks=4, prefetch_blocks=1))
     assert f"Block Offload (Async Block Offload): {notice}" in log.splitlines()
-    assert "Block Offload (Async Block Offload): Wan 2.1/2.2: 1/5 blocks resident (0, leading), 4 streamed" in log
+    found = "WanModel (blocks: 5 x WanAttentionBlock; 0.01 GiB)"
+    assert f"Block Offload (Async Block Offload): {found}: 1/5 blocks resident (0, leading), 4 streamed" in log
     assert notice in limited_host.get_json("/block_offload/report")["notices"]
     # Later prompts on the same model start from the placement that fit, and say so only in the panel.
     for seed, lora in ((2, 0.0), (3, 1.0)):

@@ -1,0 +1,180 @@
+"""Tiny random-weight instances of ComfyUI's own diffusion models, built from its own classes and configs.
+
+Each ``TinyDiT`` names a ``comfy.supported_models`` class (what ComfyUI's loader would detect) and the
+config its detection would produce, shrunk to a few channels; ``build`` makes the model as
+``comfy.sd.load_diffusion_model_state_dict`` does after detection (the config's ``get_model``, weights
+loaded, a ``ModelPatcher``), with seeded random weights; ``sample`` runs ComfyUI's sampler on it with a
+latent and a conditioning of the shapes the model takes. The families are listed in ``dits_*.py``;
+``ZOO`` gathers them.
+
+Run ``python -m harness.tiny_dit [NAME ...]`` (ComfyUI on ``sys.path``, see ``inprocess.py``) to build and
+sample each once and see its size and time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Sampler steps: enough for the engine to learn the call order, then stream.
+STEPS = 2
+SEED = 20251125
+WEIGHT_STD = 0.02
+
+
+def no_extra(generator: torch.Generator) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class TinyDiT:
+    """One of ComfyUI's diffusion models at tiny width.
+
+    ``config``: the ``comfy.supported_models`` class ComfyUI detects for it; ``unet_config``: the whole config
+    that detection would give (the model class's keyword arguments, ``image_model`` included), tiny;
+    ``latent``: the shape of the latent the sampler starts from; ``context``: (tokens, width) of the text
+    conditioning (width 0: the model takes none; a zero-width tensor is passed); ``extra``: the conditioning's
+    other entries (``pooled_output``, ``guidance``, ...), made from the generator given.
+    """
+
+    name: str
+    config: str
+    unet_config: Mapping[str, Any]
+    latent: tuple[int, ...]
+    context: tuple[int, int]
+    extra: Callable[[torch.Generator], dict[str, Any]] = field(default=no_extra)
+
+    def available(self) -> bool:
+        """Whether this ComfyUI has the model's class."""
+        import comfy.supported_models
+
+        return hasattr(comfy.supported_models, self.config)
+
+
+def _seed(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{SEED}:{name}".encode()).digest()[:8], "little")
+
+
+def randomize(module: torch.nn.Module) -> None:
+    """Seeded random parameters, each from its own name: ComfyUI's layers skip initialisation, so they would
+    hold whatever memory they got. One-dimensional weights (norms, scales) are near 1, the rest near 0."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            generator = torch.Generator().manual_seed(_seed(name))
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
+            if param.dim() == 1 and name.endswith("weight"):
+                values += 1.0
+            param.copy_(values.to(param.dtype))
+
+
+def model_config(spec: TinyDiT) -> Any:
+    import comfy.supported_models
+
+    return getattr(comfy.supported_models, spec.config)(dict(spec.unet_config))
+
+
+def state_dict(spec: TinyDiT) -> dict[str, torch.Tensor]:
+    """The model's random weights in float32, keyed as a checkpoint of its diffusion model stores them."""
+    import comfy.model_management as mm
+
+    config = model_config(spec)
+    _set_dtype(config, torch.float32, None, mm.get_torch_device())
+    model = config.get_model({}, "")
+    randomize(model.diffusion_model)
+    return {key: value.detach().clone() for key, value in model.diffusion_model.state_dict().items()}
+
+
+def _set_dtype(config: Any, dtype: torch.dtype, manual_cast: torch.dtype | None, device: torch.device) -> None:
+    try:
+        config.set_inference_dtype(dtype, manual_cast, device=device)
+    except TypeError:  # 0.3.75 takes no device
+        config.set_inference_dtype(dtype, manual_cast)
+
+
+def build(spec: TinyDiT, weight_dtype: torch.dtype | None = None) -> Any:
+    """The model as ComfyUI's loader makes it once detected: a ``ModelPatcher`` of the config's model, its weights
+    loaded from ``state_dict`` (stored as ``weight_dtype`` when given, as UNETLoader's ``weight_dtype`` does)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    weights = state_dict(spec)
+    config = model_config(spec)
+    device = mm.get_torch_device()
+    dtype = weight_dtype or torch.float32
+    manual_cast = mm.unet_manual_cast(dtype, device, config.supported_inference_dtypes)
+    _set_dtype(config, dtype, manual_cast, device)
+    model = config.get_model(weights, "")
+    model.load_model_weights(weights, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.unet_offload_device())
+
+
+def conditioning(spec: TinyDiT, generator: torch.Generator) -> list[list[Any]]:
+    tokens, width = spec.context
+    context = torch.randn(1, tokens, width, generator=generator)
+    return [[context, spec.extra(generator)]]
+
+
+def sample(spec: TinyDiT, model: Any, seed: int = 5) -> torch.Tensor:
+    """``STEPS`` euler steps of ComfyUI's sampler from a zero latent and seeded noise, at cfg 1 (the positive
+    conditioning only, as ComfyUI skips the negative there)."""
+    import comfy.sample
+
+    cond = conditioning(spec, torch.Generator().manual_seed(1))
+    latent = torch.zeros(spec.latent)
+    noise = torch.randn(spec.latent, generator=torch.Generator().manual_seed(seed))
+    return comfy.sample.sample(
+        model, noise, STEPS, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
+    )
+
+
+def zoo() -> list[TinyDiT]:
+    """Every tiny model, in the order of the ``dits_*`` files."""
+    from . import dits_flux_like, dits_image, dits_video, dits_video_image
+
+    return [*dits_video.SPECS, *dits_video_image.SPECS, *dits_flux_like.SPECS, *dits_image.SPECS]
+
+
+def check(specs: Sequence[TinyDiT]) -> int:
+    """Builds and samples each model twice: finite, not all zero, deterministic. Prints size and time."""
+    failed = 0
+    for spec in specs:
+        if not spec.available():
+            print(f"{spec.name:32s} not in this ComfyUI ({spec.config})")
+            continue
+        try:
+            start = time.perf_counter()
+            model = build(spec)
+            first, second = sample(spec, model), sample(spec, model)
+            seconds = time.perf_counter() - start
+            params = sum(p.numel() for p in model.model.diffusion_model.parameters())
+            problems = []
+            if not torch.isfinite(first).all():
+                problems.append("not finite")
+            if not first.abs().sum() > 0:
+                problems.append("all zero")
+            if not torch.equal(first, second):
+                problems.append("not deterministic")
+            failed += bool(problems)
+            print(f"{spec.name:32s} {params / 1e6:7.2f} M params {seconds:6.2f} s {' '.join(problems) or 'ok'}")
+        except Exception as error:  # report every model, then fail
+            failed += 1
+            print(f"{spec.name:32s} FAILED: {type(error).__name__}: {error}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str]) -> int:
+    from comfy.cli_args import args
+
+    args.cpu = True
+    specs = [spec for spec in zoo() if not argv or spec.name in argv or spec.config in argv]
+    return check(specs)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
