@@ -8,7 +8,8 @@ latent and a conditioning of the shapes the model takes. The families are listed
 ``ZOO`` gathers them.
 
 Run ``python -m harness.tiny_dit [NAME ...]`` (ComfyUI on ``sys.path``, see ``inprocess.py``) to build and
-sample each once and see its size and time.
+sample each once and see its size and time; ``--readme README.md`` writes the README's table of them
+(``scripts/supported_models.sh``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +35,10 @@ def no_extra(generator: torch.Generator) -> dict[str, Any]:
     return {}
 
 
+def no_fill(diffusion_model: torch.nn.Module) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class TinyDiT:
     """One of ComfyUI's diffusion models at tiny width.
@@ -40,7 +47,9 @@ class TinyDiT:
     that detection would give (the model class's keyword arguments, ``image_model`` included), tiny;
     ``latent``: the shape of the latent the sampler starts from; ``context``: (tokens, width) of the text
     conditioning (width 0: the model takes none; a zero-width tensor is passed); ``extra``: the conditioning's
-    other entries (``pooled_output``, ``guidance``, ...), made from the generator given.
+    other entries (``pooled_output``, ``guidance``, ...), made from the generator given; ``fill``: sets what a
+    checkpoint holds and random parameters do not (a buffer ComfyUI makes with ``torch.empty``); ``building``: a
+    context the model is built in (for sizes no config key reaches).
     """
 
     name: str
@@ -49,6 +58,8 @@ class TinyDiT:
     latent: tuple[int, ...]
     context: tuple[int, int]
     extra: Callable[[torch.Generator], dict[str, Any]] = field(default=no_extra)
+    fill: Callable[[torch.nn.Module], None] = field(default=no_fill)
+    building: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)
 
     def available(self) -> bool:
         """Whether this ComfyUI has the model's class."""
@@ -74,9 +85,13 @@ def randomize(module: torch.nn.Module) -> None:
 
 
 def model_config(spec: TinyDiT) -> Any:
+    """The config class with the spec's config, its keys over those the class fixes (``unet_extra_config``: the
+    widths of a model ComfyUI knows in one size only)."""
     import comfy.supported_models
 
-    return getattr(comfy.supported_models, spec.config)(dict(spec.unet_config))
+    config = getattr(comfy.supported_models, spec.config)(dict(spec.unet_config))
+    config.unet_config.update(spec.unet_config)
+    return config
 
 
 def state_dict(spec: TinyDiT) -> dict[str, torch.Tensor]:
@@ -85,8 +100,10 @@ def state_dict(spec: TinyDiT) -> dict[str, torch.Tensor]:
 
     config = model_config(spec)
     _set_dtype(config, torch.float32, None, mm.get_torch_device())
-    model = config.get_model({}, "")
+    with spec.building():
+        model = config.get_model({}, "")
     randomize(model.diffusion_model)
+    spec.fill(model.diffusion_model)
     return {key: value.detach().clone() for key, value in model.diffusion_model.state_dict().items()}
 
 
@@ -109,8 +126,10 @@ def build(spec: TinyDiT, weight_dtype: torch.dtype | None = None) -> Any:
     dtype = weight_dtype or torch.float32
     manual_cast = mm.unet_manual_cast(dtype, device, config.supported_inference_dtypes)
     _set_dtype(config, dtype, manual_cast, device)
-    model = config.get_model(weights, "")
+    with spec.building():
+        model = config.get_model(weights, "")
     model.load_model_weights(weights, "")
+    spec.fill(model.diffusion_model)  # a buffer not in the state dict (not persistent) is made again
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.unet_offload_device())
 
 
@@ -125,6 +144,11 @@ def sample(spec: TinyDiT, model: Any, seed: int = 5) -> torch.Tensor:
     conditioning only, as ComfyUI skips the negative there)."""
     import comfy.sample
 
+    diffusion_model = model.model.diffusion_model
+    if hasattr(diffusion_model, "clear_kv_cache"):
+        # HiDream-O1 keeps its text prefix's keys and values across prompts: each sample starts without them, so
+        # that two samples of the same model compare (with them, a later one computes fewer tokens).
+        diffusion_model.clear_kv_cache()
     cond = conditioning(spec, torch.Generator().manual_seed(1))
     latent = torch.zeros(spec.latent)
     noise = torch.randn(spec.latent, generator=torch.Generator().manual_seed(seed))
@@ -135,9 +159,36 @@ def sample(spec: TinyDiT, model: Any, seed: int = 5) -> torch.Tensor:
 
 def zoo() -> list[TinyDiT]:
     """Every tiny model, in the order of the ``dits_*`` files."""
-    from . import dits_flux_like, dits_image, dits_video, dits_video_image
+    from . import dits_flux_like, dits_image, dits_video, dits_video_image, dits_wan_variants
 
-    return [*dits_video.SPECS, *dits_video_image.SPECS, *dits_flux_like.SPECS, *dits_image.SPECS]
+    return [
+        *dits_video.SPECS,
+        *dits_wan_variants.SPECS,
+        *dits_video_image.SPECS,
+        *dits_flux_like.SPECS,
+        *dits_image.SPECS,
+    ]
+
+
+README_BEGIN, README_END = "<!-- supported models: begin -->", "<!-- supported models: end -->"
+
+
+def models_table() -> str:
+    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each."""
+    from block_offload.offload import find_blocks
+
+    rows = ["| Model | ComfyUI classes | Block lists found |", "|---|---|---|"]
+    for spec in zoo():
+        found = find_blocks(build(spec).model.diffusion_model)
+        lists = ", ".join(f"`{found_list.path}` ({found_list.kind})" for found_list in found.lists)
+        rows.append(f"| {spec.name} | `{spec.config}`, `{found.model_class}` | {lists} |")
+    return "\n".join(rows)
+
+
+def with_models_table(readme: str) -> str:
+    """``readme`` with ``models_table`` between its markers."""
+    begin, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
+    return f"{readme[:begin]}\n{models_table()}\n{readme[end:]}"
 
 
 def check(specs: Sequence[TinyDiT]) -> int:
@@ -169,9 +220,14 @@ def check(specs: Sequence[TinyDiT]) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``[NAME ...]``: checks the models named (all by default); ``--readme PATH``: writes the table into it."""
     from comfy.cli_args import args
 
     args.cpu = True
+    if argv[:1] == ["--readme"]:
+        path = Path(argv[1])
+        path.write_text(with_models_table(path.read_text()))
+        return 0
     specs = [spec for spec in zoo() if not argv or spec.name in argv or spec.config in argv]
     return check(specs)
 

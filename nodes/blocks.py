@@ -14,7 +14,7 @@ def module_by_module_notice(error: NoBlocksError) -> str:
     """What the block nodes say when they stream a model module by module, as the Sequential Offload Wrapper
     does, because it has no blocks."""
     return (
-        f"{error} Streaming it module by module instead, as the Sequential Offload Wrapper does (every module "
+        f"{error}. Streaming it module by module instead, as the Sequential Offload Wrapper does (every module "
         "copied as loaded, none kept on the device): the same output, with more, smaller copies."
     )
 

@@ -8,7 +8,7 @@ one by one, never the sequential itself. The search descends through every other
 nested anywhere are found (an approximator's layers, a text refiner's blocks), but never into a list it
 took. Lists holding under ``MIN_LIST_SHARE`` of the weights stay with the rest of the model; if the lists
 taken hold under ``MIN_SHARE`` of them, the model has no blocks worth streaming and the caller streams it
-module by module instead.
+module by module instead. Embedding tables count in neither share (``_lookup_bytes``).
 
 Blocks come in module-tree order; the engine learns the order the model calls them in.
 """
@@ -70,7 +70,7 @@ class NoBlocksError(ValueError):
 
 def find_blocks(root: nn.Module) -> FoundBlocks:
     """``root``'s blocks (module docstring), or ``NoBlocksError`` saying what was found instead."""
-    total = module_stored_bytes(root)
+    total = module_stored_bytes(root) - _lookup_bytes(root)
     lists = [found for found in _block_lists(root, "") if total and found.nbytes >= MIN_LIST_SHARE * total]
     nbytes = sum(found.nbytes for found in lists)
     share = nbytes / total if total else 0.0
@@ -83,6 +83,13 @@ def find_blocks(root: nn.Module) -> FoundBlocks:
     named = dict(root.named_modules())
     blocks = tuple((name, named[name]) for found in lists for name in found.names)
     return FoundBlocks(type(root).__name__, tuple(lists), blocks, share)
+
+
+def _lookup_bytes(root: nn.Module) -> int:
+    """The bytes of ``root``'s embedding tables: a step reads a few of their rows, not all of them as it reads a
+    layer's weights, so they count in no share (a language-model DiT's vocabulary would outweigh its layers in a
+    small one)."""
+    return sum(module_stored_bytes(module) for module in root.modules() if isinstance(module, nn.Embedding))
 
 
 def _block_lists(module: nn.Module, prefix: str) -> list[BlockList]:
@@ -107,14 +114,15 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
             entries += [(f"{path}.{name}.{sub}", layer) for sub, layer in entry.named_children()]
         else:
             entries.append((f"{path}.{name}", entry))
-    entries = [(name, entry) for name, entry in entries if module_stored_bytes(entry)]
     composite = Counter(type(entry) for _, entry in entries if any(True for _ in entry.children()))
     if not composite or composite.most_common(1)[0][1] < 2:
         return None
+    sizes = {name: module_stored_bytes(entry) for name, entry in entries}
+    entries = [(name, entry) for name, entry in entries if sizes[name]]  # no weights, nothing to stream
     kinds = {type(entry).__name__ for _, entry in entries}
     return BlockList(
         f"{path}.*" if flattened else path,
         tuple(name for name, _ in entries),
         kinds.pop() if len(kinds) == 1 else "mixed",
-        sum(module_stored_bytes(entry) for _, entry in entries),
+        sum(sizes.values()),
     )

@@ -62,8 +62,14 @@ def assert_streams_bitwise(comfy: SimpleNamespace, spec: tiny_dit.TinyDiT, model
     step = engine.recorder.latest()  # the last step: the call order learned, every streamed unit copied again
     copied = {span.block for span in step.spans if span.bytes_copied}
     streamed = set(engine.runner.streamed) & {span.block for span in step.spans}
-    # Every block streams (Async Block Offload keeps none here): more than the two a ring of prefetch 1 holds.
-    assert len(streamed) > 2 and copied == streamed, (spec.name, node, sorted(copied), sorted(streamed))
+    # Every block streams (Async Block Offload keeps none here): more than the two a ring of prefetch 1 holds, so
+    # each is copied again at each step; the first may have been copied as the step before ended.
+    assert len(streamed) > 2 and copied <= streamed and len(streamed - copied) <= 1, (
+        spec.name,
+        node,
+        sorted(copied),
+        sorted(streamed),
+    )
     comfy.mm.unload_all_models()
     return engine
 
@@ -80,8 +86,8 @@ def test_every_node_streams_the_model_bitwise(comfy: SimpleNamespace, name: str)
     comfy.mm.unload_all_models()
 
 
-#: Two models the block table of earlier releases refused: a video and an image one.
-NEW_MODELS = ["Kandinsky 5 (video)", "Cosmos Predict2"]
+#: Models the block table of earlier releases refused: video, image, and the largest ComfyUI ships (MiniMax H3).
+NEW_MODELS = ["Kandinsky 5 (video)", "Cosmos Predict2 T2I", "MiniMax H3"]
 
 
 def lora_for(model: object, found_blocks: list[tuple[str, torch.nn.Module]]) -> dict[str, torch.Tensor]:
@@ -101,7 +107,7 @@ def lora_for(model: object, found_blocks: list[tuple[str, torch.nn.Module]]) -> 
 
 
 @pytest.mark.parametrize("name", NEW_MODELS)
-def test_a_lora_before_the_node_and_fp8_weights_on_new_models(comfy: SimpleNamespace, name: str) -> None:
+def test_a_lora_before_the_node_on_new_models(comfy: SimpleNamespace, name: str) -> None:
     spec, model = built(name)
     found = comfy.placement.find_blocks(model.model.diffusion_model)
     lora = lora_for(model, list(found.blocks))
@@ -109,17 +115,27 @@ def test_a_lora_before_the_node_and_fp8_weights_on_new_models(comfy: SimpleNames
     assert not torch.equal(tiny_dit.sample(spec, with_lora), tiny_dit.sample(spec, model)), "the LoRA does nothing"
     for node in NODES:
         assert_streams_bitwise(comfy, spec, with_lora, node)
-    _, fp8 = built(name, torch.float8_e4m3fn)
-    weights = [w for _, block in found.blocks for w in block.parameters() if w.dim() == 2]
-    assert weights and all(w.dtype == torch.float32 for w in weights)
-    fp8_blocks = comfy.placement.find_blocks(fp8.model.diffusion_model).blocks
-    assert all(w.dtype == torch.float8_e4m3fn for _, b in fp8_blocks for w in b.parameters() if w.dim() == 2)
+
+
+#: MiniMax H3's fused q/k-norm rope kernel takes no fp8 norm weight on the CPU (comfy_kitchen's eager backend):
+#: ComfyUI itself cannot sample it in fp8 here.
+FP8_MODELS = NEW_MODELS[:2]
+
+
+@pytest.mark.parametrize("name", FP8_MODELS)
+def test_fp8_weights_on_new_models(comfy: SimpleNamespace, name: str) -> None:
+    """Stored as UNETLoader's ``weight_dtype`` fp8_e4m3fn stores them, computed in float32 by ComfyUI's casts."""
+    spec, fp8 = built(name, torch.float8_e4m3fn)
+    blocks = comfy.placement.find_blocks(fp8.model.diffusion_model).blocks
+    weights = [w for _, block in blocks for w in block.parameters() if w.dim() == 2]
+    assert weights and all(w.dtype == torch.float8_e4m3fn for w in weights)
     for node in NODES:
-        assert_streams_bitwise(comfy, spec, fp8, node)
+        engine = assert_streams_bitwise(comfy, spec, fp8, node)
+        assert engine.recorder.latest().bytes_copied > 0
 
 
 def test_partial_gpu_residency_auto_plans_a_discovered_model(comfy: SimpleNamespace) -> None:
-    spec, model = built(NEW_MODELS[0])
+    spec, model = built("Cosmos Predict2 T2I")  # on both hosts
     cache = comfy.placement._cost_cache()
     cache.path.unlink(missing_ok=True)  # measured on its first run, planned from the second
     found = comfy.placement.find_blocks(model.model.diffusion_model)
@@ -203,27 +219,10 @@ def _copy_with_other_weights(block: torch.nn.Module, cls: type) -> torch.nn.Modu
 # -- the README's list, generated from this file's models -----------------------------------------------
 
 
-def supported_models_section(comfy: SimpleNamespace) -> str:
-    """The README's table of tested models: name, ComfyUI class and the block lists found in it."""
-    rows = ["| Model | ComfyUI class | Block lists found (at the tested size) |", "|---|---|---|"]
-    for spec in ZOO.values():
-        model = tiny_dit.build(spec)
-        found = comfy.placement.find_blocks(model.model.diffusion_model)
-        lists = ", ".join(f"`{found_list.path}` ({found_list.kind})" for found_list in found.lists)
-        rows.append(f"| {spec.name} | `{spec.config}` / `{found.model_class}` | {lists} |")
-    return "\n".join(rows)
-
-
-BEGIN, END = "<!-- supported models: begin -->", "<!-- supported models: end -->"
-
-
 @pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the README lists what ComfyUI 0.33.0 ships")
 def test_the_readme_lists_every_tested_model(comfy: SimpleNamespace) -> None:
-    """``scripts/supported_models.py`` writes the section; here it must be what it would write."""
+    """``scripts/supported_models.sh`` writes the section; here it must be what it would write."""
     text = README.read_text()
-    section = re.search(f"{re.escape(BEGIN)}\n(.*?)\n{re.escape(END)}", text, re.S)
-    assert section, f"README.md lacks the section between {BEGIN} and {END}"
-    expected = supported_models_section(comfy)
-    assert section[1] == expected, "README.md's list is stale: run scripts/supported_models.py"
+    assert text == tiny_dit.with_models_table(text), "README.md's list is stale: run scripts/supported_models.sh"
     count = re.search(r"every image and video diffusion model of ComfyUI 0\.33\.0: (\d+) models, tested", text)
     assert count and int(count[1]) == len(ZOO)

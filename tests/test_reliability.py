@@ -58,7 +58,7 @@ LIMIT_NODE = "block_offload_device_limit"  # tests/support: the simulated device
 MEMORY_BOUND = 64 * 2**20
 WAN = ARCHS[tm.WAN21]
 ASYNC = "AsyncBlockOffload"
-UNSUPPORTED_FILE = "block_offload_test_cosmos_predict2.safetensors"
+COSMOS_FILE = "block_offload_test_cosmos_predict2.safetensors"
 
 
 @pytest.fixture(params=DEVICES)
@@ -189,10 +189,10 @@ def test_widgets_fed_by_other_nodes_are_checked_when_the_node_runs(
 
 
 @pytest.fixture(scope="module")
-def unsupported_model(comfy: SimpleNamespace) -> str:
-    """A tiny Cosmos Predict2 (MiniTrainDIT): ComfyUI loads it, the block nodes do not know its blocks.
-    ComfyUI's own detection sizes it from two tensors; its other sizes are MiniTrainDIT's defaults."""
-    path = HOST_DIR / "models" / "diffusion_models" / UNSUPPORTED_FILE
+def cosmos_predict2(comfy: SimpleNamespace) -> str:
+    """A tiny Cosmos Predict2 (MiniTrainDIT) checkpoint, a model the block nodes' old table refused. ComfyUI's own
+    detection sizes it from two tensors; its other sizes are MiniTrainDIT's defaults."""
+    path = HOST_DIR / "models" / "diffusion_models" / COSMOS_FILE
     if not path.exists():
         import comfy.ops
         from comfy.ldm.cosmos.predict2 import MiniTrainDIT
@@ -210,7 +210,7 @@ def unsupported_model(comfy: SimpleNamespace) -> str:
         generator = torch.Generator().manual_seed(0)
         tensors = {k: torch.randn(v.shape, generator=generator) * 0.02 for k, v in model.state_dict().items()}
         save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path))
-    return UNSUPPORTED_FILE
+    return COSMOS_FILE
 
 
 def execution_error(host: ComfyHost, builder: PromptBuilder) -> str:
@@ -224,19 +224,26 @@ def execution_error(host: ComfyHost, builder: PromptBuilder) -> str:
     return message.strip()  # ComfyUI appends a line of tips (empty here)
 
 
-def test_execution_time_errors_reach_the_websocket_and_history(comfy_host: ComfyHost, unsupported_model: str) -> None:
+def test_execution_time_errors_reach_the_websocket_and_history(comfy_host: ComfyHost, cosmos_predict2: str) -> None:
     too_many = offload_prompt(name="too-many", plain=False, resident_blocks=9)
     assert execution_error(comfy_host, too_many) == "resident_blocks is 9 but this model has 5 blocks; use 0 to 5."
     run_offload(comfy_host, offload_prompt(name="after-too-many"))
 
-    unsupported = offload_prompt(name="unsupported", plain=False)
-    unsupported.prompt[unsupported.model[0]]["inputs"]["unet_name"] = unsupported_model
-    message = execution_error(comfy_host, unsupported)
-    assert message.startswith("Block offloading does not know where the blocks of MiniTrainDIT are. Supported: ")
-    assert message.endswith(
-        "use the Sequential Offload Wrapper node, which streams module by module and needs no block list."
-    )
-    run_offload(comfy_host, offload_prompt(name="after-unsupported"))
+    # A model without block lists (a Cosmos Predict2 of one block, as ComfyUI's detection loads it): the node
+    # streams it module by module, and the log and the panel say why. The tiny text encoder's 4096-wide
+    # conditioning then fails the sampler in the model's own cross-attention (Cosmos takes 1024), where
+    # ComfyUI fails it without the node too.
+    log_start = len(comfy_host.log_text())
+    cosmos = offload_prompt(name="cosmos", plain=False)
+    cosmos.prompt[cosmos.model[0]]["inputs"]["unet_name"] = cosmos_predict2
+    message = execution_error(comfy_host, cosmos)
+    assert "shapes cannot be multiplied" in message, message
+    lines = [line for line in comfy_host.log_text()[log_start:].splitlines() if "Block Offload (" in line]
+    notice = "MiniTrainDIT has no lists of repeated blocks holding most of its weights (block lists found: none;"
+    assert any(notice in line and "Streaming it module by module instead" in line for line in lines), lines
+    assert any("MiniTrainDIT, no block lists: every module streamed" in line for line in lines), lines
+    assert any(notice in shown for shown in comfy_host.get_json("/block_offload/report")["notices"])
+    run_offload(comfy_host, offload_prompt(name="after-cosmos"))
 
 
 @pytest.fixture(scope="module")
