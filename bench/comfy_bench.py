@@ -165,7 +165,7 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
         comfy.sd,
         nodes,
         offload,
-        offload.find_blocks,
+        importlib.import_module(f"{PACK}.nodes.blocks").find_blocks,
         no_dynamic_vram,
     )
 

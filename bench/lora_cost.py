@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import comfy.sd
     import comfy.utils
 
+    from block_offload.nodes.blocks import find_blocks
     from block_offload.nodes.offload_nodes import AsyncBlockOffload
     from block_offload.nodes.patch_costs import patch_ms_per_unit
-    from block_offload.offload import find_blocks
 
     sizes = {
         **arch["real" if args.real else "cpu"],

@@ -94,42 +94,39 @@ def model_config(spec: TinyDiT) -> Any:
     return config
 
 
-def state_dict(spec: TinyDiT) -> dict[str, torch.Tensor]:
-    """The model's random weights in float32, keyed as a checkpoint of its diffusion model stores them."""
+def _model(spec: TinyDiT, dtype: torch.dtype, weights: dict[str, torch.Tensor] | None) -> Any:
+    """The config's model as ``comfy.sd.load_diffusion_model_state_dict`` makes it once detected: stored in
+    ``dtype`` (computed through ComfyUI's casts where its device cannot compute that), ``weights`` loaded, or
+    seeded random ones."""
     import comfy.model_management as mm
 
     config = model_config(spec)
-    _set_dtype(config, torch.float32, None, mm.get_torch_device())
-    with spec.building():
-        model = config.get_model({}, "")
-    randomize(model.diffusion_model)
-    spec.fill(model.diffusion_model)
-    return {key: value.detach().clone() for key, value in model.diffusion_model.state_dict().items()}
-
-
-def _set_dtype(config: Any, dtype: torch.dtype, manual_cast: torch.dtype | None, device: torch.device) -> None:
+    device = mm.get_torch_device()
+    manual_cast = mm.unet_manual_cast(dtype, device, config.supported_inference_dtypes)
     try:
         config.set_inference_dtype(dtype, manual_cast, device=device)
     except TypeError:  # 0.3.75 takes no device
         config.set_inference_dtype(dtype, manual_cast)
+    with spec.building():
+        model = config.get_model(weights or {}, "")
+    if weights is None:
+        randomize(model.diffusion_model)
+    else:
+        model.load_model_weights(dict(weights), "")
+    spec.fill(model.diffusion_model)  # again after loading: a buffer outside the state dict is made anew
+    return model
 
 
 def build(spec: TinyDiT, weight_dtype: torch.dtype | None = None) -> Any:
-    """The model as ComfyUI's loader makes it once detected: a ``ModelPatcher`` of the config's model, its weights
-    loaded from ``state_dict`` (stored as ``weight_dtype`` when given, as UNETLoader's ``weight_dtype`` does)."""
+    """A ``ModelPatcher`` of the model with its seeded random weights, stored as ``weight_dtype`` when given (as
+    UNETLoader's ``weight_dtype`` stores them: the float32 weights cast), else in float32."""
     import comfy.model_management as mm
     import comfy.model_patcher
 
-    weights = state_dict(spec)
-    config = model_config(spec)
+    model = _model(spec, torch.float32, None)
+    if weight_dtype is not None:
+        model = _model(spec, weight_dtype, model.diffusion_model.state_dict())
     device = mm.get_torch_device()
-    dtype = weight_dtype or torch.float32
-    manual_cast = mm.unet_manual_cast(dtype, device, config.supported_inference_dtypes)
-    _set_dtype(config, dtype, manual_cast, device)
-    with spec.building():
-        model = config.get_model(weights, "")
-    model.load_model_weights(weights, "")
-    spec.fill(model.diffusion_model)  # a buffer not in the state dict (not persistent) is made again
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.unet_offload_device())
 
 
@@ -174,14 +171,21 @@ README_BEGIN, README_END = "<!-- supported models: begin -->", "<!-- supported m
 
 
 def models_table() -> str:
-    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each."""
-    from block_offload.offload import find_blocks
+    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each (or why
+    the block nodes stream it module by module)."""
+    from block_offload.nodes.blocks import find_blocks
+    from block_offload.offload import NoBlocksError
 
     rows = ["| Model | ComfyUI classes | Block lists found |", "|---|---|---|"]
     for spec in zoo():
-        found = find_blocks(build(spec).model.diffusion_model)
-        lists = ", ".join(f"`{found_list.path}` ({found_list.kind})" for found_list in found.lists)
-        rows.append(f"| {spec.name} | `{spec.config}`, `{found.model_class}` | {lists} |")
+        diffusion_model = build(spec).model.diffusion_model
+        try:
+            found = find_blocks(diffusion_model)
+        except NoBlocksError as error:
+            lists = f"none, streamed module by module: {error}"
+        else:
+            lists = ", ".join(f"`{found_list.path}` ({found_list.kind})" for found_list in found.lists)
+        rows.append(f"| {spec.name} | `{spec.config}`, `{type(diffusion_model).__name__}` | {lists} |")
     return "\n".join(rows)
 
 

@@ -2,12 +2,32 @@
 for every model ComfyUI loads, with no table of architectures to keep up with its releases. They are found
 again at each load, from the model as ComfyUI patched it for that load: an object patch that swaps a block
 (or a whole list) streams as it is, never from a list found before. This file holds what the nodes say of
-them, and how they name what streams.
+them, and the models whose blocks must not stream as blocks (``MODULE_BY_MODULE``, each with its reason).
 """
 
 from __future__ import annotations
 
-from ..offload.discovery import NoBlocksError
+from torch import nn
+
+from ..offload.discovery import FoundBlocks, NoBlocksError
+from ..offload.discovery import find_blocks as discover
+
+#: Diffusion models (by class, subclasses included) whose blocks must not stream as blocks, and why: the engine
+#: streams a block around its calls as a module, which these models never make.
+MODULE_BY_MODULE: dict[str, str] = {
+    "WanAnimate2Model": "the model never calls its blocks as modules, only their forward_pose and forward_gen "
+    "methods, which a block's hooks do not see",
+}
+
+
+def find_blocks(diffusion_model: nn.Module) -> FoundBlocks:
+    """The blocks of a ComfyUI diffusion model (``offload.discovery``); ``NoBlocksError`` for one without block
+    lists or one of ``MODULE_BY_MODULE``, which the nodes then stream module by module."""
+    for cls in type(diffusion_model).__mro__:
+        reason = MODULE_BY_MODULE.get(cls.__name__)
+        if reason is not None:
+            raise NoBlocksError(f"{type(diffusion_model).__name__}'s blocks cannot stream as blocks: {reason}")
+    return discover(diffusion_model)
 
 
 def module_by_module_notice(error: NoBlocksError) -> str:

@@ -26,7 +26,6 @@ from ..offload import (
     Runner,
     SequentialOffloader,
     TimelineRecorder,
-    find_blocks,
     parked_from_file,
     read_bandwidth,
     release_freed_host_memory,
@@ -34,7 +33,7 @@ from ..offload import (
 )
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
-from .blocks import inside
+from .blocks import find_blocks, inside
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, recorded_dtype
 from .fused_reads import read_by_parents

@@ -14,13 +14,12 @@ from ..offload import (
     NoBlocksError,
     ResidencyPolicy,
     StepAside,
-    find_blocks,
     platform_aside,
     step_aside,
     unsupported_torch,
 )
 from . import report
-from .blocks import module_by_module_notice
+from .blocks import find_blocks, module_by_module_notice
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed

@@ -34,11 +34,11 @@ from ..offload import (
     cache_key,
     can_pin_memory,
     device_name,
-    find_blocks,
     module_bytes,
     streamed_modules,
 )
 from ..offload.layout import aligned, module_stored_bytes
+from .blocks import find_blocks
 from .device_patches import adapter_bytes
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
