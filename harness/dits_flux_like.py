@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
+from .dits_video import HUNYUAN_VIDEO
 from .tiny_dit import TinyDiT
 
 
 class _Newer(Mapping[str, Any]):
-    """A config whose keys in ``newer`` are kept only where this ComfyUI's ``target`` (``module:Name``, the
+    """A config whose keys in ``_NEWER`` are kept only where this ComfyUI's ``target`` (``module:Name``, the
     model's params dataclass or its class) takes them: read when the model is built, so ComfyUI is imported
     then. A class whose ``__init__`` takes ``**kwargs`` takes every key."""
 
-    def __init__(self, target: str, config: Mapping[str, Any], newer: tuple[str, ...]) -> None:
+    def __init__(self, target: str, config: Mapping[str, Any]) -> None:
         self._target = target
         self._config = dict(config)
-        self._newer = newer
 
     def _taken(self) -> set[str] | None:
         module, name = self._target.split(":")
@@ -42,7 +42,7 @@ class _Newer(Mapping[str, Any]):
 
     def _keys(self) -> list[str]:
         taken = self._taken()
-        return [key for key in self._config if key not in self._newer or taken is None or key in taken]
+        return [key for key in self._config if key not in _NEWER or taken is None or key in taken]
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._keys():
@@ -118,12 +118,32 @@ def _hunyuan_image_extra(generator: torch.Generator) -> dict[str, Any]:
     return {**_llm_mask(generator), "guidance": 3.5}
 
 
-#: Width 64 in two heads of 32 (Flux's rope axes must sum to the head width), two blocks of each kind.
-_FLUX_COMMON = {
+#: Flux's transformer, tiny: width 64 in two heads of 32 (the rope axes must sum to the head width), two blocks of
+#: each kind; Chroma's is the same.
+_FLUX_BLOCKS = {
+    "context_in_dim": 32,
     "hidden_size": 64,
     "num_heads": 2,
     "depth": 2,
     "depth_single_blocks": 2,
+    "mlp_ratio": 4.0,
+    "axes_dim": [8, 12, 12],
+    "theta": 10000,
+    "patch_size": 2,
+    "qkv_bias": True,
+    "txt_ids_dims": [],
+}
+
+#: Flux's config; Flux 2 and LongCat-Image (``FluxParams`` too) start from it.
+_FLUX_CONFIG = {
+    "image_model": "flux",
+    "in_channels": 16,
+    "out_channels": 16,
+    "vec_in_dim": 32,
+    **_FLUX_BLOCKS,
+    "guidance_embed": True,
+    "yak_mlp": False,
+    "txt_norm": False,
 }
 
 _CHROMA_CONFIG = {
@@ -131,31 +151,37 @@ _CHROMA_CONFIG = {
     "in_channels": 64,
     "out_channels": 64,
     "vec_in_dim": None,
-    "context_in_dim": 32,
-    **_FLUX_COMMON,
-    "mlp_ratio": 4.0,
-    "axes_dim": [8, 12, 12],
-    "theta": 10000,
-    "patch_size": 2,
-    "qkv_bias": True,
-    "txt_ids_dims": [],
+    **_FLUX_BLOCKS,
     "in_dim": 64,
     "out_dim": 64,
     "hidden_dim": 64,
     "n_layers": 2,
 }
 
-_ZIMAGE_CONFIG = {
+_LUMINA2_CONFIG = {
     "image_model": "lumina2",
     "patch_size": 2,
     "in_channels": 16,
-    # Z-Image's modulation takes a 256-wide time embedding as min(dim, 256) wide: dim cannot be below 256.
-    # So: the real head layout (heads of 128, rope axes 32/48/48), two of them, and a small feed-forward.
-    "dim": 256,
+    # Width 32: its SwiGLU widths round up to multiples of 256.
+    "dim": 32,
     "cap_feat_dim": 32,
     "n_layers": 2,
     "qk_norm": True,
+    # Grouped-query attention, as the real 24 heads over 8.
     "n_heads": 2,
+    "n_kv_heads": 1,
+    "axes_dims": [4, 6, 6],
+    "axes_lens": [300, 512, 512],
+    "rope_theta": 10000.0,
+    "ffn_dim_multiplier": 4.0,
+}
+
+#: Z-Image is a Lumina 2 model (NextDiT) with Z-Image's modulation.
+_ZIMAGE_CONFIG = {
+    **_LUMINA2_CONFIG,
+    # Z-Image's modulation takes a 256-wide time embedding as min(dim, 256) wide: dim cannot be below 256.
+    # So: the real head layout (heads of 128, rope axes 32/48/48), two of them, and a small feed-forward.
+    "dim": 256,
     "n_kv_heads": 2,
     "axes_dims": [32, 48, 48],
     "axes_lens": [1536, 512, 512],
@@ -188,75 +214,36 @@ _UNET_CONFIG = {
 }
 
 SPECS: list[TinyDiT] = [
-    TinyDiT(
-        "Flux",
-        "Flux",
-        _Newer(
-            _FLUX,
-            {
-                "image_model": "flux",
-                "in_channels": 16,
-                "out_channels": 16,
-                "vec_in_dim": 32,
-                "context_in_dim": 32,
-                **_FLUX_COMMON,
-                "mlp_ratio": 4.0,
-                "axes_dim": [8, 12, 12],
-                "theta": 10000,
-                "patch_size": 2,
-                "qkv_bias": True,
-                "guidance_embed": True,
-                "txt_ids_dims": [],
-                "yak_mlp": False,
-                "txt_norm": False,
-            },
-            _NEWER,
-        ),
-        (1, 16, 8, 8),
-        (7, 32),
-        _flux_extra,
-    ),
+    TinyDiT("Flux", "Flux", _Newer(_FLUX, _FLUX_CONFIG), (1, 16, 8, 8), (7, 32), _flux_extra),
     TinyDiT(
         "Flux 2",
         "Flux2",
         _Newer(
             _FLUX,
             {
+                **_FLUX_CONFIG,
                 "image_model": "flux2",
                 "in_channels": 128,
                 "out_channels": 128,
                 "vec_in_dim": None,
-                "context_in_dim": 32,
-                **_FLUX_COMMON,
                 "mlp_ratio": 3.0,
                 "axes_dim": [8, 8, 8, 8],
                 "theta": 2000,
                 "patch_size": 1,
                 "qkv_bias": False,
-                "guidance_embed": True,
                 "global_modulation": True,
                 "mlp_silu_act": True,
                 "ops_bias": False,
                 "default_ref_method": "index",
                 "ref_index_scale": 10.0,
                 "txt_ids_dims": [3],
-                "yak_mlp": False,
-                "txt_norm": False,
             },
-            _NEWER,
         ),
         (1, 128, 4, 4),
         (7, 32),
         _guidance,
     ),
-    TinyDiT(
-        "Chroma",
-        "Chroma",
-        _Newer(_CHROMA, _CHROMA_CONFIG, _NEWER),
-        (1, 16, 8, 8),
-        (7, 32),
-        _no_pooled,
-    ),
+    TinyDiT("Chroma", "Chroma", _Newer(_CHROMA, _CHROMA_CONFIG), (1, 16, 8, 8), (7, 32), _no_pooled),
     TinyDiT(
         "Chroma Radiance",
         "ChromaRadiance",
@@ -278,7 +265,6 @@ SPECS: list[TinyDiT] = [
                 "use_x0": False,
                 "use_sequential_txt_ids": False,
             },
-            _NEWER,
         ),
         (1, 3, 32, 32),
         (7, 32),
@@ -290,24 +276,13 @@ SPECS: list[TinyDiT] = [
         _Newer(
             _FLUX,
             {
-                "image_model": "flux",
-                "in_channels": 16,
-                "out_channels": 16,
+                **_FLUX_CONFIG,
                 "vec_in_dim": None,
                 # 3584 (Qwen2.5-VL 7B) is what tells LongCat-Image from Flux in detection: kept.
                 "context_in_dim": 3584,
-                **_FLUX_COMMON,
-                "mlp_ratio": 4.0,
-                "axes_dim": [8, 12, 12],
-                "theta": 10000,
-                "patch_size": 2,
-                "qkv_bias": True,
                 "guidance_embed": False,
                 "txt_ids_dims": [1, 2],
-                "yak_mlp": False,
-                "txt_norm": False,
             },
-            _NEWER,
         ),
         (1, 16, 8, 8),
         (7, 3584),
@@ -319,26 +294,15 @@ SPECS: list[TinyDiT] = [
         _Newer(
             _HUNYUAN,
             {
-                "image_model": "hunyuan_video",
+                **HUNYUAN_VIDEO,
                 "in_channels": 64,
-                "patch_size": [1, 1],
                 "out_channels": 64,
+                "patch_size": [1, 1],
                 "vec_in_dim": None,
                 "axes_dim": [16, 16],
-                "meanflow": False,
                 "context_in_dim": 32,
-                **_FLUX_COMMON,
                 "mlp_ratio": 4.0,
-                "theta": 256,
-                "qkv_bias": True,
-                # The glyph (ByT5) mapper is 1472 -> 2048 -> 2048 wide whatever the model's width: left out.
-                "byt5": False,
-                "guidance_embed": True,
-                "use_cond_type_embedding": False,
-                "vision_in_dim": None,
-                "meanflow_sum": False,
             },
-            _NEWER,
         ),
         (1, 64, 4, 4),
         (7, 32),
@@ -416,38 +380,8 @@ SPECS: list[TinyDiT] = [
         (7, 32),
         _hidream_extra,
     ),
-    TinyDiT(
-        "Lumina Image 2.0",
-        "Lumina2",
-        {
-            "image_model": "lumina2",
-            "patch_size": 2,
-            "in_channels": 16,
-            # Width 32: its SwiGLU widths round up to multiples of 256.
-            "dim": 32,
-            "cap_feat_dim": 32,
-            "n_layers": 2,
-            "qk_norm": True,
-            # Grouped-query attention, as the real 24 heads over 8.
-            "n_heads": 2,
-            "n_kv_heads": 1,
-            "axes_dims": [4, 6, 6],
-            "axes_lens": [300, 512, 512],
-            "rope_theta": 10000.0,
-            "ffn_dim_multiplier": 4.0,
-        },
-        (1, 16, 8, 8),
-        (7, 32),
-        _llm_mask,
-    ),
-    TinyDiT(
-        "Z-Image",
-        "ZImage",
-        _Newer(_NEXTDIT, _ZIMAGE_CONFIG, _NEWER),
-        (1, 16, 8, 8),
-        (7, 32),
-        _llm_mask,
-    ),
+    TinyDiT("Lumina Image 2.0", "Lumina2", _LUMINA2_CONFIG, (1, 16, 8, 8), (7, 32), _llm_mask),
+    TinyDiT("Z-Image", "ZImage", _Newer(_NEXTDIT, _ZIMAGE_CONFIG), (1, 16, 8, 8), (7, 32), _llm_mask),
     TinyDiT(
         "Z-Image (pixel space)",
         "ZImagePixelSpace",

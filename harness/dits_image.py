@@ -15,6 +15,9 @@ import torch
 from .tiny_dit import TinyDiT
 
 TOKENS = 7
+#: The latent of Flux 2's VAE (``latent_formats.Flux2``, 128 channels), which Lens, Ideogram 4, Mage-Flow and
+#: ERNIE-Image take.
+_FLUX2_LATENT = (1, 128, 8, 8)
 
 
 def _mask(tokens: int = TOKENS) -> torch.Tensor:
@@ -70,6 +73,22 @@ def _cascade_b(generator: torch.Generator) -> dict[str, Any]:
         "stable_cascade_prior": torch.randn(1, 16, 2, 2, generator=generator),
     }
 
+
+#: PixelDiT's config; PiD's body starts from it.
+_PIXELDIT_CONFIG = {
+    "image_model": "pixeldit_t2i",
+    "in_channels": 3,
+    "num_groups": 2,
+    "hidden_size": 32,
+    "pixel_hidden_size": 4,
+    "pixel_attn_hidden_size": 32,
+    "pixel_num_groups": 2,
+    "patch_depth": 2,
+    "pixel_depth": 2,
+    "patch_size": 16,
+    "txt_embed_dim": 24,
+    "txt_max_length": 16,
+}
 
 SPECS: list[TinyDiT] = [
     TinyDiT(
@@ -149,27 +168,14 @@ SPECS: list[TinyDiT] = [
             "multi_layer_encoder_feature": True,
             "selected_layer_index": (0, 1),
         },
-        (1, 128, 8, 8),
+        _FLUX2_LATENT,
         (TOKENS, 32),
         _lens,
     ),
     TinyDiT(
         "PixelDiT",
         "PixelDiTT2I",
-        {
-            "image_model": "pixeldit_t2i",
-            "in_channels": 3,
-            "num_groups": 2,
-            "hidden_size": 32,
-            "pixel_hidden_size": 4,
-            "pixel_attn_hidden_size": 32,
-            "pixel_num_groups": 2,
-            "patch_depth": 2,
-            "pixel_depth": 2,
-            "patch_size": 16,
-            "txt_embed_dim": 24,
-            "txt_max_length": 16,
-        },
+        _PIXELDIT_CONFIG,
         (1, 3, 32, 32),
         (TOKENS, 24),
         _attention_mask,
@@ -216,7 +222,7 @@ SPECS: list[TinyDiT] = [
             "mrope_section": [4, 2, 2],
             "norm_eps": 1e-5,
         },
-        (1, 128, 8, 8),
+        _FLUX2_LATENT,
         (TOKENS, 24),
     ),
     TinyDiT(
@@ -250,7 +256,7 @@ SPECS: list[TinyDiT] = [
             "joint_attention_dim": 24,
             "axes_dims_rope": (4, 6, 6),
         },
-        (1, 128, 8, 8),
+        _FLUX2_LATENT,
         (TOKENS, 24),
     ),
     TinyDiT(
@@ -268,7 +274,7 @@ SPECS: list[TinyDiT] = [
             "text_in_dim": 24,
             "rope_axes_dim": (4, 6, 6),
         },
-        (1, 128, 8, 8),
+        _FLUX2_LATENT,
         (TOKENS, 24),
         _attention_mask,
     ),
@@ -299,19 +305,11 @@ SPECS: list[TinyDiT] = [
         "PiD",
         "PiD",
         {
-            # PixelDiT's body (as the PixelDiT entry) with PiD v1's low-quality latent branch (16 latent channels).
+            # PixelDiT's body with PiD v1's low-quality latent branch (16 latent channels).
+            **_PIXELDIT_CONFIG,
             "image_model": "pid",
-            "in_channels": 3,
-            "num_groups": 2,
-            "hidden_size": 32,
-            "pixel_hidden_size": 4,
-            "pixel_attn_hidden_size": 32,
-            "pixel_num_groups": 2,
             "patch_depth": 4,
             "pixel_depth": 3,
-            "patch_size": 16,
-            "txt_embed_dim": 24,
-            "txt_max_length": 16,
             "lq_hidden_dim": 8,
             "lq_interval": 2,  # a gate before blocks 0 and 2, as the full model's 7 gates for 14 blocks
             "lq_latent_channels": 16,

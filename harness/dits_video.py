@@ -81,7 +81,9 @@ def _mochi_extra(generator: torch.Generator) -> dict[str, Any]:
     return {"attention_mask": _mask(7)}
 
 
-_HUNYUAN_VIDEO = {
+#: HunyuanVideo's config, tiny; HunyuanVideo 1.5 and HunyuanImage 2.1 (``dits_flux_like.py``, same params class)
+#: start from it.
+HUNYUAN_VIDEO = {
     "image_model": "hunyuan_video",
     "in_channels": 16,
     "out_channels": 16,
@@ -97,6 +99,7 @@ _HUNYUAN_VIDEO = {
     "depth_single_blocks": 2,
     "theta": 256,
     "qkv_bias": True,
+    # The glyph (ByT5) mapper is 1472 -> 2048 -> 2048 wide whatever the model's width: left out.
     "byt5": False,
     "guidance_embed": True,
     "use_cond_type_embedding": False,
@@ -104,49 +107,38 @@ _HUNYUAN_VIDEO = {
     "meanflow_sum": False,
 }
 
+#: Tiny Wan 2.1 widths: head dim 16, whose rope axes are 8 + 4 + 4.
+_WAN_WIDTHS = {
+    "image_model": "wan2.1",
+    "dim": 32,
+    "ffn_dim": 64,
+    "freq_dim": 32,
+    "text_dim": 24,
+    "num_heads": 2,
+    "num_layers": 3,
+    "in_dim": 16,
+    "out_dim": 16,
+}
+#: The Wan 2.1 config detection gives (``model_detection`` adds patch size, window, qk and cross-attention norms) at
+#: ``_WAN_WIDTHS``; the Wan variants of ``dits_wan_variants.py`` start from it too.
+WAN_21 = {
+    **_WAN_WIDTHS,
+    "patch_size": (1, 2, 2),
+    "window_size": (-1, -1),
+    "qk_norm": True,
+    "cross_attn_norm": True,
+    "eps": 1e-6,
+}
+
 SPECS: list[TinyDiT] = [
-    TinyDiT(
-        "Wan 2.1 T2V",
-        "WAN21_T2V",
-        {
-            "image_model": "wan2.1",
-            "model_type": "t2v",
-            "dim": 32,
-            "ffn_dim": 64,
-            "freq_dim": 32,
-            "text_dim": 24,
-            "num_heads": 2,
-            "num_layers": 3,
-            "in_dim": 16,
-            "out_dim": 16,
-        },
-        (1, 16, 1, 8, 8),
-        (7, 24),
-    ),
+    # Only the widths: the keys detection adds are WanModel's defaults.
+    TinyDiT("Wan 2.1 T2V", "WAN21_T2V", {**_WAN_WIDTHS, "model_type": "t2v"}, (1, 16, 1, 8, 8), (7, 24)),
     # VACE: vace_blocks run beside blocks 0 and 2 (vace_layers_mapping); with no vace_frames in the conditioning
     # WAN21_Vace's extra_conds gives zero frames (32 channels) and a ones mask (64), hence vace_in_dim 96.
     TinyDiT(
         "Wan 2.1 VACE",
         "WAN21_Vace",
-        {
-            "image_model": "wan2.1",
-            "model_type": "vace",
-            "dim": 32,
-            "ffn_dim": 64,
-            "freq_dim": 32,
-            "text_dim": 24,
-            "num_heads": 2,
-            "num_layers": 4,
-            "in_dim": 16,
-            "out_dim": 16,
-            "patch_size": (1, 2, 2),
-            "window_size": (-1, -1),
-            "qk_norm": True,
-            "cross_attn_norm": True,
-            "eps": 1e-6,
-            "vace_in_dim": 96,
-            "vace_layers": 2,
-        },
+        {**WAN_21, "model_type": "vace", "num_layers": 4, "vace_in_dim": 96, "vace_layers": 2},
         (1, 16, 1, 8, 8),
         (7, 24),
     ),
@@ -155,30 +147,14 @@ SPECS: list[TinyDiT] = [
     TinyDiT(
         "Wan 2.2 TI2V 5B",
         "WAN22_T2V",
-        {
-            "image_model": "wan2.1",
-            "model_type": "t2v",
-            "dim": 32,
-            "ffn_dim": 64,
-            "freq_dim": 32,
-            "text_dim": 24,
-            "num_heads": 2,
-            "num_layers": 3,
-            "in_dim": 48,
-            "out_dim": 48,
-            "patch_size": (1, 2, 2),
-            "window_size": (-1, -1),
-            "qk_norm": True,
-            "cross_attn_norm": True,
-            "eps": 1e-6,
-        },
+        {**WAN_21, "model_type": "t2v", "in_dim": 48, "out_dim": 48},
         (1, 48, 1, 8, 8),
         (7, 24),
     ),
     TinyDiT(
         "HunyuanVideo",
         "HunyuanVideo",
-        _HunyuanConfig(_HUNYUAN_VIDEO),
+        _HunyuanConfig(HUNYUAN_VIDEO),
         (1, 16, 1, 8, 8),
         (7, 24),
         _hunyuan_video_extra,
@@ -191,7 +167,7 @@ SPECS: list[TinyDiT] = [
         "HunyuanVideo15",
         _HunyuanConfig(
             {
-                **_HUNYUAN_VIDEO,
+                **HUNYUAN_VIDEO,
                 "in_channels": 65,
                 "out_channels": 32,
                 "vec_in_dim": None,

@@ -9,39 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from .tiny_dit import TinyDiT
+from .dits_video import WAN_21
+from .tiny_dit import TinyDiT, no_extra
 
-#: The Wan 2.1 config detection gives (``model_detection``: patch size, window, qk and cross-attention norms), tiny:
-#: head dim 16, whose rope axes are 8 + 4 + 4.
-_WAN = {
-    "image_model": "wan2.1",
-    "dim": 32,
-    "ffn_dim": 64,
-    "freq_dim": 32,
-    "text_dim": 24,
-    "num_heads": 2,
-    "num_layers": 3,
-    "in_dim": 16,
-    "out_dim": 16,
-    "patch_size": (1, 2, 2),
-    "window_size": (-1, -1),
-    "qk_norm": True,
-    "cross_attn_norm": True,
-    "eps": 1e-6,
-}
 _CONTEXT = (7, 24)
 #: The width of the CLIP-vision features the i2v-shaped variants project (``MLPProj``, 1280 in ComfyUI).
 _CLIP_WIDTH = 32
 _CLIP_TOKENS = 5
 
 
-def _latent(frames: int = 1) -> tuple[int, ...]:
-    return (1, 16, frames, 8, 8)
+def _wan_variant(
+    name: str,
+    config: str,
+    overrides: Mapping[str, Any],
+    extra: Callable[[torch.Generator], dict[str, Any]] = no_extra,
+    building: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    frames: int = 1,
+) -> TinyDiT:
+    """A Wan variant: ``WAN_21`` with ``overrides`` (its ``model_type`` and what else it changes), on a Wan 2.1 latent
+    of ``frames`` frames and the Wan text context."""
+    return TinyDiT(name, config, {**WAN_21, **overrides}, (1, 16, frames, 8, 8), _CONTEXT, extra, building=building)
 
 
 @contextlib.contextmanager
@@ -262,35 +254,24 @@ SPECS: list[TinyDiT] = [
     # Causal Forcing (Causal-WAN): WanModel's weights with KV-cached causal blocks; detected from the checkpoint's
     # metadata (causal_ar, which the config class drops again). ComfyUI's euler samples it as plain Wan; only the
     # ar_video sampler drives its frame-by-frame forward_block.
-    TinyDiT("Wan 2.1 Causal Forcing", "WAN21_CausalAR_T2V", {**_WAN, "model_type": "t2v"}, _latent(), _CONTEXT),
+    _wan_variant("Wan 2.1 Causal Forcing", "WAN21_CausalAR_T2V", {"model_type": "t2v"}),
     # Wan 2.2 Fun Camera: in_dim 36 = noise + 20 zero concat channels (no start image). in_dim_control_adapter is 24
     # in the real model (its default): 2 here and 6 blocks, so that the blocks outweigh the adapter (a convolution of
     # 64 x in_dim_control_adapter x 4 inputs per channel, and a residual block of two 3 x 3 convolutions).
-    TinyDiT(
+    _wan_variant(
         "Wan 2.2 Fun Camera",
         "WAN22_Camera",
-        {**_WAN, "model_type": "camera_2.2", "in_dim": 36, "num_layers": 6, "in_dim_control_adapter": _CAMERA_CHANNELS},
-        _latent(),
-        _CONTEXT,
+        {"model_type": "camera_2.2", "in_dim": 36, "num_layers": 6, "in_dim_control_adapter": _CAMERA_CHANNELS},
         _camera_extra,
     ),
     # HuMo 17B layout: in_dim 36 (noise + the 20 channels extra_conds fills with the VAE's zero-image values).
-    TinyDiT(
-        "Wan 2.1 HuMo",
-        "WAN21_HuMo",
-        {**_WAN, "model_type": "humo", "in_dim": 36},
-        _latent(),
-        _CONTEXT,
-        _humo_extra,
-        building=_humo_building,
-    ),
+    _wan_variant("Wan 2.1 HuMo", "WAN21_HuMo", {"model_type": "humo", "in_dim": 36}, _humo_extra, _humo_building),
     # S2V: audio injected after blocks 0, 3 and 6 (12 of 40 in the real model), through its AdaIN layers; width 64
     # and 8 blocks, so that the block lists outweigh FramePackMotioner's fixed-kernel projections (16 x dim x 292).
-    TinyDiT(
+    _wan_variant(
         "Wan 2.2 S2V",
         "WAN22_S2V",
         {
-            **_WAN,
             "model_type": "s2v",
             "dim": 64,
             "ffn_dim": 128,
@@ -303,55 +284,42 @@ SPECS: list[TinyDiT] = [
             "adain_mode": "attn_norm",
             "framepack_drop_mode": "padd",
         },
-        _latent(),
-        _CONTEXT,
         _s2v_extra,
     ),
     # Animate: 15 blocks, so that face_adapter has 3 fuser blocks (num_layers // 5), all called (after blocks 0, 5, 10);
     # two latent frames, so that the pose latents add onto frame 1.
-    TinyDiT(
+    _wan_variant(
         "Wan 2.2 Animate",
         "WAN22_Animate",
-        {**_WAN, "model_type": "animate", "in_dim": 36, "num_layers": 15, "motion_encoder_dim": 512},
-        _latent(2),
-        _CONTEXT,
+        {"model_type": "animate", "in_dim": 36, "num_layers": 15, "motion_encoder_dim": 512},
         _animate_extra,
-        building=_animate_building,
+        _animate_building,
+        frames=2,
     ),
-    TinyDiT(
+    _wan_variant(
         "Wan Animate 2",
         "WAN_Animate2",
-        {**_WAN, "model_type": "animate2", "in_dim": 36},
-        _latent(2),
-        _CONTEXT,
+        {"model_type": "animate2", "in_dim": 36},
         _animate2_extra,
-        building=_tiny_clip_projection,
+        _tiny_clip_projection,
+        frames=2,
     ),
-    TinyDiT(
-        "Wan 2.1 SCAIL",
-        "WAN21_SCAIL",
-        {**_WAN, "model_type": "scail", "in_dim": 20},
-        _latent(),
-        _CONTEXT,
-        _scail_extra,
-        building=_tiny_clip_projection,
+    _wan_variant(
+        "Wan 2.1 SCAIL", "WAN21_SCAIL", {"model_type": "scail", "in_dim": 20}, _scail_extra, _tiny_clip_projection
     ),
-    TinyDiT(
+    _wan_variant(
         "Wan 2.1 SCAIL-2",
         "WAN21_SCAIL2",
-        {**_WAN, "model_type": "scail2", "in_dim": 20, "mask_in_dim": 28},
-        _latent(),
-        _CONTEXT,
+        {"model_type": "scail2", "in_dim": 20, "mask_in_dim": 28},
         _scail2_extra,
-        building=_tiny_clip_projection,
+        _tiny_clip_projection,
     ),
     # WanDancer: in_dim 36 (noise + mask + start-image latents, zeros here); the music encoder is 2 layers with a
     # fixed 1024-wide MLP (music_dim narrows the rest).
-    TinyDiT(
+    _wan_variant(
         "Wan 2.2 WanDancer",
         "WAN22_WanDancer",
         {
-            **_WAN,
             "model_type": "wandancer",
             "in_dim": 36,
             "audio_inject_layers": [0, 1, 2],
@@ -360,9 +328,7 @@ SPECS: list[TinyDiT] = [
             "music_feature_dim": 35,
             "music_latent_dim": 16,
         },
-        _latent(),
-        _CONTEXT,
         _wandancer_extra,
-        building=_tiny_clip_projection,
+        _tiny_clip_projection,
     ),
 ]

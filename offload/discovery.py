@@ -1,8 +1,10 @@
 """A model's transformer blocks, found from its module tree alone: no table of architectures.
 
-Blocks are the entries of the lists (``ModuleList``, ``Sequential``, ``ModuleDict``) whose entries repeat
-one structure: at least two entries of one class with submodules of their own (a list of bare layers, as
-an embedder's ``Sequential(Linear, SiLU, Linear)``, is not a block list). An entry that is itself a list
+Blocks are the entries of the lists that hold blocks: a ``ModuleList`` or ``ModuleDict`` (containers a model
+only iterates) with an entry that has submodules of its own, or a ``Sequential`` whose entries repeat one
+structure (two of one class with submodules). A list of bare layers, as an embedder's ``Sequential(Linear,
+SiLU, Linear)``, is no block list; a ``ModuleList`` of one block is (a model configured with one block in a
+list, as a Flux of one double and one single block). An entry that is itself a list
 stands for its entries: a UNet's ``input_blocks`` holds ``TimestepEmbedSequential``s whose layers it calls
 one by one, never the sequential itself. The search descends through every other module, so lists
 nested anywhere are found (an approximator's layers, a text refiner's blocks), but never into a list it
@@ -115,7 +117,8 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
         else:
             entries.append((f"{path}.{name}", entry))
     composite = Counter(type(entry) for _, entry in entries if any(True for _ in entry.children()))
-    if not composite or composite.most_common(1)[0][1] < 2:
+    repeats = 1 if isinstance(container, (nn.ModuleList, nn.ModuleDict)) else 2
+    if not composite or composite.most_common(1)[0][1] < repeats:
         return None
     sizes = {name: module_stored_bytes(entry) for name, entry in entries}
     entries = [(name, entry) for name, entry in entries if sizes[name]]  # no weights, nothing to stream

@@ -400,5 +400,7 @@ def test_the_lora_cost_benchmark_measures_every_row_on_the_cpu(
     monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")  # the benchmark sets it; restored after the test
     rows = lora_cost.main(["--blocks", "2", "--rank", "4", "--rounds", "1", "--steps", "1"])
     comfy.mm.unload_all_models()
-    assert len(rows) == 7 and all(ms > 0 for ms in rows.values()), rows
+    # Every row measured; no sign asserted: a per-step time is a difference of two runs, which a busy machine can
+    # make negative at one round (as it did once, the CPU shared: -413 ms).
+    assert len(rows) == 7 and all(math.isfinite(ms) for ms in rows.values()), rows
     assert rows["planner's patch cost"] > 0

@@ -99,9 +99,11 @@ def test_a_model_whose_lists_hold_little_has_no_blocks_and_is_told_why() -> None
     assert "blocks: 2 x Block (1%)" in message and f"{MIN_SHARE:.0%}" in message
 
 
-def test_a_single_block_is_no_list() -> None:
+def test_a_module_list_of_one_block_is_a_list_a_sequential_of_one_is_not() -> None:
     model = nn.Module()
     model.blocks = nn.ModuleList([Block(16)])
+    assert [name for name, _ in find_blocks(model).blocks] == ["blocks.0"]
+    model.blocks = nn.Sequential(Block(16), nn.Linear(16, 16))
     with pytest.raises(NoBlocksError, match="block lists found: none"):
         find_blocks(model)
 
