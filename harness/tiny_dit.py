@@ -5,7 +5,7 @@ config its detection would produce, shrunk to a few channels; ``build`` makes th
 ``comfy.sd.load_diffusion_model_state_dict`` does after detection (the config's ``get_model``, weights
 loaded, a ``ModelPatcher``), with seeded random weights; ``sample`` runs ComfyUI's sampler on it with a
 latent and a conditioning of the shapes the model takes. The families are listed in ``dits_*.py``;
-``ZOO`` gathers them.
+``zoo()`` gathers them.
 
 Run ``python -m harness.tiny_dit [NAME ...]`` (ComfyUI on ``sys.path``, see ``inprocess.py``) to build and
 sample each once and see its size and time; ``--readme README.md`` writes the README's table of them
@@ -46,7 +46,7 @@ class TinyDiT:
     ``config``: the ``comfy.supported_models`` class ComfyUI detects for it; ``unet_config``: the whole config
     that detection would give (the model class's keyword arguments, ``image_model`` included), tiny;
     ``latent``: the shape of the latent the sampler starts from; ``context``: (tokens, width) of the text
-    conditioning (width 0: the model takes none; a zero-width tensor is passed); ``extra``: the conditioning's
+    conditioning; ``extra``: the conditioning's
     other entries (``pooled_output``, ``guidance``, ...), made from the generator given; ``fill``: sets what a
     checkpoint holds and random parameters do not (a buffer ComfyUI makes with ``torch.empty``); ``building``: a
     context the model is built in (for sizes no config key reaches).

@@ -195,7 +195,7 @@ def start_engine(
         placement,
         runner,
         recorder,
-        notices=[notice for notice in (request.notice,) if notice] + _pinning_notices(request, runner),
+        notices=([request.notice] if request.notice else []) + _pinning_notices(request, runner),
         summary=summary,
         read_bandwidth=bandwidth,
         patches=patches,

@@ -35,15 +35,15 @@ _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 @dataclass(frozen=True)
 class BlockList:
     """One list of blocks: its path in the model (ending in ``.*`` where its entries are lists themselves,
-    taken entry by entry), its blocks' names, the class they share (or ``"mixed"``) and their bytes."""
+    taken entry by entry), its blocks as (name, module), the class they share (or ``"mixed"``) and their bytes."""
 
     path: str
-    names: tuple[str, ...]
+    blocks: tuple[tuple[str, nn.Module], ...]
     kind: str
     nbytes: int
 
     def describe(self) -> str:
-        return f"{self.path}: {len(self.names)} x {self.kind}"
+        return f"{self.path}: {len(self.blocks)} x {self.kind}"
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ def find_blocks(root: nn.Module) -> FoundBlocks:
             f"{type(root).__name__} has no lists of repeated blocks holding most of its weights "
             f"(block lists found: {seen}; they must hold {MIN_SHARE:.0%})"
         )
-    named = dict(root.named_modules())
-    blocks = tuple((name, named[name]) for found in lists for name in found.names)
+    blocks = tuple(block for found in lists for block in found.blocks)
     return FoundBlocks(type(root).__name__, tuple(lists), blocks, share)
 
 
@@ -107,7 +106,7 @@ def _block_lists(module: nn.Module, prefix: str) -> list[BlockList]:
 
 
 def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
-    """``container`` as a block list, if its entries repeat one structure."""
+    """``container`` as a block list, if it holds blocks (module docstring)."""
     entries: list[tuple[str, nn.Module]] = []
     flattened = False
     for name, entry in container.named_children():
@@ -125,7 +124,7 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
     kinds = {type(entry).__name__ for _, entry in entries}
     return BlockList(
         f"{path}.*" if flattened else path,
-        tuple(name for name, _ in entries),
+        tuple(entries),
         kinds.pop() if len(kinds) == 1 else "mixed",
         sum(sizes.values()),
     )

@@ -4,13 +4,14 @@ Each model of ``harness.tiny_dit.zoo()`` is built from this ComfyUI's own classe
 weights) and sampled through each of the three nodes: the latent equals the plain model's bit for bit, every
 streamed unit was copied in each step, and every read of a streamed weight (a child read from its parent's
 code too) came from the engine's device buffers. Models this ComfyUI lacks are skipped, saying so. Then: a
-LoRA before the node and fp8 weights on two models the old block table did not know, Partial GPU Residency
+LoRA before the node on three models the old block table did not know, fp8 weights on two, Partial GPU Residency
 ``auto`` planning one, a model without block lists streamed module by module by the block nodes, a block
 swapped by an object patch between prompts, and the README's list of models, generated from this file's.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -185,10 +186,10 @@ def test_the_block_nodes_stream_a_model_without_block_lists_module_by_module(
     model = tiny_dit.build(ONE_BLOCK)
     for node in (ASYNC, PARTIAL):
         caplog.clear()
-        request = offloaded(comfy, node, model).offload_request
+        engine = assert_streams_bitwise(comfy, ONE_BLOCK, model, node)
+        request = engine.request
         assert request.sequential and "WanModel has no lists of repeated blocks" in request.notice
         assert "module by module" in caplog.text
-        engine = assert_streams_bitwise(comfy, ONE_BLOCK, model, node)
         assert engine.runner.unit == "module" and request.notice in engine.notices  # the panel shows it
         assert "WanModel, no block lists: every module streamed" in engine.summary
 
@@ -201,8 +202,10 @@ def test_a_block_swapped_by_an_object_patch_streams_as_swapped(comfy: SimpleName
     patched = offloaded(comfy, ASYNC, model)
     first = tiny_dit.sample(spec, patched)
     comfy.mm.unload_all_models()
-    replacement = type(diffusion_model.blocks[1])  # the same class, other weights
-    swapped_block = _copy_with_other_weights(diffusion_model.blocks[1], replacement)
+    swapped_block = copy.deepcopy(diffusion_model.blocks[1])  # the same class, other weights
+    with torch.no_grad():
+        for param in swapped_block.parameters():
+            param.mul_(-1.5)
     swapped = patched.clone()
     swapped.add_object_patch("diffusion_model.blocks.1", swapped_block)
     plain = model.clone()
@@ -216,17 +219,6 @@ def test_a_block_swapped_by_an_object_patch_streams_as_swapped(comfy: SimpleName
     assert engine.runner.blocks[1] is swapped_block and 1 in engine.runner.streamed
     comfy.mm.unload_all_models()
     assert diffusion_model.blocks[1] is not swapped_block  # the patch is taken off with the load
-
-
-def _copy_with_other_weights(block: torch.nn.Module, cls: type) -> torch.nn.Module:
-    import copy
-
-    clone = copy.deepcopy(block)
-    assert type(clone) is cls
-    with torch.no_grad():
-        for param in clone.parameters():
-            param.mul_(-1.5)
-    return clone
 
 
 # -- the README's list, generated from this file's models -----------------------------------------------
