@@ -48,9 +48,11 @@ def test_the_summary_says_what_streamed_in_a_dozen_lines_and_draws_the_step(
     assert _colour_pixels(image, TIMELINE_COLOURS["compute"]) > 0, "no resident block drawn"
     assert _colour_pixels(image, TIMELINE_COLOURS["compute_streamed"]) > 0, "no streamed block drawn"
     # Four streamed boxes for one resident one, in proportion to their compute time.
+    # The resident block is the one the placement names (the planner's pick under auto), not always block 0.
     spans = report["timeline"]["spans"]
-    streamed_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] > 0)
-    resident_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] == 0)
+    resident = placement[1].index("R")
+    streamed_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] != resident)
+    resident_ms = sum(s["compute_end"] - s["compute_start"] for s in spans if s["block"] == resident)
     ratio = _colour_pixels(image, TIMELINE_COLOURS["compute_streamed"]) / _colour_pixels(
         image, TIMELINE_COLOURS["compute"]
     )
