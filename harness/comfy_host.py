@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ HOST_DIR = REPO / ".host"
 LOOPBACK = "127.0.0.1"
 DEFAULT_UI_PORT = 8188
 LOG_TAIL_LINES = 40
+SERVER_ARGS_ENV = "BLOCK_OFFLOAD_SERVER_ARGS"  # more ComfyUI flags for every server started here
 
 #: For test servers: ComfyUI's classic cache (0.3.75's default) keeps only the last prompt's outputs, so a
 #: repeated sampler runs again and an unused model is dropped, the same on every host. 0.33 defaults to a
@@ -320,7 +322,9 @@ class ComfyHost:
             "--database-url", "sqlite:///:memory:",
             "--disable-auto-launch",
         ]  # fmt: skip
-        return cmd + self.extra_args
+        # SERVER_ARGS_ENV: flags every test server gets on a machine that needs them (the bare GPU machine
+        # runs ComfyUI without its frontend package: --front-end-root at an empty folder).
+        return cmd + self.extra_args + shlex.split(os.environ.get(SERVER_ARGS_ENV, ""))
 
     def start(self) -> ComfyHost:
         if self.running:

@@ -15,12 +15,12 @@ from .prompts import ASYNC, PARTIAL
 STEPS = 2
 
 
-def in_process_comfy(tiny_models: dict[str, Path]) -> SimpleNamespace:
-    """ComfyUI's modules (its folder already on ``sys.path``, on the CPU) and this pack's, as
-    ``block_offload`` (see ``pack.py``)."""
+def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNamespace:
+    """ComfyUI's modules (its folder already on ``sys.path``; on the CPU unless ``cpu`` is False: then on the
+    device ComfyUI picks) and this pack's, as ``block_offload`` (see ``pack.py``)."""
     from comfy.cli_args import args
 
-    args.cpu = True
+    args.cpu = cpu
     mods = SimpleNamespace(
         mm=importlib.import_module("comfy.model_management"),
         sd=importlib.import_module("comfy.sd"),
@@ -98,3 +98,14 @@ def count_packs(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(BlockLayout, "pack_into", counting)
     return packed
+
+
+def every_block_streamed(comfy: SimpleNamespace, node: str, model):
+    """``model`` through ``node`` ("async", "partial", "sequential"), no block kept on the device: the tiny
+    models' blocks are a few KiB."""
+    if node == ASYNC:
+        return async_offload(comfy, model, resident=0)
+    if node == PARTIAL:
+        run = comfy.nodes.PartialGPUResidency.execute
+        return run(model, vram_budget_gb=1e-6, policy="strided", prefetch_blocks=1, pin_memory=True).result[0]
+    return offloaded(comfy, node, model)

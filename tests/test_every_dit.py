@@ -22,7 +22,7 @@ from conftest import HOST_VERSION
 from test_quantized_lora import reads_outside_the_engine
 
 from harness import tiny_dit
-from harness.inprocess import async_offload, offloaded
+from harness.inprocess import every_block_streamed, offloaded
 from harness.prompts import ASYNC, NODES, PARTIAL, SEQUENTIAL, differs
 
 from block_offload.offload import NoBlocksError
@@ -38,16 +38,6 @@ def built(name: str, weight_dtype: torch.dtype | None = None) -> tuple[tiny_dit.
     if not spec.available():
         pytest.skip(f"ComfyUI {HOST_VERSION} has no {spec.config}")
     return spec, tiny_dit.build(spec, weight_dtype)
-
-
-def every_block_streamed(comfy: SimpleNamespace, node: str, model: object) -> object:
-    """``model`` through ``node``, no block kept on the device: the tiny models' blocks are a few KiB."""
-    if node == ASYNC:
-        return async_offload(comfy, model, resident=0)
-    if node == PARTIAL:
-        run = comfy.nodes.PartialGPUResidency.execute
-        return run(model, vram_budget_gb=1e-6, policy="strided", prefetch_blocks=1, pin_memory=True).result[0]
-    return offloaded(comfy, node, model)
 
 
 def assert_streams_bitwise(comfy: SimpleNamespace, spec: tiny_dit.TinyDiT, model: object, node: str) -> object:

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU campaign: one self-contained device call that settles what only a GPU can (docs/benchmarks.md,
+# "GPU campaign"). On the GPU machine, from the checkout, carrying what ../shared/gpu/bundle.sh 0.33.0 wrote:
+#
+#   scripts/gpu_campaign.sh [CALL] [--out DIR] [--seconds N]      # device tool, carry .gpu/host-0.33.0.tar.xz,
+#                                                                 # .gpu/whl-0.33.0, .gpu/env.sh
+#   scripts/gpu_campaign.sh [CALL] --dry-run [--out DIR]          # here: the CPU, tiny shapes, every step run
+#
+#   CALL 1 (default, about 9 min): the engine's CUDA tests while ComfyUI 0.33's GPU server tests run
+#          (Dynamic VRAM on and off: every node streams, bitwise; parking; every prompt streams), then the
+#          head-to-head on a Flux 12B-shaped model on a 12 GiB card: ComfyUI 0.33's Dynamic VRAM, its
+#          classic partial loading (async offload on and off), Partial GPU Residency auto on both.
+#   CALL 2 (about 4 min): the same head-to-head for a Wan 2.1 14B-shaped model on a 16 GiB card.
+#
+# Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
+# comes back even when a part stalls. It writes DIR/campaign.md (device, driver, torch, date, commit, the
+# command, each part's exit status, time and figures) and each part's full log beside it.
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+call=1
+out="$repo/gpu-campaign"
+dry=0
+seconds=510
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    1|2) call="$1"; shift ;;
+    --out) out="$2"; shift 2 ;;
+    --seconds) seconds="$2"; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 or 2, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+start=$SECONDS
+
+if [[ $dry == 1 ]]; then
+  python="${PYTHON:-$repo/.venv-0.33.0/bin/python}"
+  export COMFYUI_PATH="${COMFYUI_PATH:-$repo/.comfyui-0.33.0}"
+  [[ -x "$python" && -f "$COMFYUI_PATH/main.py" ]] || { echo "gpu_campaign: run scripts/setup.sh first" >&2; exit 2; }
+  bench_size=(--smoke)
+else
+  [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
+  # shellcheck disable=SC1091
+  source .gpu/env.sh 0.33.0 || { echo "gpu_campaign: .gpu/env.sh failed" >&2; exit 2; }
+  python=python3
+  export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
+  bench_size=()
+fi
+export PYTHONUNBUFFERED=1
+
+report="$out/campaign.md"
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${GPU_CAMPAIGN_COMMIT:-unknown}")"
+{
+  echo "### GPU campaign call $call, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo "- device: $("$python" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (dry run)")'), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null || echo none), torch $("$python" -c 'import torch; print(torch.__version__)')"
+  echo "- commit: $commit; ComfyUI $(cat "$COMFYUI_PATH/comfyui_version.py" 2>/dev/null | sed -n 's/^__version__ = "\(.*\)"/\1/p')"
+  echo "- command: \`scripts/gpu_campaign.sh $call$([[ $dry == 1 ]] && echo ' --dry-run')\`"
+  echo
+} > "$report"
+
+status=0
+part() {  # part NAME CAP_SECONDS COMMAND...: runs it under the smaller of its cap and the time left
+  local name="$1" cap="$2"; shift 2
+  local left=$(( seconds - (SECONDS - start) ))
+  (( cap > left )) && cap=$left
+  if (( cap < 20 )); then
+    echo "#### $name: not run (${left} s left of the call)" >> "$report"
+    status=1
+    return
+  fi
+  local t0=$SECONDS rc=0
+  echo "gpu_campaign: $name (up to ${cap} s)" >&2
+  timeout --kill-after=10 "$cap" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  {
+    echo "#### $name: exit $rc in $(( SECONDS - t0 )) s$([[ $rc == 124 ]] && echo ' (its time cap)')"
+    echo
+    echo '```'
+    grep -E "passed|failed|skipped|PASSED|FAILED|ERROR|Error|error:|GB/s|^\| |holds|misses|noisy| s  |^device" "$out/$name.log" | tail -n 80
+    echo '```'
+    echo
+  } >> "$report"
+  (( rc == 0 )) || status=1
+  return "$rc"
+}
+
+pytest=("$python" -m pytest -p no:cacheprovider -rA -v --timeout 300)
+if [[ $dry == 1 ]]; then
+  # The same commands on the CPU: the CUDA tests are collected and skip, the CPU twins of the server tests run.
+  engine_tests=(tests/test_engine_cuda.py tests/test_file_tier.py -k "cuda or bf16")
+  dynamic_tests=(tests/test_dynamic_vram.py -k "async-bf16-bf16")
+  prompt_tests=(tests/test_every_prompt_streams.py -k "cpu and default and async")
+  zoo=("$python" -m harness.zoo_on_device --cpu "Wan 2.1 T2V" "Flux" "MiniMax H3")
+else
+  engine_tests=(tests/test_engine_cuda.py tests/test_reliability_engine.py tests/test_file_tier.py
+    tests/test_parking.py -k cuda)
+  dynamic_tests=(tests/test_dynamic_vram.py -k cuda)
+  prompt_tests=(tests/test_every_prompt_streams.py -k "cuda and default")
+  zoo=("$python" -m harness.zoo_on_device)
+fi
+zoo_both=(bash -c '"$@" && "$@" --dtype bfloat16' zoo "${zoo[@]}")  # stored as float32, then bfloat16
+
+if [[ $call == 1 ]]; then
+  # The server tests spend their time starting ComfyUI and on tiny models, as the zoo does; the engine's timing
+  # tests compare rows measured under the same load. All at once keep the call within its limit.
+  part comfyui-0.33-dynamic-vram-tests 200 "${pytest[@]}" "${dynamic_tests[@]}" & pids=($!)
+  part comfyui-0.33-every-prompt-streams 200 "${pytest[@]}" "${prompt_tests[@]}" & pids+=($!)
+  part every-dit-on-the-device 200 "${zoo_both[@]}" & pids+=($!)
+  part engine-cuda-tests 200 "${pytest[@]}" "${engine_tests[@]}" || status=1
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
+    --models flux12b --budgets --cards 12 --rounds 2 --steps 8 --out "$out/bench" \
+    --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto"
+else
+  part wan14b-16gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
+    --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \
+    --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto"
+fi
+echo "- whole call: $(( SECONDS - start )) s" >> "$report"
+echo "gpu_campaign: figures in $report" >&2
+exit "$status"
