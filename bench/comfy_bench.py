@@ -184,7 +184,8 @@ def build_model(comfy: Comfy, shapes: dict[str, torch.Tensor], device: torch.dev
     if config is None:
         raise RuntimeError("this ComfyUI does not recognise the checkpoint's keys")
     config.set_inference_dtype(dtype, None)
-    model = config.get_model(shapes, "")
+    with layers_with_weights():
+        model = config.get_model(shapes, "")
     built = {key: tuple(value.shape) for key, value in model.diffusion_model.state_dict().items()}
     # The keys as ComfyUI's loader hands them to the model (load_model_weights: Flux's norm "scale" -> "weight").
     wanted = {key: tuple(value.shape) for key, value in config.process_unet_state_dict(dict(shapes)).items()}
@@ -199,6 +200,21 @@ def build_model(comfy: Comfy, shapes: dict[str, torch.Tensor], device: torch.dev
     model.eval()
     # Offloading is to host memory, whatever ComfyUI's VRAM state would pick for a model this size.
     return comfy.patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def layers_with_weights() -> Iterator[None]:
+    """With Dynamic VRAM on, ComfyUI 0.33's layers are built without weights until a state dict is loaded (so
+    Windows does not commit their memory twice); the classic model here is built with its weights, to draw into."""
+    memory = sys.modules.get("comfy.memory_management")
+    enabled = getattr(memory, "aimdo_enabled", False)
+    if enabled:
+        memory.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        if enabled:
+            memory.aimdo_enabled = True
 
 
 def random_weight(

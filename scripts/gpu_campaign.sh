@@ -25,7 +25,7 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2) call="$1"; shift ;;
+    1|2|3) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
@@ -103,6 +103,8 @@ else
 fi
 zoo_both=(bash -c '"$@" && "$@" --dtype bfloat16' zoo "${zoo[@]}")  # stored as float32, then bfloat16
 
+flux_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets --cards 12 --rounds 2
+  --steps 6 --out "$out/bench" --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto")
 if [[ $call == 1 ]]; then
   # The server tests spend their time starting ComfyUI and on tiny models, as the zoo does; the engine's timing
   # tests compare rows measured under the same load. All at once keep the call within its limit.
@@ -111,9 +113,16 @@ if [[ $call == 1 ]]; then
   part every-dit-on-the-device 200 "${zoo_both[@]}" & pids+=($!)
   part engine-cuda-tests 200 "${pytest[@]}" "${engine_tests[@]}" || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
-    --models flux12b --budgets --cards 12 --rounds 2 --steps 8 --out "$out/bench" \
-    --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto"
+  part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
+elif [[ $call == 2 ]]; then
+  # What call 1 could not settle: the host-side timings on a quiet machine, the failures' tracebacks, and the
+  # head-to-head alone on the device.
+  part comfyui-0.33-every-prompt-streams-dynamic 150 "${pytest[@]}" --tb=long -x "${prompt_tests[@]}" \
+    -k "cuda and dynamic and default and async" & pids=($!)
+  part engine-quiet 100 "${pytest[@]}" tests/test_engine_cuda.py tests/test_file_tier.py -k "recorder or cuda" || status=1
+  part comfyui-0.33-dynamic-vram-classic 100 "${pytest[@]}" "${dynamic_tests[@]}" -k "cuda and classic and every_node" || status=1
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
 else
   part wan14b-16gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
     --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \

@@ -232,9 +232,11 @@ def test_on_a_gpu_every_node_streams_and_comfyui_keeps_true_books(gpu_host: Comf
     assert report["prompt_id"] == result.prompt_id and report["accelerator"], report
     last = report["last_step"]
     assert last["bytes_copied"] > 0 and "S" in report["placement"], report
-    # What ComfyUI says it loaded of the streaming model is what the pack planned resident.
+    # What ComfyUI says it loaded of the streaming model is what the pack planned resident. The prompt loads the
+    # text encoder and, classic, the plain model too (its whole size): one of the figures is the streaming model's.
     loaded = [float(mb) for mb in re.findall(r"([\d.]+) MB loaded", gpu_host.log_text()[log_start:])]
-    assert loaded and abs(loaded[-1] - report["memory"]["resident_weights"] / 2**20) < 0.01, (loaded, report)
+    resident_mb = report["memory"]["resident_weights"] / 2**20
+    assert any(abs(mb - resident_mb) < 0.01 for mb in loaded), (loaded, report)
     assert report["memory"]["allocated"] >= report["memory"]["resident_weights"]
 
     gpu_host.free()

@@ -187,8 +187,12 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
     assert streamer.staging_bytes > 0 and all(slot.buffer.is_pinned() for slot in streamer._reader._slots)
     for out in forward_steps(mapped.module, x, steps=4):
         assert torch.equal(out, reference)
+    # Each step reads blocks 1, 3, 5, 7. A read counts in the step open when it ends: on a GPU the host ends a step
+    # before its reads do, so one step may show 2 and the next 6. Over the steps, every one was read each step.
+    steps = recorder.steps
+    assert sum(len(each.reads) for each in steps) >= 4 * (len(steps) - 1), [len(each.reads) for each in steps]
     step = recorder.latest()
-    assert len(step.reads) >= 4 and step.bytes_read > 0 and step.bytes_copied > 0
+    assert step.bytes_copied > 0
     print(
         f"\nfile tier on {torch.cuda.get_device_name()}: step {step.duration_ms:.2f} ms, copies "
         f"{step.bandwidth_gbps:.1f} GB/s, reads {step.read_gbps:.2f} GB/s, overlap {step.overlap:.2f}"
