@@ -123,12 +123,18 @@ def enable_dynamic_vram() -> str | None:
     is imported); returns why it cannot be, or None."""
     if not torch.cuda.is_available():
         return "Dynamic VRAM needs CUDA (comfy-aimdo manages device memory through the CUDA driver)"
+    if "comfy.memory_management" in sys.modules:
+        # Its comfy_aimdo.host_buffer took comfy-aimdo's library when imported: None before init().
+        return "ComfyUI's memory management was imported before comfy-aimdo was initialised"
     try:
-        import comfy.memory_management  # noqa: F401 - ComfyUI 0.33 and later
         import comfy_aimdo.control
     except ImportError as error:
         return f"this ComfyUI has no Dynamic VRAM ({error.name} is missing)"
     comfy_aimdo.control.init()
+    try:
+        import comfy.memory_management  # ComfyUI 0.33 and later
+    except ImportError as error:
+        return f"this ComfyUI has no Dynamic VRAM ({error.name} is missing)"
     import comfy.model_management
     import comfy.model_patcher
 
@@ -601,7 +607,15 @@ def measure_all(
         if measured is not None:
             done.setdefault(config, []).append(measured[0])
             where[config] = measured[1]
-            progress(f"{config.method}: {max(measured[0].step_ms) / 1000:.3f} s/step at most; {measured[1].placement}")
+            # Each round's figures as measured, so a run stopped by its time limit still leaves them in its log.
+            done_round = measured[0]
+            steps = sorted(done_round.step_ms)
+            peak = done_round.peak_vram_bytes
+            vram = "" if peak is None else f", peak VRAM {peak / GIB:.2f} GiB"
+            progress(
+                f"{config.method}: median {steps[len(steps) // 2] / 1000:.3f} s/step, at most {steps[-1] / 1000:.3f}, "
+                f"load + first step {done_round.load_first_ms / 1000:.2f} s{vram}; {measured[1].placement}"
+            )
     found = []
     for config in (c for group in groups for c in group):
         if config in first_runs:

@@ -79,3 +79,31 @@ class DynamicVram:
         """The same file loaded as with --disable-dynamic-vram: the reference."""
         with self.aimdo(False):
             return self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
+
+    def load_patched_as_cast(self, path: Path, dtype: torch.dtype, lora: dict[str, torch.Tensor]):
+        """The file with ``lora`` patched into its weights as ``ModelPatcherDynamic`` patches them on a GPU, with
+        ComfyUI's own functions: a layer of ComfyUI's ops over 16 KiB as stored gets its ``LowVramPatch``
+        applied to the weight cast to the compute dtype (``comfy.ops``' ``post_cast``), then rounded to the
+        weight's dtype, which its VRAM keeps; a smaller layer is loaded whole the classic way
+        (``patch_weight_to_device``). Stored as computed (``dtype``), no patches left: the reference of a node
+        on the Dynamic VRAM MODEL with that LoRA."""
+        import comfy.float
+        import comfy.model_patcher
+        import comfy.utils
+
+        model = self.comfy.sd.load_lora_for_models(self.load_classic(path, dtype), None, lora, 1.0, 0)[0]
+        patched = {}
+        for key in model.patches:
+            module_name, _, _ = key.rpartition(".")
+            module = comfy.utils.get_attr(model.model, module_name)
+            weight = comfy.utils.get_attr(model.model, key)
+            if hasattr(module, "comfy_cast_weights") and self.comfy.mm.module_size(module) > 16 * 1024:
+                cast = comfy.model_patcher.LowVramPatch(key, model.patches)(weight.to(dtype, copy=True))
+                seed = comfy.utils.string_to_seed(module_name)  # post_cast's seed: the layer's seed_key
+                patched[key] = comfy.float.stochastic_rounding(cast, weight.dtype, seed=seed)
+            else:
+                patched[key] = model.patch_weight_to_device(key, return_weight=True)
+        model.patches.clear()
+        for key, weight in patched.items():
+            comfy.utils.set_attr_param(model.model, key, weight)
+        return model

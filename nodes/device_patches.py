@@ -62,10 +62,16 @@ class LoadedPatch:
     weakly: it holds this function, and a cycle would keep a dropped model alive until the cycle collector
     came by."""
 
-    def __init__(self, key: str, patches: dict, module: torch.nn.Module, param: str) -> None:
+    def __init__(
+        self, key: str, patches: dict, module: torch.nn.Module, param: str, dynamic_vram: torch.dtype | None = None
+    ) -> None:
         self.key, self.patches, self.param = key, patches, param
+        # A Dynamic VRAM twin's weight: patched as Dynamic VRAM patches it, in this compute dtype (``as_loaded``).
+        self.dynamic_vram = dynamic_vram
         self._module = weakref.ref(module)
-        self._seed = string_to_seed(key)  # a CRC of the key: once, not at every step
+        # A CRC, once, not at every step: of the key, as a loaded weight's rounding; of the layer's name (its
+        # ``seed_key``), as Dynamic VRAM's.
+        self._seed = string_to_seed(key if dynamic_vram is None else key.rpartition(".")[0])
         # Where the adapters are staged (``stage_adapters``): the engine (weakly), the unit and the positions
         # of this weight's tensors among the unit's companions; the patches last rebuilt around them.
         self._runner: weakref.ref | None = None
@@ -105,7 +111,9 @@ class LoadedPatch:
         """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
         module = self._module()
         stored = getattr(module, self.param)
-        patched = as_loaded(module, self.param, stored, self.key, self._staged_patches(), self._seed, weight)
+        patches = self._staged_patches()
+        dynamic = weight.dtype if self.dynamic_vram is not None else None
+        patched = as_loaded(module, self.param, stored, self.key, patches, self._seed, weight, dynamic)
         return patched.to(weight.dtype)
 
     def write_in_place(self) -> None:
@@ -115,7 +123,8 @@ class LoadedPatch:
         format's own kernel, and no weight function."""
         module = self._module()
         current = getattr(module, self.param)
-        patched = as_loaded(module, self.param, current, self.key, self._staged_patches(), self._seed)
+        patches = self._staged_patches()
+        patched = as_loaded(module, self.param, current, self.key, patches, self._seed, None, self.dynamic_vram)
         self._form = overwrite_in_place(current, patched, self.key)
         self.put_back()
 
@@ -134,7 +143,13 @@ class LoadedPatch:
         module = self._module()
         host = getattr(module, self.param)
         on_device = host.to(device, copy=True)
-        host.copy_(as_loaded(module, self.param, on_device, self.key, self.patches[self.key], self._seed, on_device))
+        patches, handed = self.patches[self.key], on_device if self.dynamic_vram is None else None
+        host.copy_(as_loaded(module, self.param, on_device, self.key, patches, self._seed, handed, self.dynamic_vram))
+
+
+def compute_dtype(model: ModelPatcher) -> torch.dtype:
+    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
+    return model.model.manual_cast_dtype or model.model_dtype()
 
 
 def as_loaded(
@@ -145,22 +160,37 @@ def as_loaded(
     patches: list,
     seed: int,
     handed: torch.Tensor | None = None,
+    dynamic_vram: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
     ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
     the module's ``convert_`` function, ``calculate_weight``, then its ``set_`` function (a quantized format
     re-quantizes) or the seeded rounding to the stored dtype. A weight function (``handed``: ComfyUI's ops' copy
-    of the weight) gets it dequantized; ComfyUI's ops then compute with it as with a loaded weight."""
+    of the weight) gets it dequantized; ComfyUI's ops then compute with it as with a loaded weight.
+
+    ``dynamic_vram``: the weight's model runs under Dynamic VRAM, which patches as it casts
+    (``ModelPatcherDynamic``'s ``LowVramPatch``): in this compute dtype (``handed``'s at a call), the
+    arithmetic included, no ``convert_`` function; then the same rounding to the stored dtype, which is what
+    the weight resident in its VRAM holds. The twin the nodes stream computes what the MODEL computes."""
     set_func = getattr(module, f"set_{param}", None)
-    convert_func = getattr(module, f"convert_{param}", None)
-    lora_dtype = _lora_dtype(stored.device)
-    if handed is not None and handed.dtype == stored.dtype == lora_dtype and convert_func is None:
+    convert_func = getattr(module, f"convert_{param}", None) if dynamic_vram is None else None
+    lora_dtype = _lora_dtype(stored.device) if dynamic_vram is None else dynamic_vram
+    if (
+        handed is not None
+        and handed.dtype == lora_dtype
+        and convert_func is None
+        and (dynamic_vram is not None or handed.dtype == stored.dtype)
+    ):
         temp = handed  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
     else:
         temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
-    patched = comfy.lora.calculate_weight(patches, temp, key)
+    if dynamic_vram is None:
+        patched = comfy.lora.calculate_weight(patches, temp, key)
+    else:
+        temp = temp if is_plain(temp) else temp.dequantize()
+        patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=temp.dtype)
     if set_func is None:
         return comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
     patched = set_func(patched, seed=seed, return_weight=True)
@@ -262,15 +292,23 @@ def patched_parameters(
 
 
 def patch_streamed_weights(
-    model: ModelPatcher, streamed: frozenset[str], device: torch.device, bake: frozenset[str] = frozenset()
+    model: ModelPatcher,
+    streamed: frozenset[str],
+    device: torch.device,
+    bake: frozenset[str] = frozenset(),
+    patched_as_cast: Callable[[str, torch.nn.Module], bool] | None = None,
 ) -> DevicePatching:
     """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them. Those of
-    the ``bake`` units' plain weights are left for ``write_patches_to_host``, once the engine has packed them."""
+    the ``bake`` units' plain weights are left for ``write_patches_to_host``, once the engine has packed them.
+    ``patched_as_cast``: ``model`` is a Dynamic VRAM model's twin, and these are the modules (by name) that
+    model patches as it casts them, which their ``LoadedPatch`` does too (``as_loaded``)."""
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
     on_arrival: list[LoadedPatch] = []
     for name, module, routes in patched_parameters(model, streamed):
+        as_cast = patched_as_cast is not None and patched_as_cast(name, module)
+        computed_in = compute_dtype(model) if as_cast else None
         functions: dict[str, list] = {}
         arriving = []
         bake_now = []  # outside ComfyUI's ops: patched once, before packing
@@ -280,10 +318,10 @@ def patch_streamed_weights(
                 model.patch_weight_to_device(key, device_to=tensor.device)  # records them on the tensor
                 carried += 1
             elif route == "arrival":
-                arriving.append(LoadedPatch(key, model.patches, module, param))
+                arriving.append(LoadedPatch(key, model.patches, module, param, computed_in))
                 functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
-                patch = [LoadedPatch(key, model.patches, module, param)] if key in model.patches else []
+                patch = [LoadedPatch(key, model.patches, module, param, computed_in)] if key in model.patches else []
                 if patch and inside(name, bake) and is_plain(tensor):
                     on_host += patch
                     patch = []

@@ -28,10 +28,11 @@ from collections.abc import Iterator
 import comfy.model_management
 import comfy.utils
 import torch
-from comfy.model_patcher import ModelPatcher
+from comfy.model_patcher import ModelPatcher, get_key_weight
 
 from ..offload import FileSlice
 from .blocks import inside
+from .device_patches import as_loaded, compute_dtype, is_plain, string_to_seed
 from .request import OffloadRequest
 
 
@@ -165,6 +166,49 @@ def load_in_recorded_dtype(patcher: ModelPatcher, key: str, device: torch.device
     if key in patcher.patches and key not in patcher.backup:
         patcher.backup[key] = _Backup(weight.data, False)
     weight.data = weight.data.to(device=device, dtype=dtype)
+
+
+#: ModelPatcherDynamic loads a layer of ComfyUI's ops of at most this many bytes (as stored) the classic way,
+#: patches included; a larger one it patches as it casts it, in the compute dtype.
+_LOADED_WHOLE_BYTES = 16 * 1024
+
+
+def patched_as_cast(model: torch.nn.Module, module_name: str, module: torch.nn.Module) -> bool:
+    """Whether a Dynamic VRAM model patches this module's weights as it casts them (``as_loaded``'s
+    ``dynamic_vram``): a layer of ComfyUI's ops over 16 KiB as its file stores it (``module_size``, on the
+    twin's views of the file where it has them). Others it loads as a classic load does."""
+    if not hasattr(module, "comfy_cast_weights"):
+        return False
+    views = file_views(model)
+    prefix = f"{module_name}." if module_name else ""
+    stored = sum(views.get(prefix + name, tensor).nbytes for name, tensor in module.state_dict().items())
+    return stored > _LOADED_WHOLE_BYTES
+
+
+def patch_loaded_as_dynamic_vram(patcher: ModelPatcher, key: str, inplace_update: bool = False) -> bool:
+    """Patches one plain weight a Dynamic VRAM model's twin loads (already on the device, in the dtype ComfyUI
+    recorded) as that model patches it (``as_loaded``), where ComfyUI's ``patch_weight_to_device`` would
+    compute the patch as a classic load does. Returns False, patching nothing, for a weight it leaves to
+    ComfyUI: unpatched, quantized, patched through the layer's ``set_`` function, or one the Dynamic VRAM
+    model also patches the classic way (``patched_as_cast``)."""
+    weight, set_func, _ = get_key_weight(patcher.model, key)
+    if key not in patcher.patches or set_func is not None or not is_plain(weight):
+        return False
+    module_name, _, param = key.rpartition(".")
+    module = comfy.utils.get_attr(patcher.model, module_name) if module_name else patcher.model
+    if not patched_as_cast(patcher.model, module_name, module):
+        return False
+    inplace_update = patcher.weight_inplace_update or inplace_update
+    if key not in patcher.backup:  # as ComfyUI keeps it, for its unpatch
+        backup = weight.to(device=patcher.offload_device, copy=inplace_update)
+        patcher.backup[key] = _Backup(backup, inplace_update)
+    dtype = compute_dtype(patcher)
+    patched = as_loaded(module, param, weight, key, patcher.patches[key], string_to_seed(module_name), None, dtype)
+    if inplace_update:
+        comfy.utils.copy_to_param(patcher.model, key, patched)
+    else:
+        comfy.utils.set_attr_param(patcher.model, key, patched)
+    return True
 
 
 def stored_as_computed(module: torch.nn.Module, recurse: bool = True) -> bool:

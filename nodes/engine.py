@@ -35,7 +35,7 @@ from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks, inside
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
-from .dynamic_vram import file_slice, recorded_dtype
+from .dynamic_vram import file_slice, patched_as_cast, recorded_dtype
 from .fused_reads import read_by_parents
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake, block_names
@@ -165,7 +165,8 @@ def start_engine(
     baked = baking.blocks if baking is not None else frozenset()
     # Only a block plan bakes: the sequential wrapper's model may have no block list.
     baked_names = frozenset(block_names(model)[index] for index in baked) if baked else frozenset()
-    patching = patch_streamed_weights(model, placement.streamed, device, baked_names)
+    as_cast = functools.partial(patched_as_cast, model.model) if request.dynamic_vram_twin else None
+    patching = patch_streamed_weights(model, placement.streamed, device, baked_names, as_cast)
     patches = model.patches_uuid if patching.loaded or patching.on_host else None
     contents = dict.fromkeys(baked, patches)
     adapters = AdapterStaging.of(patching, units, recurse)

@@ -19,6 +19,7 @@ from ..offload import device_ms
 from ..offload.layout import TensorForm
 from .device_patches import (
     as_loaded,
+    compute_dtype,
     host_tensors,
     is_plain,
     overwrite_in_place,
@@ -73,7 +74,7 @@ def _cost(
 ) -> float | None:
     """The patch cost of ``key``'s kind of weight, timed the first time; None where it cannot be timed."""
     try:
-        kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), _compute_dtype(model))
+        kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), compute_dtype(model))
     except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
         _warn_untimable(key, error)
         return None
@@ -103,11 +104,6 @@ def _warn_untimable(key: str, error: Exception) -> None:
         f"Block Offload: could not time the patches of {key} to plan the placement "
         f"({type(error).__name__}: {error}); planned without their cost, streamed as usual"
     )
-
-
-def _compute_dtype(model: ModelPatcher) -> torch.dtype:
-    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
-    return model.model.manual_cast_dtype or model.model_dtype()
 
 
 def _streamed_dtype(module: torch.nn.Module, param: str, tensor: torch.Tensor) -> torch.dtype:
@@ -151,7 +147,7 @@ def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: s
             return stored
 
     else:
-        weight = stored.to(_compute_dtype(model), copy=True)
+        weight = stored.to(compute_dtype(model), copy=True)
 
         def at_a_call() -> torch.Tensor:
             stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them

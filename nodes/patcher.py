@@ -36,6 +36,7 @@ from .dynamic_vram import (
     cast_unloaded_to_recorded_dtypes,
     classic_clone,
     load_in_recorded_dtype,
+    patch_loaded_as_dynamic_vram,
     uses_dynamic_vram,
 )
 from .engine import Engine, call_order_of, start_engine
@@ -138,11 +139,15 @@ class BlockOffloadPatcher(ModelPatcher):
         finally:
             self.__dict__.pop("_block_offload_repatching", None)
 
-    def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
         # ComfyUI's load calls this for every weight of every module it loads, before it moves the module.
         if device_to is not None and self.offload_request.dynamic_vram_twin:
             load_in_recorded_dtype(self, key, device_to)
-        return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+            # A patched weight computes as on the Dynamic VRAM MODEL, which patches in the compute dtype.
+            return_weight = kwargs.get("return_weight", args[0] if args else False)
+            if not return_weight and patch_loaded_as_dynamic_vram(self, key, inplace_update):
+                return None
+        return super().patch_weight_to_device(key, device_to, inplace_update, *args, **kwargs)
 
     def loaded_state(self) -> tuple:
         """ComfyUI's books on the model's weights: any load or unload by any patcher changes them."""

@@ -25,7 +25,7 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3) call="$1"; shift ;;
+    1|2|3|4) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
@@ -104,7 +104,8 @@ fi
 zoo_both=(bash -c '"$@" && "$@" --dtype bfloat16' zoo "${zoo[@]}")  # stored as float32, then bfloat16
 
 flux_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets --cards 12 --rounds 2
-  --steps 6 --out "$out/bench" --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto")
+  --steps 6 --out "$out/bench" --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on"
+  "Partial GPU Residency, auto")
 if [[ $call == 1 ]]; then
   # The server tests spend their time starting ComfyUI and on tiny models, as the zoo does; the engine's timing
   # tests compare rows measured under the same load. All at once keep the call within its limit.
@@ -123,6 +124,13 @@ elif [[ $call == 2 ]]; then
   part comfyui-0.33-dynamic-vram-classic 100 "${pytest[@]}" "${dynamic_tests[@]}" -k "cuda and classic and every_node" || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
+elif [[ $call == 3 ]]; then
+  # The LoRA on a Dynamic VRAM model against ComfyUI's own Dynamic VRAM, beside the head-to-head (a tiny model's
+  # server test: a few CPU cores, little of the GPU).
+  part comfyui-0.33-lora-on-dynamic-vram 200 "${pytest[@]}" --tb=short "${prompt_tests[@]}" \
+    -k "cuda and dynamic and default and async" & pids=($!)
+  part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 else
   part wan14b-16gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
     --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \
