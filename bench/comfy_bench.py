@@ -61,6 +61,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ from bench.timing import h2d_bandwidth_gbps, ms_of_each_call
 from block_offload.offload.device import synchronize
 
 NO_CUDA_EXIT = 2
+COMMIT_ENV = "BLOCK_OFFLOAD_COMMIT"  # the commit a copy of the checkout was made from, where its .git is not
 GGUF_PACK = "ComfyUI-GGUF"
 DYNAMIC = "on a Dynamic VRAM model"
 COMFYUI_DYNAMIC = f"{COMFYUI}, Dynamic VRAM"
@@ -514,9 +516,12 @@ def placed(patcher) -> Placed:
 
 
 @contextlib.contextmanager
-def card(device: torch.device, budget: Budget | None) -> Iterator[int]:
+def card(mm: ModuleType, device: torch.device, budget: Budget | None) -> Iterator[int]:
     """For a card budget, a filler allocation that leaves ``budget.nbytes`` of device memory free while the
-    row loads and runs (ComfyUI and comfy-aimdo ask the driver what is free); yields the filler's bytes."""
+    row loads and runs (ComfyUI and comfy-aimdo ask the driver what is free), and ComfyUI's
+    ``get_total_memory`` answering the device's memory less the filler, as a card that size would (its
+    ``maximum_vram_for_weights``, which the nodes' step-aside rule reads, counts the total); yields the
+    filler's bytes."""
     if budget is None or budget.kind != CARD:
         yield 0
         return
@@ -524,11 +529,49 @@ def card(device: torch.device, budget: Budget | None) -> Iterator[int]:
     if free < budget.nbytes:
         raise ValueError(f"a {budget.nbytes / GIB:g} GiB card: only {free / GIB:.1f} GiB of the device are free")
     filler = torch.empty(free - budget.nbytes, dtype=torch.uint8, device=device)
+    filled, total_memory = filler.numel(), mm.get_total_memory
+
+    def card_total(dev=None, torch_total_too=False):
+        total = total_memory(dev, torch_total_too)
+        return (total[0] - filled, total[1]) if torch_total_too else total - filled
+
+    mm.get_total_memory = card_total
     try:
-        yield filler.numel()
+        yield filled
     finally:
+        mm.get_total_memory = total_memory
         del filler
         torch.cuda.empty_cache()
+
+
+class DevicePeak:
+    """The most device memory the process used while it was open, as the driver counts it
+    (``cudaMemGetInfo``, sampled every millisecond on a thread), above what was used when it opened: the same
+    measure for every row, whoever allocates (torch's allocator, comfy-aimdo's own mappings, cuBLAS)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._used() - self._base)
+
+    def __enter__(self) -> DevicePeak:
+        self._base = self._used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._used() - self._base)
 
 
 def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_bytes: int) -> tuple[Round, Placed]:
@@ -536,9 +579,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
     device = next(iter(inputs.values())).device
     comfy.mm.NUM_STREAMS = config.comfy_streams  # read by ComfyUI's loader and its casts at call time
     cuda = device.type == "cuda"
-    with card(device, config.budget) as filler_bytes:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+    with card(comfy.mm, device, config.budget), DevicePeak(device) if cuda else contextlib.nullcontext() as sampled:
         started = time.perf_counter()
         patcher = config.prepare()
         try:
@@ -551,7 +592,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
             first = time.perf_counter()
             step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
             wall = time.perf_counter()
-            peak = torch.cuda.max_memory_allocated(device) - filler_bytes if cuda else None
+            peak = sampled.peak if cuda else None
             done = Round(
                 started,
                 (first - started) * 1000,
@@ -706,7 +747,9 @@ def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
         else "",
         "torch": torch.__version__,
         "ComfyUI": comfyui_version.__version__,
-        "commit": output("git", "rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else ""),
+        # The device machine's copy of the checkout may carry an older .git: the commit sent with it is named.
+        "commit": os.environ.get(COMMIT_ENV)
+        or output("git", "rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else ""),
         "command": " ".join(["python -m bench.comfy_bench", *args.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "steps": f"{args.rounds} interleaved rounds of {args.steps} steps (the first step of each is not steady)",

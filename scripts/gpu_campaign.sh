@@ -6,11 +6,15 @@
 #                                                                 # .gpu/whl-0.33.0, .gpu/env.sh
 #   scripts/gpu_campaign.sh [CALL] --dry-run [--out DIR]          # here: the CPU, tiny shapes, every step run
 #
-#   CALL 1 (default, about 9 min): the engine's CUDA tests while ComfyUI 0.33's GPU server tests run
-#          (Dynamic VRAM on and off: every node streams, bitwise; parking; every prompt streams), then the
-#          head-to-head on a Flux 12B-shaped model on a 12 GiB card: ComfyUI 0.33's Dynamic VRAM, its
-#          classic partial loading (async offload on and off), Partial GPU Residency auto on both.
-#   CALL 2 (about 4 min): the same head-to-head for a Wan 2.1 14B-shaped model on a 16 GiB card.
+#   CALL 1 (default; 222 s on an H100, 2026-11-26): the engine's CUDA tests while ComfyUI 0.33's GPU server
+#          tests run (Dynamic VRAM on and off: every node streams, bitwise; parking; every prompt streams) and
+#          every tiny DiT streams through each node on the device (fp32, then bf16); then the head-to-head on a
+#          Flux 12B-shaped model on a 12 GiB card: ComfyUI 0.33's Dynamic VRAM, its classic async offload,
+#          Partial GPU Residency auto on both (about 280 s on an H200).
+#   CALL 2 (118 s on an H200): what call 1 of 2026-11-26 could not settle, alone (host timings, tracebacks).
+#   CALL 3 (290 s on an H200): a LoRA on a Dynamic VRAM model against ComfyUI's own, beside the Flux head-to-head.
+#   CALL 4: the head-to-head for a Wan 2.1 14B-shaped model on a 16 GiB card (not run yet).
+# Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
 # comes back even when a part stalls. It writes DIR/campaign.md (device, driver, torch, date, commit, the
@@ -29,7 +33,7 @@ while [[ $# -gt 0 ]]; do
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 or 2, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 4, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -52,7 +56,8 @@ fi
 export PYTHONUNBUFFERED=1
 
 report="$out/campaign.md"
-commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${GPU_CAMPAIGN_COMMIT:-unknown}")"
+# The device machine's copy of the checkout may carry an older .git: name the commit sent with it.
+commit="${BLOCK_OFFLOAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 {
   echo "### GPU campaign call $call, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
@@ -101,7 +106,8 @@ else
   prompt_tests=(tests/test_every_prompt_streams.py -k "cuda and default")
   zoo=("$python" -m harness.zoo_on_device)
 fi
-zoo_both=(bash -c '"$@" && "$@" --dtype bfloat16' zoo "${zoo[@]}")  # stored as float32, then bfloat16
+# Stored as float32, then bfloat16: both run, and the part fails if either does.
+zoo_both=(bash -c '"$@"; fp32=$?; "$@" --dtype bfloat16; exit $(( fp32 | $? ))' zoo "${zoo[@]}")
 
 flux_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets --cards 12 --rounds 2
   --steps 6 --out "$out/bench" --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on"

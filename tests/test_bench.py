@@ -77,6 +77,30 @@ def test_the_gpu_check_refuses_without_cuda_and_runs_nothing(tmp_path: Path) -> 
     assert not any(tmp_path.iterdir()), "it wrote a report without running anything"
 
 
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
+def test_the_gpu_campaign_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    """``scripts/gpu_campaign.sh 1 --dry-run``: each part of the first device call, with tiny shapes, exits 0 and
+    leaves its figures in the report: what a lent GPU runs first cannot break unseen."""
+    from harness.comfy_host import resolve_comfyui_path
+
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_campaign.sh"), "1", "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable, "COMFYUI_PATH": str(resolve_comfyui_path())},
+        cwd=REPO,
+    )
+    report = (tmp_path / "campaign.md").read_text()
+    assert done.returncode == 0, report + done.stderr[-2000:]
+    parts = ["engine-cuda-tests", "comfyui-0.33-dynamic-vram-tests", "comfyui-0.33-every-prompt-streams",
+             "every-dit-on-the-device", "flux12b-12gib"]  # fmt: skip
+    for part in parts:
+        assert f"#### {part}: exit 0" in report, report
+    assert report.count("async: bitwise (blocks); partial: bitwise (blocks); sequential: bitwise (modules)") == 6
+    assert "| fully resident |" in report and "1 passed" in report
+
+
 def test_the_real_checkpoints_have_the_real_models_sizes() -> None:
     """The shape descriptions the GPU run builds from, counted without building anything."""
     params = {
