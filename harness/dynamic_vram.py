@@ -80,24 +80,29 @@ class DynamicVram:
         with self.aimdo(False):
             return self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
 
-    def load_patched_as_cast(self, path: Path, dtype: torch.dtype, lora: dict[str, torch.Tensor]):
-        """The file with ``lora`` patched into its weights as ``ModelPatcherDynamic`` patches them on a GPU, with
-        ComfyUI's own functions: a layer of ComfyUI's ops over 16 KiB as stored gets its ``LowVramPatch``
-        applied to the weight cast to the compute dtype (``comfy.ops``' ``post_cast``), then rounded to the
-        weight's dtype, which its VRAM keeps; a smaller layer is loaded whole the classic way
-        (``patch_weight_to_device``). Stored as computed (``dtype``), no patches left: the reference of a node
-        on the Dynamic VRAM MODEL with that LoRA."""
+    def load_patched_as_cast(
+        self, path: Path, dtype: torch.dtype, lora: dict[str, torch.Tensor], strength: float = 1.0
+    ):
+        """The file with ``lora`` at ``strength`` patched into its weights as ``ModelPatcherDynamic`` patches them
+        on a GPU, with ComfyUI's own functions: a layer of ComfyUI's ops over 16 KiB as the file stores it (its
+        size on the Dynamic VRAM model, whose weights are the file's views) gets its ``LowVramPatch`` applied to
+        the weight cast to the compute dtype (``comfy.ops``' ``post_cast``), then rounded to the dtype its VRAM
+        keeps it in (``dtype``); any other weight is patched as a classic load does (``patch_weight_to_device``).
+        Stored as computed, no patches left: the reference of a node on the Dynamic VRAM MODEL with that LoRA."""
         import comfy.float
         import comfy.model_patcher
         import comfy.utils
 
-        model = self.comfy.sd.load_lora_for_models(self.load_classic(path, dtype), None, lora, 1.0, 0)[0]
+        as_stored = self.load(path, dtype).model
+        model = self.comfy.sd.load_lora_for_models(self.load_classic(path, dtype), None, lora, strength, 0)[0]
         patched = {}
         for key in model.patches:
             module_name, _, _ = key.rpartition(".")
             module = comfy.utils.get_attr(model.model, module_name)
             weight = comfy.utils.get_attr(model.model, key)
-            if hasattr(module, "comfy_cast_weights") and self.comfy.mm.module_size(module) > 16 * 1024:
+            stored_size = self.comfy.mm.module_size(comfy.utils.get_attr(as_stored, module_name))
+            plain = type(weight) in (torch.Tensor, torch.nn.Parameter)
+            if plain and hasattr(module, "comfy_cast_weights") and stored_size > 16 * 1024:
                 cast = comfy.model_patcher.LowVramPatch(key, model.patches)(weight.to(dtype, copy=True))
                 seed = comfy.utils.string_to_seed(module_name)  # post_cast's seed: the layer's seed_key
                 patched[key] = comfy.float.stochastic_rounding(cast, weight.dtype, seed=seed)

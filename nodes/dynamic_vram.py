@@ -177,8 +177,8 @@ def patched_as_cast(model: torch.nn.Module, module_name: str, module: torch.nn.M
     """Whether a Dynamic VRAM model patches this module's weights as it casts them (``as_loaded``'s
     ``dynamic_vram``): a layer of ComfyUI's ops over 16 KiB as its file stores it (``module_size``, on the
     twin's views of the file where it has them). Others it loads as a classic load does."""
-    if not hasattr(module, "comfy_cast_weights"):
-        return False
+    if not hasattr(module, "comfy_cast_weights") or not is_plain(getattr(module, "weight", None)):
+        return False  # a quantized layer keeps its format's own re-quantization (not compared on a GPU yet)
     views = file_views(model)
     prefix = f"{module_name}." if module_name else ""
     stored = sum(views.get(prefix + name, tensor).nbytes for name, tensor in module.state_dict().items())

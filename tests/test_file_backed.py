@@ -208,6 +208,11 @@ def with_lora(comfy: SimpleNamespace, model, strength: float):
     return comfy.sd.load_lora_for_models(model, None, load_file(comfy.models["wan21_lora"]), strength, 0)[0]
 
 
+def as_cast(comfy: SimpleNamespace, dynamic_vram: DynamicVram, path: Path, dtype: torch.dtype, strength: float):
+    """The reference of a node on the Dynamic VRAM model with the LoRA: patched as Dynamic VRAM patches it."""
+    return dynamic_vram.load_patched_as_cast(path, dtype, load_file(comfy.models["wan21_lora"]), strength)
+
+
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 def test_lora_before_and_after_and_a_strength_change_on_blocks_read_from_the_file(
     comfy: SimpleNamespace,
@@ -217,11 +222,10 @@ def test_lora_before_and_after_and_a_strength_change_on_blocks_read_from_the_fil
     node: str,
 ) -> None:
     """No host buffer at all (a cap of one byte): every streamed block is read from the file, cast from
-    fp32 to bf16 on the device and patched there, bitwise as ComfyUI's classic full load patches it."""
+    fp32 to bf16 on the device and patched there, bitwise as the Dynamic VRAM model patches it."""
     path, dtype = stored_wan["fp32"], torch.bfloat16
     references = {
-        strength: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), strength))
-        for strength in (1.0, 0.5)
+        strength: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, strength)) for strength in (1.0, 0.5)
     }
     comfy.mm.unload_all_models()
     cap_host_buffers(monkeypatch, 1)
@@ -352,7 +356,7 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     a strength change, the LoRA removed, a LoRA before the node, each bitwise ComfyUI's classic load with the
     same patches, and no block packed again, in the host tier or the file tier."""
     path, dtype = stored_wan["bf16"], torch.float16
-    references = {s: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), s)) for s in (1.0, 0.5)}
+    references = {s: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, s)) for s in (1.0, 0.5)}
     classic = dynamic_vram.load_classic(path, dtype)
     references[0.0] = sample(comfy, classic)
     cap_host_buffers(monkeypatch, block_bytes(classic) // 2)
@@ -416,7 +420,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     from block_offload.nodes.device_patches import LoadedPatch
 
     path, dtype = stored_wan["bf16"], torch.float16
-    references = {s: sample(comfy, with_lora(comfy, dynamic_vram.load_classic(path, dtype), s)) for s in (1.0, 0.5)}
+    references = {s: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, s)) for s in (1.0, 0.5)}
     classic = dynamic_vram.load_classic(path, dtype)
     cap_host_buffers(monkeypatch, block_bytes(classic) // 2)
     comfy.mm.unload_all_models()
