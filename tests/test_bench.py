@@ -23,7 +23,7 @@ from harness import tiny_models
 from harness.comfy_host import HOST_DIR
 
 from bench.checkpoints import CHECKPOINTS, FLUX12B_FP8, FLUX12B_Q8_0, SMOKE_CHECKPOINTS
-from bench.comfy_bench import GGUF_PACK, Config, Placed, measure_all, q8_0
+from bench.comfy_bench import GGUF_PACK, Config, Placed, build_model, measure_all, q8_0
 from bench.plot import line_chart
 from bench.results import (
     AGAIN,
@@ -99,6 +99,24 @@ def test_the_gpu_campaign_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> 
         assert f"#### {part}: exit 0" in report, report
     assert report.count("async: bitwise (blocks); partial: bitwise (blocks); sequential: bitwise (modules)") == 6
     assert "| fully resident |" in report and "1 passed" in report
+
+
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="Dynamic VRAM came with ComfyUI 0.33")
+def test_the_classic_model_is_built_with_weights_while_dynamic_vram_is_on(
+    comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Dynamic VRAM on (as the benchmark turns it on for its Dynamic VRAM rows), ComfyUI 0.33 builds its
+    layers without weights until a state dict is loaded; the benchmark's classic model is built with them, and
+    the flag is on again after (the first GPU campaign failed here: "the host built a model unlike the
+    checkpoint", 628 keys)."""
+    from comfy import memory_management, model_detection, model_patcher
+
+    monkeypatch.setattr(memory_management, "aimdo_enabled", True)
+    host = SimpleNamespace(detection=model_detection, patcher=model_patcher)
+    model = build_model(host, SMOKE_CHECKPOINTS["flux12b"].shapes(torch.bfloat16), torch.device("cpu"), torch.bfloat16)
+    linears = [m for m in model.model.diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(layer.weight is not None for layer in linears)
+    assert memory_management.aimdo_enabled
 
 
 def test_the_real_checkpoints_have_the_real_models_sizes() -> None:
