@@ -4,6 +4,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from . import report
 from .offload_nodes import NODES
+from .versions import log_version_notice
 
 
 class BlockOffloadExtension(ComfyExtension):
@@ -13,4 +14,5 @@ class BlockOffloadExtension(ComfyExtension):
 
 async def comfy_entrypoint() -> BlockOffloadExtension:
     report.register_routes()
+    log_version_notice()  # once: ComfyUI calls the entry point once, as it loads the pack
     return BlockOffloadExtension()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import uuid
@@ -45,6 +46,21 @@ def test_pack_imported_without_error(comfy_host: ComfyHost) -> None:
     assert "IMPORT FAILED" not in log, comfy_host.log_tail(80)
     pack_line = [line for line in log.splitlines() if line.rstrip().endswith("custom_nodes/block_offload")]
     assert pack_line, "the pack is not in ComfyUI's 'Import times for custom nodes' list:\n" + comfy_host.log_tail(80)
+
+
+@pytest.mark.usefixtures("comfy")  # ComfyUI's modules importable here, for the pack's nodes
+def test_the_log_says_once_which_comfyui_the_pack_runs_on(comfy_host: ComfyHost) -> None:
+    from conftest import HOST_VERSION
+
+    from block_offload.nodes.versions import TESTED, version_notice
+
+    assert HOST_VERSION in TESTED
+    lines = [line for line in comfy_host.log_text().splitlines() if "a version this pack is tested on" in line]
+    assert lines == [f"Block Offload: ComfyUI {HOST_VERSION}, a version this pack is tested on"], lines
+    level, line = version_notice("0.37.2")
+    assert level == logging.WARNING and "ComfyUI 0.37.2 is not a version this pack is tested on" in line
+    assert "0.3.75 and 0.33.0" in line and "stream as usual" in line
+    assert "no comfyui_version module" in version_notice(None)[1]
 
 
 def test_validation_error_carries_node_errors(comfy_host: ComfyHost) -> None:
