@@ -199,6 +199,40 @@ def as_loaded(
     return patched
 
 
+def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
+    """The shape ``patches`` give ``weight``: ComfyUI's own ``calculate_shape`` (0.33 and later), else the one
+    patch that changed a shape before it, a "diff" that pads the weight (``pad_weight``)."""
+    calculate_shape = getattr(comfy.lora, "calculate_shape", None)
+    if calculate_shape is not None:
+        return calculate_shape(patches, weight, key)
+    shape = weight.shape
+    for patch in patches:
+        value = patch[1]
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == "diff":
+            data = value[1]
+            if len(data) > 1 and data[1].get("pad_weight"):
+                shape = data[0].shape
+    return shape
+
+
+def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
+    """Raises, before anything is loaded, where a patch changes the shape of a weight in a ``streamed`` module:
+    the engine packs and streams each weight at the shape it is stored in, so it would compute with the wrong
+    one."""
+    for key, patches in model.patches.items():
+        if not inside(key.rpartition(".")[0], streamed):
+            continue
+        weight = comfy.utils.get_attr(model.model, key)
+        shape = patched_shape(patches, weight, key)
+        if tuple(shape) != tuple(weight.shape):
+            raise ValueError(
+                f"{node}: a patch on this MODEL changes the shape of {key} from {tuple(weight.shape)} to "
+                f"{tuple(shape)}, a weight of a block the node streams, and the node streams weights at the shape "
+                "they are stored in. Apply that patch (a LoRA or merge that resizes layers) without the node, or "
+                "save the patched model and load that instead."
+            )
+
+
 def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:
     """Copies ``patched`` into ``current``'s memory, part by part (a quantized tensor's data and scales).
     Returns ``patched``'s form where its description (class, context) differs from ``current``'s."""

@@ -31,6 +31,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from ..offload import GIB, OffloadPlan, place_falling_back, unpark
 from . import report
 from .blocks import inside
+from .device_patches import refuse_reshaping_patches
 from .dynamic_vram import (
     back_to_file,
     cast_unloaded_to_recorded_dtypes,
@@ -170,6 +171,8 @@ class BlockOffloadPatcher(ModelPatcher):
         if fallback is not None and (fallback.request, fallback.asked) == (request, asked.plan):
             # It ran out of memory before: start from the one that fit.
             placement = describe(fallback.placed, self, asked.patch_ms)
+        if placement.plan is not None:
+            refuse_reshaping_patches(self, placement.streamed, request.node)  # before anything moves
         if engine is not None and (engine.request, engine.placement) != (request, placement):
             self._stop_streaming()
             engine = None

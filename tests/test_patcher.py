@@ -213,3 +213,24 @@ def test_the_sequential_wrapper_streams_every_module_with_and_without_a_lora(com
         assert torch.equal(sample(comfy, patcher), reference)
         assert patcher.offload_engine is not None and patcher.offload_engine.runner.streamed
     comfy.mm.unload_all_models()
+
+
+def test_a_patch_that_resizes_a_streamed_weight_is_refused_before_anything_loads(comfy: SimpleNamespace) -> None:
+    """A "diff" patch that pads a weight (``pad_weight``: how ComfyUI resizes a layer) on a block the node streams
+    would compute with the stored shape: the load refuses it with what to do, nothing moved, and the MODEL
+    still samples as before."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    key = "diffusion_model.blocks.1.ffn.0.weight"
+    weight = comfy.utils.get_attr(model.model, key)
+    wider = torch.zeros(weight.shape[0] + 32, weight.shape[1])
+    patched = model.clone()
+    patched.add_patches({key: ("diff", (wider, {"pad_weight": True}))}, 1.0)
+    streaming = async_offload(comfy, patched, resident=0)
+    with pytest.raises(
+        ValueError, match=r"changes the shape of diffusion_model\.blocks\.1\.ffn\.0\.weight .*without the node"
+    ):
+        sample(comfy, streaming)
+    assert streaming.offload_engine is None and comfy.utils.get_attr(model.model, key) is weight
+    comfy.mm.unload_all_models()
+    assert torch.equal(sample(comfy, model), reference)
