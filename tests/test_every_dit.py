@@ -211,6 +211,33 @@ def test_a_block_swapped_by_an_object_patch_streams_as_swapped(comfy: SimpleName
     assert diffusion_model.blocks[1] is not swapped_block  # the patch is taken off with the load
 
 
+def test_a_layer_inside_a_streamed_block_swapped_by_an_object_patch_streams_as_swapped(comfy: SimpleNamespace) -> None:
+    """An object patch that replaces a layer inside a streamed block (a "config" patch of newer ComfyUI does
+    this): the block streams with the replacement's weights, read from the engine's buffers, bitwise the
+    plain patched model; the MODEL's own layer is back after."""
+    spec, model = built("Wan 2.1 T2V")
+    diffusion_model = model.model.diffusion_model
+    layer = diffusion_model.blocks[1].ffn
+    replacement = copy.deepcopy(layer)  # the same class, other weights
+    with torch.no_grad():
+        for param in replacement.parameters():
+            param.mul_(-1.5)
+    plain = model.clone()
+    plain.add_object_patch("diffusion_model.blocks.1.ffn", replacement)
+    reference = tiny_dit.sample(spec, plain)
+    comfy.mm.unload_all_models()
+    assert not torch.equal(reference, tiny_dit.sample(spec, model)), "the swap changes nothing: it proves nothing"
+    swapped = every_block_streamed(comfy, ASYNC, model).clone()
+    swapped.add_object_patch("diffusion_model.blocks.1.ffn", replacement)
+    with reads_outside_the_engine(comfy, swapped) as outside:
+        latent = tiny_dit.sample(spec, swapped)
+    assert torch.equal(latent, reference), differs(latent, reference)
+    engine = swapped.offload_engine
+    assert not outside and 1 in engine.runner.streamed and engine.runner.blocks[1].ffn is replacement
+    comfy.mm.unload_all_models()
+    assert diffusion_model.blocks[1].ffn is layer  # the patch is taken off with the load
+
+
 # -- the README's list, generated from this file's models -----------------------------------------------
 
 
