@@ -785,9 +785,19 @@ class BlockStreamer:
             self._pinned.release(state.pinned_bytes)
 
     def _restore(self, state: _StreamedBlock, device: torch.device) -> None:
+        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
+        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
+        twice while another model waits for the memory. A pinned one is copied, not to leave the model
+        page-locked."""
         sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
+        adopt_host = (
+            state.originals is None
+            and not state.pinned
+            and state.host.device == device
+            and all(source.dtype == part.dtype for part, source in zip(state.layout.parts, sources, strict=True))
+        )
         restored = tuple(
-            source.to(device=device, dtype=part.dtype, copy=True)
+            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
             for part, source in zip(state.layout.parts, sources, strict=True)
         )
         state.layout.point_at(state.layout.assemble(restored))
