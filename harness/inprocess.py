@@ -45,7 +45,7 @@ def flux(comfy: SimpleNamespace):
     return comfy.sd.load_diffusion_model(str(comfy.models["flux"]))
 
 
-def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
+def sample(comfy: SimpleNamespace, model, seed: int = 5, steps: int = STEPS) -> torch.Tensor:
     """A few steps of the tiny Wan (a video latent) or Flux (an image latent, with a pooled text vector)."""
     diffusion_model = model.model.diffusion_model
     generator = torch.Generator().manual_seed(1)
@@ -59,7 +59,7 @@ def sample(comfy: SimpleNamespace, model, seed: int = 5) -> torch.Tensor:
         cond = [[torch.randn(1, 7, diffusion_model.text_embedding[0].in_features, generator=generator), {}]]
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
     return comfy.sample.sample(
-        model, noise, STEPS, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
+        model, noise, steps, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
     )
 
 

@@ -1,17 +1,20 @@
 """Weight patches (LoRA and everything ``comfy.lora.calculate_weight`` applies) on streamed blocks, applied on
-the device at compute time, so the blocks' host buffers keep the weights as ComfyUI loaded them: one copy
+the device as each block arrives, so the blocks' host buffers keep the weights as ComfyUI loaded them: one copy
 per loaded model, shared by every clone, strength and branch of it, never re-packed nor re-pinned when the
 patches change.
 
-ComfyUI's ops already take per-layer weight functions (``weight_function`` / ``bias_function``, what its
-own lowvram path hangs ``LowVramPatch`` on): a streamed module gets a ``LoadedPatch``, run on the compute
-stream right after the block's copy, which repeats ComfyUI's patch of a loaded weight
+A patched weight of a streamed ComfyUI op gets a ``LoadedPatch``, run on the compute stream when a fresh copy
+of its block is first used, which repeats ComfyUI's patch of a loaded weight
 (``ModelPatcher.patch_weight_to_device``) on the streamed weight: the same dtype for the arithmetic, the same
-seeded stochastic rounding to the stored dtype (or the quantized format's own ``set_weight``), then the cast
-to the compute dtype. A streamed block so computes exactly what a loaded one does, in every stored dtype,
-where ComfyUI's lowvram path would round differently. GGUF weights carry their patches to ComfyUI-GGUF's own
-ops (``tensor.patches``), which apply them at compute time. A weight outside ComfyUI's ops (Wan's
-``modulation``) is patched once before packing, as before: its block is packed again when its patches change.
+seeded stochastic rounding to the stored dtype (or the quantized format's own ``set_weight``), written over
+the copy in the ring. The layer then has no weight function: ComfyUI's ops compute from it as from a loaded
+weight (a weight function would make them copy the weight at every call, an allocation the resident model
+never makes), and a block that stays in the ring is patched once. A streamed block so computes exactly what a
+loaded one does, in every stored dtype, where ComfyUI's lowvram path would round differently. A weight with
+only wrapper patches, or of a format with no ``set_weight``, gets weight functions instead. GGUF weights carry
+their patches to ComfyUI-GGUF's own ops (``tensor.patches``), which apply them at compute time. A weight
+outside ComfyUI's ops (Wan's ``modulation``) is patched once before packing, as before: its block is packed
+again when its patches change.
 
 The adapters (the LoRA's up and down matrices, and whatever else a patch holds in host memory) travel with
 their block: packed once per set of patches (an engine) into a host buffer of the block's (pinned where the
@@ -264,8 +267,8 @@ class DevicePatching:
     loaded: tuple[LoadedPatch, ...] = field(default=(), compare=False)
     # Patched once into their host buffers (``write_patches_to_host``), in the units chosen to bake.
     on_host: tuple[LoadedPatch, ...] = field(default=(), compare=False)
-    # Patched where they arrive on the device, in their stored format (``LoadedPatch.write_in_place``): the
-    # weights of layers with a ``set_`` function (quantized formats), and their biases.
+    # Patched where they arrive on the device, in their stored format (``LoadedPatch.write_in_place``): plain
+    # weights and biases, and the weights of layers with a ``set_`` function (quantized formats).
     on_arrival: tuple[LoadedPatch, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
@@ -273,7 +276,7 @@ class DevicePatching:
             f"{count} {how}"
             for count, how in (
                 (self.on_device, "on the device at compute time"),
-                (len(self.on_arrival), "on the device as they arrive, re-stored in their format"),
+                (len(self.on_arrival), "on the device as they arrive"),
                 (len(self.on_host), "once into their host buffers"),
                 (self.carried, "by ComfyUI-GGUF at compute time"),
                 (self.baked, "once before packing"),
@@ -299,9 +302,10 @@ def patched_parameters(
     model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
     """The named units' modules with patched weights, each with its patched parameters and how each is patched:
-    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``arrival`` (a weight or bias
-    of a layer that stores its weight itself: in place, where it arrives), ``device`` (a weight of ComfyUI's
-    ops: weight functions at compute time), ``bake`` (outside ComfyUI's ops: once before packing).
+    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``arrival`` (a plain weight or
+    bias of ComfyUI's ops, or one of a layer that stores its weight itself: in place, where it arrives),
+    ``device`` (any other weight of ComfyUI's ops, and one with only wrapper patches: weight functions at compute
+    time), ``bake`` (outside ComfyUI's ops: once before packing).
     Modules ComfyUI has loaded and patched only with ``patched_too``."""
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
@@ -317,7 +321,7 @@ def patched_parameters(
             if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
                 routes.append((param, tensor, "carried"))
             elif ops_module and param in ("weight", "bias"):
-                on_arrival = stored_by_layer(module) and key in model.patches
+                on_arrival = key in model.patches and (stored_by_layer(module) or is_plain(tensor))
                 routes.append((param, tensor, "arrival" if on_arrival else "device"))
             elif key in model.patches:
                 routes.append((param, tensor, "bake"))
@@ -352,13 +356,14 @@ def patch_streamed_weights(
                 model.patch_weight_to_device(key, device_to=tensor.device)  # records them on the tensor
                 carried += 1
             elif route == "arrival":
-                arriving.append(LoadedPatch(key, model.patches, module, param, computed_in))
+                patch = LoadedPatch(key, model.patches, module, param, computed_in)
+                if inside(name, bake) and is_plain(tensor) and not stored_by_layer(module):
+                    on_host.append(patch)
+                else:
+                    arriving.append(patch)
                 functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
                 patch = [LoadedPatch(key, model.patches, module, param, computed_in)] if key in model.patches else []
-                if patch and inside(name, bake) and is_plain(tensor):
-                    on_host += patch
-                    patch = []
                 functions[param] = patch + list(model.weight_wrapper_patches.get(key, []))
                 on_device += len(patch)
                 loaded += patch

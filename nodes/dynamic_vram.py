@@ -46,6 +46,20 @@ def uses_dynamic_vram(model: ModelPatcher) -> bool:
     return bool(is_dynamic is not None and is_dynamic())
 
 
+def on_fast_disk(model: ModelPatcher) -> bool:
+    """Whether ComfyUI reads this model's offloaded weights from its checkpoint file at each step instead of
+    pinning them in RAM: ``ModelPatcher.fast_disk`` (0.36 and later), chosen per checkpoint from its disk's link
+    (``comfy.storage``) or forced by ``--fast-disk``. Older versions have no such choice."""
+    return bool(getattr(model, "fast_disk", False))
+
+
+def keep_fast_disk(source: ModelPatcher, cloned: ModelPatcher) -> None:
+    """``cloned`` keeps ``source``'s fast-disk choice: ComfyUI's own ``clone()`` passes it on where it has one,
+    this also where a clone is made another way (a version whose ``clone()`` predates it)."""
+    if hasattr(source, "fast_disk"):
+        cloned.fast_disk = source.fast_disk
+
+
 # Per Dynamic VRAM model (its nn.Module, shared by all its clones): its twin, as ``clone(model_override=...)``
 # takes it. A LoRA or another patch node before ours makes a new dynamic clone at each change; the twin is
 # built once, not once per change. The entry goes when the dynamic model does (the loader's output is
@@ -65,6 +79,7 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
             name: tensor.detach() for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
         }
     classic = model.clone(disable_dynamic=True, model_override=twin)
+    keep_fast_disk(model, classic)
     # clone() hands over the dynamic parent's size, which counts the checkpoint's stored dtypes.
     classic.size = weight_bytes(classic)
     return classic

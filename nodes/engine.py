@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ from ..offload import (
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks, inside
+from .compiler import outside_the_recording
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
-from .dynamic_vram import file_slice, patched_as_cast, recorded_dtype
+from .dynamic_vram import file_slice, on_fast_disk, patched_as_cast, recorded_dtype
 from .fused_reads import read_by_parents
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake, block_names
@@ -159,7 +161,8 @@ def start_engine(
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:
         model.unpin_weight(key)
     units, recurse = _streamed_units(model, placement.plan)
-    file_options, in_host = _file_tier_options(request, units, recurse)
+    fast_disk = on_fast_disk(model)
+    file_options, in_host = _file_tier_options(request, units, recurse, fast_disk)
     read_each_step = file_options.get("read_each_step", frozenset())
     baking = _bake(model, request, placement, units, read_each_step, in_host, history)
     baked = baking.blocks if baking is not None else frozenset()
@@ -188,7 +191,7 @@ def start_engine(
     bandwidth = read_bandwidth(runner.file_slices())
     summary = placement.summary + patching.describe() + _pageable_summary(runner)
     if request.dynamic_vram_twin:
-        summary += _tiers_summary(runner, bandwidth)
+        summary += _tiers_summary(runner, bandwidth, fast_disk)
     if baking is not None and (baking.blocks or baking.saving_ms > 0):
         summary += baking.describe()
     engine = Engine(
@@ -215,12 +218,15 @@ def _pageable_summary(runner: Runner) -> str:
     return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
 
 
-def _tiers_summary(runner: Runner, bandwidth: float | None) -> str:
+def _tiers_summary(runner: Runner, bandwidth: float | None, fast_disk: bool) -> str:
     """The plan line's word on where the streamed weights wait: host buffers, or their checkpoint file."""
     read = runner.read_each_step
     streamed = len(runner.streamed)
     host = runner.host_bytes / GIB
     held = f"{streamed - len(read)} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB)"
+    if fast_disk:
+        kept = f"{PINNED_LIMIT_ENV} keeps" if os.environ.get(PINNED_LIMIT_ENV) else f"set {PINNED_LIMIT_ENV} to keep"
+        held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"
     if not read:
         return f"; {held}, none read from the checkpoint file"
     read_from = (
@@ -241,12 +247,16 @@ def _least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
 
 
 def _file_tier_options(
-    request: OffloadRequest, units: dict[int, nn.Module], recurse: bool
+    request: OffloadRequest, units: dict[int, nn.Module], recurse: bool, fast_disk: bool
 ) -> tuple[dict, frozenset[int]]:
     """The engine's file options for a Dynamic VRAM twin, whose weights are views of their checkpoint file:
     where each weight's bytes are, the dtypes ComfyUI computes in, and the streamed units read from the file
     at each step, those that get no host buffer within ``host_buffer_room``; and the units in the file that
-    get one. Nothing for other models."""
+    get one. Nothing for other models.
+
+    ``fast_disk``: ComfyUI chose to read this model's offloaded weights from its file at each step rather than
+    hold them in RAM (``on_fast_disk``), so the twin holds no host buffer for a weight in the file either (it
+    would take more RAM than ComfyUI alone), unless ``BLOCK_OFFLOAD_MAX_PINNED_GB`` asks for some."""
     if not request.dynamic_vram_twin:
         return {}, frozenset()
     in_file, elsewhere = [], 0
@@ -257,7 +267,8 @@ def _file_tier_options(
         else:
             elsewhere += nbytes  # converted by ComfyUI's loader: only a host buffer can hold it
     held = sum(runner.host_bytes for runner in _live_runners if runner.enabled)
-    kept = host_tier(in_file, host_buffer_room(held) - elsewhere)
+    room = 0 if fast_disk and not os.environ.get(PINNED_LIMIT_ENV) else host_buffer_room(held) - elsewhere
+    kept = host_tier(in_file, room)
     read_each_step = frozenset(index for index, _ in in_file) - kept
     return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}, kept
 
@@ -326,6 +337,7 @@ def _runner(
             pin_budget=PINNED_MEMORY,
             call_order=_order_for(last_order, "module", len(units)),
             holders=read_by_parents(diffusion_model),
+            persistent_allocations=outside_the_recording(),
             **streaming,
             **file_options,
         )
@@ -341,6 +353,7 @@ def _runner(
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
         call_order=_order_for(last_order, "block", len(blocks)),
+        persistent_allocations=outside_the_recording(),
         **streaming,
         **file_options,
     )

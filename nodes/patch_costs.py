@@ -136,7 +136,7 @@ def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: s
     patches = model.patches[key]
     staged = with_host_tensors(patches, iter([t.to(device) for t in host_tensors(patches)]))
     seed = string_to_seed(key)
-    if stored_by_layer(module):
+    if stored_by_layer(module) or is_plain(tensor):
         # The layer's set_ function re-stores from the layer's own weight: a stand-in holds the device copy.
         layer = copy.copy(module)
         layer._parameters = {**module._parameters, param: stored}

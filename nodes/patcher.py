@@ -36,6 +36,7 @@ from .dynamic_vram import (
     back_to_file,
     cast_unloaded_to_recorded_dtypes,
     classic_clone,
+    keep_fast_disk,
     load_in_recorded_dtype,
     patch_loaded_as_dynamic_vram,
     uses_dynamic_vram,
@@ -91,6 +92,7 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def clone(self, *args, **kwargs):
         cloned = super().clone(*args, **kwargs)
+        keep_fast_disk(self, cloned)
         # ComfyUI builds ``self.__class__``, but a patcher class may set its own on every clone
         # (ComfyUI-GGUF's GGUFModelPatcher does): a LoRA loaded after the node must still stream.
         if not isinstance(cloned, BlockOffloadPatcher):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 
 import torch
@@ -104,11 +105,13 @@ class SequentialOffloader:
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
+        persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
         ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
-        ``companions``, ``transforms`` (never kept on the device: see ``make_resident``) and ``holders`` (a
-        module's parent that reads its tensors without calling it: ComfyUI's fused ops): see ``BlockStreamer``."""
+        ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
+        module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
+        ``persistent_allocations``: see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -132,6 +135,7 @@ class SequentialOffloader:
             companions=companions,
             transforms=transforms,
             holders=holders,
+            persistent_allocations=persistent_allocations,
         )
         self._promotion_hook = None
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -273,6 +273,10 @@ class BlockStreamer:
     copied afresh.
     ``holders``: per block, the module whose call brings it in, where that is not the block itself: a parent
     whose forward reads the block's tensors without calling it (ComfyUI's fused ops read a child's weights).
+    ``persistent_allocations``: a context entered around each device allocation the engine keeps from one call
+    to the next (its ring and staging buffer, a block made resident) and around their frees, some of which
+    happen inside a block call (a ring released with ``release_device_buffers`` is allocated again by the next
+    call): a host that records and replays the allocations of each call (ComfyUI's compiler) keeps them out.
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -306,6 +310,7 @@ class BlockStreamer:
         contents: Mapping[int, Hashable] | None = None,
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
+        persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -327,6 +332,7 @@ class BlockStreamer:
         self.dtype_of = dtype_of
         self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
+        self.persistent_allocations = persistent_allocations
         self.staging_slots = staging_slots
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
@@ -426,7 +432,8 @@ class BlockStreamer:
         for state in self._state.values():
             state.device_views.clear()  # views keep the memory they view alive
             state.companion_views.clear()
-        self._ring = self._buffer = self._staging = None
+        with self.persistent_allocations():
+            self._ring = self._buffer = self._staging = None
 
     def make_resident(self, indices: Iterable[int]) -> None:
         """Stops streaming these blocks: their tensors move to the device for good. Not for a block with
@@ -446,7 +453,8 @@ class BlockStreamer:
                 if self._reader is not None:
                     self._reader.release(index, None)  # a read made ahead for it goes unused
                 self._drop_companions(state)
-                self._restore(state, self.device)
+                with self.persistent_allocations():
+                    self._restore(state, self.device)
                 self._unpin(state)
         self.streamed = frozenset(self._state)
         self._holds_all = self._ring_holds_all()
@@ -820,9 +828,10 @@ class BlockStreamer:
                 f"the device ring needs {capacity + staging} bytes and {self.device} has {free} free: allocated "
                 "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
             )
-        self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
-        self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
+        with self.persistent_allocations():
+            self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
+            self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
         self._ring = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
         self._holds_all = self._ring_holds_all()
         if is_accelerator(self.device):

@@ -293,3 +293,43 @@ def test_the_recorder_costs_at_most_15_us_per_block_call() -> None:
     cost = per_block_call_us(best["every step"], best["off"])
     print(f"recorder: {cost:.1f} us per block call ({BLOCKS} blocks, {best['off'] * 1e3:.3f} ms/step without it)")
     assert cost <= 15, f"{cost:.1f} us per block call"
+
+
+def test_a_streamed_step_allocates_no_device_memory_of_its_own() -> None:
+    """The caching allocator's counts per step (``tests/test_steady_allocations.py`` on the CPU): streaming every
+    block and every module, from the third step on no segment comes from the driver and each step makes as
+    many allocations as the resident model's step, in the same bytes."""
+    model = transformer_stack(num_blocks=6, dim=256, heads=4)
+    x = torch.randn(2, 64, 256, device=CUDA)
+    resident = per_step_allocations(model.to(CUDA), x)
+    model.cpu()
+    for streaming in (
+        BlockStreamer(model.blocks, CUDA, range(len(model.blocks)), root=model, prefetch=1),
+        SequentialOffloader(model, CUDA, prefetch=1),
+    ):
+        model.embed.to(CUDA)
+        model.head.to(CUDA)
+        streaming.enable()
+        streamed = per_step_allocations(model, x)
+        streaming.disable()
+        for index in range(2, len(streamed)):
+            assert streamed[index]["segments"] == 0, (type(streaming).__name__, streamed)
+            assert streamed[index]["allocations"] == resident[index]["allocations"], (streamed, resident)
+            assert streamed[index]["bytes"] == resident[index]["bytes"], (streamed, resident)
+
+
+def per_step_allocations(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> list[dict[str, int]]:
+    """Per forward step: the segments the allocator took from the driver, its allocations and their bytes."""
+    keys = {"segments": "segment.all.allocated", "allocations": "allocation.all.allocated"}
+    counts = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_stats()
+            model(x)
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_stats()
+            step = {name: after[key] - before[key] for name, key in keys.items()}
+            step["bytes"] = after["allocated_bytes.all.allocated"] - before["allocated_bytes.all.allocated"]
+            counts.append(step)
+    return counts
