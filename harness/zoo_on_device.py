@@ -42,6 +42,7 @@ def run(names: Sequence[str], cpu: bool, dtype: torch.dtype | None) -> int:
             continue
         start = time.perf_counter()
         outcomes = []
+        bad = False
         try:
             model = tiny_dit.build(spec, dtype)
             reference = tiny_dit.sample(spec, model)
@@ -52,15 +53,17 @@ def run(names: Sequence[str], cpu: bool, dtype: torch.dtype | None) -> int:
                 copied = sum(span.bytes_copied for span in engine.recorder.latest().spans) if engine else 0
                 if engine is None or not copied:
                     outcomes.append(f"{node}: NOT STREAMED")
+                    bad = True
                 elif torch.equal(latent, reference):
                     outcomes.append(f"{node}: bitwise ({engine.runner.unit}s)")
                 else:
                     outcomes.append(f"{node}: DIFFERS {differs(latent, reference)}")
+                    bad = True
                 comfy.mm.unload_all_models()
         except Exception as error:  # every model is reported, then the run fails
             outcomes.append(f"FAILED: {type(error).__name__}: {str(error)[:300]}")
+            bad = True
             comfy.mm.unload_all_models()
-        bad = any(("NOT" in o or "DIFFERS" in o or "FAILED" in o) for o in outcomes)
         failed += bad
         print(f"{spec.name:32s} {time.perf_counter() - start:6.2f} s  {'; '.join(outcomes)}", flush=True)
     print(f"{failed} model(s) failed", flush=True)

@@ -127,7 +127,10 @@ class LoadedPatch:
         module = self._module()
         current = getattr(module, self.param)
         patches = self._staged_patches()
-        patched = as_loaded(module, self.param, current, self.key, patches, self._seed, None, self.dynamic_vram)
+        # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
+        # takes it as its working copy): the copy in the ring is the engine's own, to be copied afresh anyway.
+        work = current if is_plain(current) and not stored_by_layer(module) else None
+        patched = as_loaded(module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram)
         self._form = overwrite_in_place(current, patched, self.key)
         self.put_back()
 
@@ -168,8 +171,10 @@ def as_loaded(
     """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
     ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
     the module's ``convert_`` function, ``calculate_weight``, then its ``set_`` function (a quantized format
-    re-quantizes) or the seeded rounding to the stored dtype. A weight function (``handed``: ComfyUI's ops' copy
-    of the weight) gets it dequantized; ComfyUI's ops then compute with it as with a loaded weight.
+    re-quantizes) or the seeded rounding to the stored dtype. ``handed``: a copy of the weight the caller owns
+    (ComfyUI's ops' cast for a weight function, the ring's copy where it arrives), patched where it lies when it
+    is in the dtype the patch is computed in, as ComfyUI patches its own copy; a weight function gets a
+    quantized result dequantized, and ComfyUI's ops then compute with it as with a loaded weight.
 
     ``dynamic_vram``: the weight's model runs under Dynamic VRAM, which patches as it casts
     (``ModelPatcherDynamic``'s ``LowVramPatch``): in this compute dtype (``handed``'s at a call), the
@@ -184,7 +189,7 @@ def as_loaded(
         and convert_func is None
         and (dynamic_vram is not None or handed.dtype == stored.dtype)
     ):
-        temp = handed  # ComfyUI's ops hand over a copy of the weight, in the dtype the patch is computed in
+        temp = handed  # a copy the caller owns (ComfyUI's ops' cast, the ring's), in the dtype the patch needs
     else:
         temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
     if convert_func is not None:
@@ -253,7 +258,8 @@ def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -
         )
     with torch.no_grad():
         for target, part in zip(targets, sources, strict=True):
-            target.copy_(part)
+            if (target.data_ptr(), target.stride()) != (part.data_ptr(), part.stride()):  # else patched where it lies
+                target.copy_(part)
     return source if source.is_wrapper and source.context != into.context else None
 
 
@@ -344,9 +350,9 @@ def patch_streamed_weights(
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
     on_arrival: list[LoadedPatch] = []
+    twin_dtype = compute_dtype(model) if patched_as_cast is not None else None
     for name, module, routes in patched_parameters(model, streamed):
-        as_cast = patched_as_cast is not None and patched_as_cast(name, module)
-        computed_in = compute_dtype(model) if as_cast else None
+        computed_in = twin_dtype if patched_as_cast is not None and patched_as_cast(name, module) else None
         functions: dict[str, list] = {}
         arriving = []
         bake_now = []  # outside ComfyUI's ops: patched once, before packing
