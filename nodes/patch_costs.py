@@ -141,8 +141,10 @@ def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: s
         layer = copy.copy(module)
         layer._parameters = {**module._parameters, param: stored}
 
+        work = stored if is_plain(stored) and not stored_by_layer(module) else None  # as ``write_in_place``
+
         def at_a_call() -> torch.Tensor:
-            patched = as_loaded(layer, param, stored, key, staged, seed)
+            patched = as_loaded(layer, param, stored, key, staged, seed, work)
             overwrite_in_place(stored, patched, key)
             return stored
 
