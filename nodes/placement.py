@@ -9,7 +9,6 @@ from the next load on.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import sys
@@ -29,9 +28,9 @@ from ..offload import (
     StackCosts,
     StepTimeline,
     bake_decision,
-    best_plan,
     buffer_bytes,
     cache_key,
+    cached_best_plan,
     can_pin_memory,
     device_name,
     module_bytes,
@@ -45,10 +44,6 @@ from .fused_reads import read_by_parents
 from .patch_costs import patch_ms_per_unit
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
-
-# ComfyUI loads the model again for every prompt: the same costs and budget give the same answer (a search
-# of a 57-block Flux takes a second or two), so it is kept rather than searched again.
-_best_plan = functools.lru_cache(maxsize=16)(best_plan)
 
 
 @dataclass(frozen=True)
@@ -194,14 +189,17 @@ def _blocks(
             unplanned = (
                 f"; {len(untimed)} patched weights could not be timed ({untimed[0]}, ...): planned without their cost"
             )
-        costs = _cost_cache().get(cache_key(device_name(model.load_device), model_class, sizes))
+        cache, key = _cost_cache(), cache_key(device_name(model.load_device), model_class, sizes)
+        costs = cache.get(key)
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
             unplanned += "; not measured on this device yet, so this run measures it and the next one is planned"
         else:
             costs = dataclasses.replace(costs, patch_ms=patch_ms)
             try:
-                predicted = _best_plan(
+                predicted = cached_best_plan(
+                    cache,
+                    key,
                     costs,
                     sys.maxsize if budget_bytes is None else budget_bytes,
                     resident_count=None if budget_bytes is not None else count,

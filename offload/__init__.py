@@ -10,6 +10,7 @@
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
+from .cost_cache import CostCache, cache_key, cached_best_plan
 from .device import (
     CudaHostRegistrar,
     HostRegistrar,
@@ -30,12 +31,10 @@ from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import (
     PREFETCH_CHOICES,
     BakeDecision,
-    CostCache,
     Prediction,
     StackCosts,
     bake_decision,
     best_plan,
-    cache_key,
     lower_bound_ms,
     simulate,
 )
@@ -77,6 +76,7 @@ __all__ = [
     "best_plan",
     "buffer_bytes",
     "cache_key",
+    "cached_best_plan",
     "can_pin_memory",
     "device_ms",
     "device_name",

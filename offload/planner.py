@@ -27,14 +27,9 @@ copies the previous step issued for them.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import tempfile
-import time
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 from .plan import GIB, OffloadPlan
 from .residency import ResidencyPolicy, resident_indices
@@ -211,6 +206,17 @@ class Prediction:
         )
 
 
+def slow_copies(costs: StackCosts) -> StackCosts:
+    """``costs`` with copies ``SLOW_COPIES`` as fast as measured: what a placement is checked against."""
+    return replace(costs, bandwidth_gbps=costs.bandwidth_gbps * SLOW_COPIES)
+
+
+def predict(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False) -> Prediction:
+    """The step of ``plan``, and with ``slow_copies``, as the search reports the placement it chose."""
+    found = simulate(costs, plan, inline_copies=inline_copies)
+    return replace(found, slow_step_ms=simulate(slow_copies(costs), plan, inline_copies=inline_copies).step_ms)
+
+
 def lower_bound_ms(costs: StackCosts, streamed_bytes: int) -> float:
     """No placement streaming ``streamed_bytes`` per step beats this: compute, or the copies alone."""
     return max(costs.resident_step_ms, streamed_bytes / (costs.bandwidth_gbps * 1e6))
@@ -225,7 +231,9 @@ class _Step:
 
 
 class _Pipeline:
-    """BlockStreamer's bookkeeping, with clocks instead of tensors (see the module docstring)."""
+    """BlockStreamer's bookkeeping, with clocks instead of tensors (see the module docstring).
+
+    It runs thousands of times per search, so each block's figures are read into lists once."""
 
     def __init__(self, costs: StackCosts, plan: OffloadPlan, inline_copies: bool, trace: list | None) -> None:
         self.costs = costs
@@ -233,12 +241,17 @@ class _Pipeline:
         self.streamed = plan.streamed
         self.prefetch = plan.prefetch
         self.inline = inline_copies
-        largest = max((costs.block_bytes[i] for i in plan.streamed), default=0)
+        self.sizes = costs.block_bytes
+        self.copy_ms = [costs.copy_ms(block) for block in range(len(self.sizes))]
+        # What a call adds to its block's compute: the block's patches when it streams.
+        self.extra_ms = [costs.patch_of(block) if block in self.streamed else 0.0 for block in range(len(self.sizes))]
+        self.calls = list(zip(costs.gap_ms, costs.compute_ms, costs.calls, strict=True))
+        largest = max((self.sizes[i] for i in plan.streamed), default=0)
         self.ring = ByteRing(plan.slot_bytes, ring_granule(largest, plan.ring_bytes))
         self.ready_at: dict[int, float] = {}
         self.released_at: dict[int, float] = {}
         self.pending_bytes: dict[int, int] = {}  # copies not yet consumed by a call
-        self.expected = list(range(len(costs.block_bytes)))  # the first step assumes list order
+        self.expected = list(range(len(self.sizes)))  # the first step assumes list order
         self.order: list[int] = []
         self.clock = 0.0  # the compute stream (the host, with inline copies)
         self.copy_free = 0.0  # the copy stream
@@ -247,12 +260,29 @@ class _Pipeline:
         step = _Step(start=self.clock)
         self.order = []
         self._prefetch(held=set())
-        for gap, compute, block in zip(self.costs.gap_ms, self.costs.compute_ms, self.costs.calls, strict=True):
+        for gap, compute, block in self.calls:
             self._call(block, gap, compute, step)
         if self.order:
             self.expected = self.order
         self.clock += self.costs.tail_ms
         return self.clock - step.start, step
+
+    def state(self) -> tuple:
+        """What the next step depends on, its times taken from the clock (to a picosecond, so that sums
+        which differ in their last bits compare equal)."""
+
+        def since(moment: float) -> float:
+            return round(moment - self.clock, 9)
+
+        in_ring = sorted(self.ring.regions.items())
+        return (
+            self.ring.head,
+            tuple(in_ring),
+            tuple(sorted(self.pending_bytes)),
+            tuple((since(self.ready_at[b]), since(self.released_at.get(b, -math.inf))) for b, _ in in_ring),
+            since(self.copy_free),
+            tuple(self.expected),
+        )
 
     def _call(self, block: int, gap: float, compute: float, step: _Step) -> None:
         self.clock += gap
@@ -272,32 +302,37 @@ class _Pipeline:
             step.copied.append(False)
         step.stall += self.clock - arrive
         self._prefetch(held={block})
-        self.clock += compute + (self.costs.patch_of(block) if streamed else 0.0)
+        self.clock += compute + self.extra_ms[block]
         if streamed:
             self.released_at[block] = self.clock
         if self.trace is not None:
             self.trace.append(("end", block))
 
     def _prefetch(self, held: set[int]) -> None:
+        if len(self.ring.regions) == len(self.streamed):
+            return  # every streamed block stays in the ring: nothing left to copy
         upcoming = look_ahead(self.expected, len(self.order), self.streamed, self.prefetch)
         copy_ahead(upcoming, held, self.ring.regions, self._load)
 
     def _load(self, block: int, held: set[int]) -> bool:
-        placed = self.ring.place(block, self.costs.block_bytes[block], held)
+        nbytes = self.sizes[block]
+        placed = self.ring.place(block, nbytes, held)
         if placed is None:
             return False
         first, overwritten = placed
         if self.trace is not None:
-            self.trace.append(("copy", block, first, first + self.costs.block_bytes[block]))
-        duration = self.costs.copy_ms(block)
+            self.trace.append(("copy", block, first, first + nbytes))
+        duration = self.copy_ms[block]
         if self.inline:
             start = self.clock
             self.clock += duration
         else:
-            start = max([self.copy_free, *(self.released_at.get(other, 0.0) for other in overwritten)])
+            start = self.copy_free
+            for other in overwritten:
+                start = max(start, self.released_at.get(other, 0.0))
             self.copy_free = start + duration
         self.ready_at[block] = start + duration
-        self.pending_bytes[block] = self.costs.block_bytes[block]
+        self.pending_bytes[block] = nbytes
         return True
 
 
@@ -311,8 +346,14 @@ def simulate(
     if plan.block_bytes != costs.block_bytes:
         raise ValueError("the plan and the costs describe different stacks")
     pipeline = _Pipeline(costs, plan, inline_copies, trace)
+    state = None
     for _ in range(steps):
         duration, step = pipeline.run_step()
+        if trace is None:
+            # A step that ends in the state the previous one ended in is the steady step: every later one repeats it.
+            state, previous = pipeline.state(), state
+            if state == previous:
+                break
     return Prediction(plan, duration, step.stall, step.bytes_copied, tuple(step.copied))
 
 
@@ -342,20 +383,41 @@ def _greedy(
 ) -> Prediction | None:
     """Adds, one at a time, the block whose residency shortens the predicted step most: the best set of
     any size that fits, or the set once it holds ``count`` blocks (None if it cannot). ``grown`` hears
-    the set after each block added."""
+    the set after each block added.
+
+    Lazily: a block's gain (how much its residency shortened the step) is taken to shrink as the set grows,
+    so the gain it last showed bounds what it can show now. Each round simulates blocks in the order of the
+    step they could reach at best (that, or the step no placement streaming their bytes beats), and stops
+    once no block left could beat the best one simulated."""
     sizes = costs.block_bytes
     start = plan_for(frozenset())
     if start is None:
         return None
     resident: frozenset[int] = frozenset()
-    best = simulate(costs, start, inline_copies=inline_copies)
+    best = current = simulate(costs, start, inline_copies=inline_copies)
+    gains: dict[int, float] = {}  # the gain each block showed when last simulated
+    streamed_bytes = sum(sizes)
     while count is None or len(resident) < count:
-        plans = (plan_for(resident | {i}) for i in range(len(sizes)) if i not in resident)
-        options = [simulate(costs, plan, inline_copies=inline_copies) for plan in plans if plan is not None]
-        if not options:
+        plans = {i: plan_for(resident | {i}) for i in range(len(sizes)) if i not in resident}
+        floor = {
+            i: max(current.step_ms - gains.get(i, math.inf), lower_bound_ms(costs, streamed_bytes - sizes[i]))
+            for i, plan in plans.items()
+            if plan is not None
+        }
+        if not floor:
             return best if count is None else None
-        chosen = min(options, key=lambda p: p.step_ms)
+        chosen: Prediction | None = None
+        for i in sorted(floor, key=lambda i: (floor[i], i)):
+            if chosen is not None and floor[i] >= chosen.step_ms * (1 - TIE):
+                break
+            option = simulate(costs, plans[i], inline_copies=inline_copies)
+            gains[i] = current.step_ms - option.step_ms
+            if chosen is None or option.step_ms < chosen.step_ms * (1 - TIE):
+                chosen = option
+        assert chosen is not None
+        current = chosen
         resident = chosen.plan.resident
+        streamed_bytes = chosen.plan.streamed_bytes
         if grown is not None:
             grown.append(resident)
         if count is not None or _better(chosen, best):
@@ -407,10 +469,9 @@ def best_plan(
     as fast as measured is chosen: a placement with no slack loses every bit of a copy-speed shortfall.
     """
     sizes = costs.block_bytes
-    candidates: list[Prediction] = []
+    choice = _Choice(costs, inline_copies)
     if sum(sizes) <= budget_bytes and resident_count in (None, len(sizes)):
-        every = OffloadPlan(sizes, frozenset(range(len(sizes))), min(prefetch_choices), pin_memory, None)
-        candidates.append(simulate(costs, every, inline_copies=inline_copies))
+        choice.consider(OffloadPlan(sizes, frozenset(range(len(sizes))), min(prefetch_choices), pin_memory, None))
     # Each policy's plan: as many blocks as fit the budget, or the count asked for.
     size = {"budget_bytes": budget_bytes} if resident_count is None else {"resident_count": resident_count}
     grown: list[frozenset[int]] = []  # the greedy searches' sets, tried with a ring too
@@ -418,12 +479,12 @@ def best_plan(
         for policy in ResidencyPolicy:
             plan = OffloadPlan.build(sizes, **size, policy=policy, prefetch=prefetch, pin_memory=pin_memory)
             if plan.device_bytes() <= budget_bytes:
-                candidates.append(simulate(costs, plan, inline_copies=inline_copies))
+                choice.consider(plan)
         if resident_count is not None or prefetch <= GREEDY_PREFETCH_IN_A_BUDGET:
             pool = _pool_plans(sizes, prefetch, budget_bytes, pin_memory)
             greedy = _greedy(costs, pool, inline_copies, resident_count, grown)
             if greedy is not None:
-                candidates.append(greedy)
+                choice.add(greedy)
     if resident_count is None:
         # Each policy at every count (fewer resident blocks leave a larger ring, which may hide more), and
         # every set the greedy searches grew block by block.
@@ -435,25 +496,62 @@ def best_plan(
         for resident, policy in [*sets, *dict.fromkeys((resident, None) for resident in grown)]:
             plan = OffloadPlan.with_ring(sizes, resident, budget_bytes, pin_memory, policy)
             if plan is not None:
-                candidates.append(simulate(costs, plan, inline_copies=inline_copies))
-    if not candidates:
+                choice.consider(plan)
+    if choice.best is None:
         smallest = ring_capacity(max(sizes, default=0), min(prefetch_choices))
         raise ValueError(
             f"a budget of {budget_bytes / GIB:.2f} GiB holds no placement: streaming needs at least "
             f"{smallest / GIB:.2f} GiB of slots"
         )
-    fastest = min(candidate.step_ms for candidate in candidates)
-    slow_costs = replace(costs, bandwidth_gbps=costs.bandwidth_gbps * SLOW_COPIES)
-    near = [
-        replace(candidate, slow_step_ms=simulate(slow_costs, candidate.plan, inline_copies=inline_copies).step_ms)
-        for candidate in candidates
-        if candidate.step_ms <= fastest * (1 + NEAR)
-    ]
-    best = near[0]
-    for candidate in near[1:]:
-        if _better(candidate, best):
-            best = candidate
-    return best
+    return choice.best
+
+
+class _Choice:
+    """The candidates of one search, and the one it chooses: of those predicted within ``NEAR`` of the
+    fastest, in the order they came, each replacing the one chosen so far when ``_better``.
+
+    A candidate is simulated only if it could change the choice: its lower bound (``lower_bound_ms``: the
+    compute, or its copies alone) must come within ``NEAR`` of the fastest so far; and once the chosen one is
+    within ``NEAR`` of the compute (no later candidate can then push it out), that bound, with copies as fast
+    as measured and ``SLOW_COPIES`` as fast, must beat it."""
+
+    def __init__(self, costs: StackCosts, inline_copies: bool) -> None:
+        self.costs = costs
+        self.slow_costs = slow_copies(costs)
+        self.inline = inline_copies
+        self.fastest = math.inf
+        self.near: list[Prediction] = []  # within NEAR of the fastest, with their slow step
+        self.best: Prediction | None = None
+
+    def consider(self, plan: OffloadPlan) -> None:
+        bound = lower_bound_ms(self.costs, plan.streamed_bytes)
+        if bound > self.fastest * (1 + NEAR):
+            return
+        if self.best is not None and self.best.step_ms <= self.costs.resident_step_ms * (1 + NEAR):
+            at_best = Prediction(plan, bound, 0.0, 0, (), lower_bound_ms(self.slow_costs, plan.streamed_bytes))
+            if not _better(at_best, self.best):
+                return
+        self.add(simulate(self.costs, plan, inline_copies=self.inline))
+
+    def add(self, candidate: Prediction) -> None:
+        if candidate.step_ms > self.fastest * (1 + NEAR):
+            return
+        candidate = replace(
+            candidate, slow_step_ms=simulate(self.slow_costs, candidate.plan, inline_copies=self.inline).step_ms
+        )
+        if candidate.step_ms < self.fastest:
+            self.fastest = candidate.step_ms
+            kept = [c for c in self.near if c.step_ms <= self.fastest * (1 + NEAR)]
+            if len(kept) < len(self.near):
+                self.near, self.best = [], None
+                for earlier in kept:
+                    self._fold(earlier)
+        self._fold(candidate)
+
+    def _fold(self, candidate: Prediction) -> None:
+        self.near.append(candidate)
+        if self.best is None or _better(candidate, self.best):
+            self.best = candidate
 
 
 #: Patches applied once into blocks' host buffers instead of at each call must save at least this share of a step:
@@ -512,57 +610,3 @@ def bake_decision(
     cost = sum(costs.patch_of(block) + BAKE_COPIES * costs.copy_ms(block) for block in candidates)
     worth = saving >= BAKE_MIN_SAVING * patched_ms and saving * steps_run >= BAKE_PAYBACK * cost
     return BakeDecision(candidates if worth else frozenset(), saving, cost, steps_run)
-
-
-def cache_key(device_name: str, architecture: str, block_bytes: Sequence[int]) -> str:
-    """Measurements hold for one device and one stack shape (block count and sizes)."""
-    return f"{device_name} | {architecture} | {len(block_bytes)} blocks | {sum(block_bytes)} bytes"
-
-
-class CostCache:
-    """Measured ``StackCosts`` by ``cache_key``, in one small JSON file.
-
-    The newest ``limit`` entries are kept. A missing or unreadable file is an empty cache:
-    measurements are only ever a shortcut, never a requirement.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], limit: int = 64) -> None:
-        self.path = Path(path)
-        self.limit = limit
-
-    def _entries(self) -> dict[str, dict]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        entries = data.get("entries") if isinstance(data, dict) else None
-        return entries if isinstance(entries, dict) else {}
-
-    def get(self, key: str) -> StackCosts | None:
-        entry = self._entries().get(key)
-        if entry is None:
-            return None
-        try:
-            return StackCosts.from_dict(entry["costs"])
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def put(self, key: str, costs: StackCosts) -> None:
-        entries = self._entries()
-        entries.pop(key, None)
-        entries[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "costs": costs.as_dict()}
-        kept = dict(list(entries.items())[-self.limit :])
-        # Written whole then renamed, so a reader never sees half a file. The write happens as a model is
-        # unloaded or handed over: a failure (a full disk; on Windows, a reader holding the file makes the
-        # rename raise PermissionError) costs the measurement only, never the unload.
-        temporary = None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as handle:
-                temporary = handle.name
-                json.dump({"version": 1, "entries": kept}, handle, indent=1)
-            os.replace(temporary, self.path)
-        except OSError as error:
-            logging.warning(f"Block Offload: could not keep the measured costs in {self.path} ({error})")
-            if temporary is not None:
-                Path(temporary).unlink(missing_ok=True)

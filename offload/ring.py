@@ -56,37 +56,38 @@ class ByteRing:
         """A region of ``nbytes`` for ``block``: its start and the blocks it overwrites (their regions are
         dropped), or None when every stretch that fits would overwrite a ``held`` block."""
         size = aligned(nbytes)
-        start, end = self.head, self.head + size
-        overwritten = [other for other, (a, b) in self.regions.items() if a < end and start < b]
-        if end > self.capacity or any(other in held for other in overwritten):
-            start = self._free_start(size, held)
-            if start is None:
+        start = self.head
+        overwritten = self._overlapping(start, start + size) if start + size <= self.capacity else None
+        if overwritten is None or any(other in held for other in overwritten):
+            free = self._free_start(size, held)
+            if free is None:
                 return None
-            end = start + size
-            overwritten = [other for other, (a, b) in self.regions.items() if a < end and start < b]
+            start = free
+            overwritten = self._overlapping(start, start + size)
         for other in overwritten:
             del self.regions[other]
-        self.regions[block] = (start, end)
-        after = aligned(end, self.granule)
+        self.regions[block] = (start, start + size)
+        after = aligned(start + size, self.granule)
         self.head = after if after < self.capacity else 0
         return start, overwritten
+
+    def _overlapping(self, start: int, end: int) -> list[int]:
+        return [other for other, (a, b) in self.regions.items() if a < end and start < b]
 
     def _free_start(self, size: int, held: Container[int]) -> int | None:
         """Where a region of ``size`` overwrites nothing held: the head when it can, else the start of the
         free stretch (between held regions) nearest after it."""
+        head, capacity, granule = self.head, self.capacity, self.granule
         bounds = sorted(region for other, region in self.regions.items() if other in held)
-        best = None
+        best, best_after = None, capacity  # the start found nearest after the head, and how far after it
         low = 0
-        for high, next_low in [*bounds, (self.capacity, self.capacity)]:
+        for high, next_low in [*bounds, (capacity, capacity)]:
             # The stretch [low, high) holds nothing held; a region fits at its start, or at the head inside it.
-            for start in (self.head, low) if low <= self.head < high else (low,):
-                if start + size <= high and (best is None or self._after_head(start) < self._after_head(best)):
-                    best = start
-            low = aligned(max(low, next_low), self.granule)
+            for start in (head, low) if low <= head < high else (low,):
+                if start + size <= high and (start - head) % capacity < best_after:
+                    best, best_after = start, (start - head) % capacity
+            low = aligned(max(low, next_low), granule)
         return best
-
-    def _after_head(self, start: int) -> int:
-        return (start - self.head) % self.capacity
 
     def drop(self, block: int) -> None:
         self.regions.pop(block, None)

@@ -21,7 +21,7 @@ import torch
 
 from harness.inprocess import async_offload, sample, wan
 
-from block_offload.offload import PinnedMemoryBudget, planner, use_host_registrar
+from block_offload.offload import PinnedMemoryBudget, cost_cache, planner, use_host_registrar
 from block_offload.offload import device as device_module
 from block_offload.offload import streamer as streamer_module
 
@@ -284,12 +284,12 @@ def test_a_cost_cache_that_cannot_be_written_costs_the_measurement_only(
     tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On Windows a reader holding the file makes the rename raise PermissionError, as an unload writes it."""
-    cache = planner.CostCache(tmp_path / "costs.json")
+    cache = cost_cache.CostCache(tmp_path / "costs.json")
 
     def refused(*args: object) -> None:
         raise PermissionError(13, "The process cannot access the file because it is being used by another process")
 
-    monkeypatch.setattr(planner.os, "replace", refused)
+    monkeypatch.setattr(cost_cache.os, "replace", refused)
     costs = planner.StackCosts.uniform(num_blocks=2, compute_ms=1.0, block_bytes=10, bandwidth_gbps=1.0)
     with caplog.at_level(logging.WARNING):
         cache.put("key", costs)

@@ -18,21 +18,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness import planner_shapes
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
 from harness.inprocess import async_offload, flux, sample, wan
 from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_lines, run
 from harness.transformer_stack import transformer_stack
 
-from block_offload.offload import GIB, BlockStreamer, OffloadPlan, ResidencyPolicy, TimelineRecorder, module_bytes
+from block_offload.offload import (
+    GIB,
+    BlockStreamer,
+    OffloadPlan,
+    ResidencyPolicy,
+    TimelineRecorder,
+    cost_cache,
+    module_bytes,
+)
+from block_offload.offload.cost_cache import CostCache, cache_key, cached_best_plan
 from block_offload.offload.layout import aligned
 from block_offload.offload.planner import (
     PREFETCH_CHOICES,
-    CostCache,
+    Prediction,
     StackCosts,
     bake_decision,
     best_plan,
-    cache_key,
     lower_bound_ms,
     simulate,
 )
@@ -241,6 +250,38 @@ def test_search_for_a_resident_count_matches_brute_force() -> None:
         assert optimum * (1 - 1e-9) <= found.step_ms <= optimum * 1.05, case
 
 
+#: What the exhaustive search (every remaining block simulated at each greedy round, every candidate simulated)
+#: chose at commit 4769bbe, per benchmark stack and budget share: its predicted step in ms.
+SEARCH_REFERENCES = {
+    ("flux12b", 0.25): 353.1481,
+    ("flux12b", 0.5): 243.8214,
+    ("flux12b", 0.75): 170.0,
+    ("qwen20b", 0.25): 591.8519,
+    ("qwen20b", 0.5): 402.963,
+    ("qwen20b", 0.75): 300.0,
+    ("wan14b", 0.25): 2400.0,
+    ("wan14b", 0.5): 2400.0,
+    ("wan14b", 0.75): 2400.0,
+}
+
+
+@pytest.mark.parametrize(("shape", "share"), list(SEARCH_REFERENCES))
+def test_the_search_chooses_as_well_as_the_exhaustive_one_did(shape: str, share: float) -> None:
+    """The lazy search (greedy rounds that stop once no block left can do better, candidates skipped when their
+    bound cannot change the choice, steps simulated until they repeat) chooses on the benchmark stacks a
+    placement predicted within 1 % of what the exhaustive search chose, and that prediction is the plan's own
+    three-step simulation."""
+    costs = planner_shapes.SHAPES[shape]()
+    budget = planner_shapes.budget_bytes(costs, share)
+    found = best_plan(costs, budget)
+    assert found.plan.device_bytes() <= budget
+    assert found.step_ms <= SEARCH_REFERENCES[shape, share] * 1.01, found.plan.describe()
+    assert found.step_ms >= lower_bound_ms(costs, found.plan.streamed_bytes) * (1 - 1e-9)
+    full = simulate(costs, found.plan, steps=3, trace=[])  # a trace turns off the repeat check: all three steps
+    assert found.step_ms == pytest.approx(full.step_ms, rel=1e-9)
+    assert found.bytes_copied == full.bytes_copied and found.copied == full.copied
+
+
 def test_a_spread_placement_beats_the_leading_blocks_when_copies_matter() -> None:
     """The Flux case of the H100 records, scaled down: copies longer than a block's compute. Leading blocks
     leave the tail copy-bound; the planner spreads the same count so each copy hides behind resident ones."""
@@ -363,6 +404,41 @@ def test_cache_round_trip_newest_first_and_unreadable_file(tmp_path: Path) -> No
     assert cache.get(key) == costs
 
 
+def test_a_searched_placement_is_kept_beside_its_costs_and_placed_at_once_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first load searches and keeps its answer in the costs file; a later one (a new cache object on the
+    same file: a restarted ComfyUI) predicts the kept placement without searching, with the same figures.
+    Another budget, other patches or new measurements search again."""
+    path = tmp_path / "costs.json"
+    costs = planner_shapes.flux12b()
+    key = cache_key("NVIDIA H100", "Flux", costs.block_bytes)
+    budget = planner_shapes.budget_bytes(costs, 0.5)
+    CostCache(path).put(key, costs)
+    first = cached_best_plan(CostCache(path), key, costs, budget)
+    assert first == best_plan(costs, budget)
+    (kept,) = json.loads(path.read_text())["entries"][key]["plans"].values()
+    assert sorted(first.plan.resident) == kept["resident"]
+
+    searches: list[int] = []
+
+    def searched(*args: object, **kwargs: object) -> Prediction:
+        searches.append(1)
+        return best_plan(*args, **kwargs)
+
+    monkeypatch.setattr(cost_cache, "best_plan", searched)
+    again = cached_best_plan(CostCache(path), key, costs, budget)
+    assert again == first and searches == []
+    patched = replace(costs, patch_ms=(0.5,) * len(costs.block_bytes))
+    for other in ((costs, budget // 2), (patched, budget)):
+        cached_best_plan(CostCache(path), key, *other)
+    assert len(searches) == 2 and len(json.loads(path.read_text())["entries"][key]["plans"]) == 3
+    CostCache(path).put(key, replace(costs, bandwidth_gbps=27.0))  # measured again: its placements go
+    assert "plans" not in json.loads(path.read_text())["entries"][key]
+    cached_best_plan(CostCache(path), key, costs, budget)
+    assert len(searches) == 3
+
+
 def test_policy_plans_are_among_the_candidates() -> None:
     """The search never does worse than any fixed policy at the same budget and prefetch."""
     costs = random_stack(random.Random(3), n=12, uniform=False)
@@ -434,6 +510,9 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
     assert key.startswith(f"cpu | WanModel | {tm.WAN21_LAYERS} blocks")
     costs = StackCosts.from_dict(entries[key]["costs"])
     assert costs.calls == tuple(range(tm.WAN21_LAYERS)) and costs.bandwidth_gbps > 0
+    # The second load's placement is kept beside them: a restarted ComfyUI places at once.
+    kept = list(entries[key]["plans"].values())
+    assert kept and all(tuple(plan["block_bytes"]) == costs.block_bytes for plan in kept), kept
 
 
 # -- Async Block Offload with policy "auto": the count is the user's, the planner picks which blocks ----------
