@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from .layout import aligned
 from .plan import GIB, OffloadPlan
 from .residency import ResidencyPolicy, resident_indices
 from .ring import ByteRing, ring_capacity, ring_granule
@@ -51,6 +52,9 @@ PREFETCH_CHOICES = (0, 1, 2, 3)
 #: Within a budget, the deepest prefetch whose slots the greedy search fills block by block: the rings
 #: sized in bytes copy further ahead, and each greedy search costs seconds on a 57-block stack.
 GREEDY_PREFETCH_IN_A_BUDGET = 1
+#: A greedy search at a prefetch depth whose policy plans all come out this much slower than the fastest placement
+#: found is not run within a budget: block by block it gained at most a few percent over the best policy.
+GREEDY_REACH = 0.1
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,54 @@ class Prediction:
         )
 
 
+def least_step_ms(costs: StackCosts, plan: OffloadPlan, inline_copies: bool = False) -> float:
+    """No step of ``plan`` is shorter: its compute with the streamed blocks' patches, and the copies of the
+    streamed blocks a step calls, each once, unless the ring holds them all (then they stay in it). With
+    ``inline_copies`` the copies run between the computes, so the two add up; else they overlap at best."""
+    return _StepFloor.of(costs, plan).least_ms(plan, inline_copies)
+
+
+@dataclass(frozen=True)
+class _StepFloor:
+    """``least_step_ms``'s terms for a set of streamed blocks, from which one block is taken out cheaply (the
+    greedy search bounds every candidate of a round so)."""
+
+    compute_ms: float  # every call's compute, and the patches of the streamed blocks' calls
+    copy_ms: float  # a copy of each streamed block a step calls
+    called: frozenset[int]  # the streamed blocks a step calls
+    called_bytes: int  # their bytes as a ring sized in bytes places them
+
+    @classmethod
+    def of(cls, costs: StackCosts, plan: OffloadPlan) -> _StepFloor:
+        streamed = plan.streamed
+        called = frozenset(costs.calls) & streamed
+        patches = sum(costs.patch_of(block) for block in costs.calls if block in streamed)
+        return cls(
+            costs.resident_step_ms + patches,
+            sum(costs.copy_ms(block) for block in called),
+            called,
+            sum(aligned(costs.block_bytes[block]) for block in called),
+        )
+
+    def without(self, costs: StackCosts, block: int) -> _StepFloor:
+        """The terms with ``block`` resident too."""
+        if block not in self.called:
+            return self
+        patches = sum(costs.patch_of(block) for call in costs.calls if call == block) if costs.patch_ms else 0.0
+        return _StepFloor(
+            self.compute_ms - patches,
+            self.copy_ms - costs.copy_ms(block),
+            self.called - {block},
+            self.called_bytes - aligned(costs.block_bytes[block]),
+        )
+
+    def least_ms(self, plan: OffloadPlan, inline_copies: bool) -> float:
+        # A ring sized in bytes places regions of their own size; a default ring one block in each slot.
+        stays = self.called_bytes <= plan.slot_bytes if plan.ring_bytes else len(self.called) <= plan.prefetch + 1
+        copies = 0.0 if stays else self.copy_ms
+        return self.compute_ms + copies if inline_copies else max(self.compute_ms, copies)
+
+
 def slow_copies(costs: StackCosts) -> StackCosts:
     """``costs`` with copies ``SLOW_COPIES`` as fast as measured: what a placement is checked against."""
     return replace(costs, bandwidth_gbps=costs.bandwidth_gbps * SLOW_COPIES)
@@ -280,7 +332,7 @@ class _Pipeline:
             tuple(in_ring),
             tuple(sorted(self.pending_bytes)),
             tuple((since(self.ready_at[b]), since(self.released_at.get(b, -math.inf))) for b, _ in in_ring),
-            since(self.copy_free),
+            0.0 if self.inline else since(self.copy_free),  # inline, copies run on the clock
             tuple(self.expected),
         )
 
@@ -396,11 +448,11 @@ def _greedy(
     resident: frozenset[int] = frozenset()
     best = current = simulate(costs, start, inline_copies=inline_copies)
     gains: dict[int, float] = {}  # the gain each block showed when last simulated
-    streamed_bytes = sum(sizes)
     while count is None or len(resident) < count:
         plans = {i: plan_for(resident | {i}) for i in range(len(sizes)) if i not in resident}
+        terms = _StepFloor.of(costs, current.plan)
         floor = {
-            i: max(current.step_ms - gains.get(i, math.inf), lower_bound_ms(costs, streamed_bytes - sizes[i]))
+            i: max(current.step_ms - gains.get(i, math.inf), terms.without(costs, i).least_ms(plan, inline_copies))
             for i, plan in plans.items()
             if plan is not None
         }
@@ -417,7 +469,6 @@ def _greedy(
         assert chosen is not None
         current = chosen
         resident = chosen.plan.resident
-        streamed_bytes = chosen.plan.streamed_bytes
         if grown is not None:
             grown.append(resident)
         if count is not None or _better(chosen, best):
@@ -475,16 +526,22 @@ def best_plan(
     # Each policy's plan: as many blocks as fit the budget, or the count asked for.
     size = {"budget_bytes": budget_bytes} if resident_count is None else {"resident_count": resident_count}
     grown: list[frozenset[int]] = []  # the greedy searches' sets, tried with a ring too
+    by_policy: dict[int, float] = {}  # the fastest policy plan at each prefetch depth
     for prefetch in prefetch_choices:
         for policy in ResidencyPolicy:
             plan = OffloadPlan.build(sizes, **size, policy=policy, prefetch=prefetch, pin_memory=pin_memory)
             if plan.device_bytes() <= budget_bytes:
-                choice.consider(plan)
-        if resident_count is not None or prefetch <= GREEDY_PREFETCH_IN_A_BUDGET:
-            pool = _pool_plans(sizes, prefetch, budget_bytes, pin_memory)
-            greedy = _greedy(costs, pool, inline_copies, resident_count, grown)
-            if greedy is not None:
-                choice.add(greedy)
+                predicted = simulate(costs, plan, inline_copies=inline_copies)
+                by_policy[prefetch] = min(by_policy.get(prefetch, math.inf), predicted.step_ms)
+                choice.add(predicted)
+    greedy_depths = [p for p in prefetch_choices if resident_count is not None or p <= GREEDY_PREFETCH_IN_A_BUDGET]
+    for prefetch in sorted(greedy_depths, key=lambda p: by_policy.get(p, math.inf)):
+        if by_policy.get(prefetch, math.inf) > choice.fastest * (1 + GREEDY_REACH) and resident_count is None:
+            continue
+        pool = _pool_plans(sizes, prefetch, budget_bytes, pin_memory)
+        greedy = _greedy(costs, pool, inline_copies, resident_count, grown)
+        if greedy is not None:
+            choice.add(greedy)
     if resident_count is None:
         # Each policy at every count (fewer resident blocks leave a larger ring, which may hide more), and
         # every set the greedy searches grew block by block.
@@ -510,8 +567,8 @@ class _Choice:
     """The candidates of one search, and the one it chooses: of those predicted within ``NEAR`` of the
     fastest, in the order they came, each replacing the one chosen so far when ``_better``.
 
-    A candidate is simulated only if it could change the choice: its lower bound (``lower_bound_ms``: the
-    compute, or its copies alone) must come within ``NEAR`` of the fastest so far; and once the chosen one is
+    A candidate is simulated only if it could change the choice: its lower bound (``least_step_ms``: the
+    compute, and its copies) must come within ``NEAR`` of the fastest so far; and once the chosen one is
     within ``NEAR`` of the compute (no later candidate can then push it out), that bound, with copies as fast
     as measured and ``SLOW_COPIES`` as fast, must beat it."""
 
@@ -524,11 +581,11 @@ class _Choice:
         self.best: Prediction | None = None
 
     def consider(self, plan: OffloadPlan) -> None:
-        bound = lower_bound_ms(self.costs, plan.streamed_bytes)
+        bound = least_step_ms(self.costs, plan, self.inline)
         if bound > self.fastest * (1 + NEAR):
             return
         if self.best is not None and self.best.step_ms <= self.costs.resident_step_ms * (1 + NEAR):
-            at_best = Prediction(plan, bound, 0.0, 0, (), lower_bound_ms(self.slow_costs, plan.streamed_bytes))
+            at_best = Prediction(plan, bound, 0.0, 0, (), least_step_ms(self.slow_costs, plan, self.inline))
             if not _better(at_best, self.best):
                 return
         self.add(simulate(self.costs, plan, inline_copies=self.inline))

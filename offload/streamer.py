@@ -33,6 +33,7 @@ every prompt) neither copies nor pins the streamed weights again.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -87,14 +88,15 @@ def eager(hook: Callable) -> Callable:
 
 def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> Iterator[int]:
     """The next ``count`` streamed blocks of the call ``order`` from ``position``, wrapping into the next step."""
+    if count <= 0:
+        return
     seen: set[int] = set()
-    for offset in range(len(order)):
-        if len(seen) == count:
-            return
-        index = order[(position + offset) % len(order)]
+    for index in itertools.chain(itertools.islice(order, position, None), itertools.islice(order, position)):
         if index in streamed and index not in seen:
             seen.add(index)
             yield index
+            if len(seen) == count:
+                return
 
 
 def copy_ahead(

@@ -446,3 +446,35 @@ def test_the_lora_cost_benchmark_measures_every_row_on_the_cpu(
     # make negative at one round (as it did once, the CPU shared: -413 ms).
     assert len(rows) == 7 and all(math.isfinite(ms) for ms in rows.values()), rows
     assert rows["planner's patch cost"] > 0
+
+
+def test_the_first_load_benchmark_times_comfyui_and_the_pack_from_the_file(tmp_path: Path) -> None:
+    """bench/first_load.py on a 4-block Wan: both sides loaded and stepped in every round; the automatic placement
+    measured on its first load and placed from the kept search on the third."""
+    args = ["--dim", "256", "--ffn", "512", "--layers", "4", "--budget", "0.9", "--rounds", "3"]
+    args += ["--folder", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.first_load", *args], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rounds = [line for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 3 and all("ComfyUI" in line and "pack" in line for line in rounds), done.stdout
+    for label in ("loaded", "first step done"):
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith(f"{label}, median of 3")]
+        assert float(line.rsplit(" ", 1)[1].rstrip("x")) > 0, line
+    log = done.stdout + done.stderr
+    assert "this run measures it and the next one is planned" in log and "chosen by the planner" in log, log
+
+
+def test_the_search_benchmark_times_and_counts_every_budget() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.planner_speed", "--shapes", "wan14b", "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| wan14b")]
+    assert [row[2].strip() for row in rows] == ["25%", "50%", "75%"], done.stdout
+    assert all(int(row[4]) > 0 and "2400.0 ms predicted" in row[5] for row in rows), done.stdout
