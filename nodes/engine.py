@@ -24,10 +24,10 @@ from ..offload import (
     BakeDecision,
     BlockStreamer,
     OffloadPlan,
+    ParkingLot,
     Runner,
     SequentialOffloader,
     TimelineRecorder,
-    parked_from_file,
     read_bandwidth,
     release_freed_host_memory,
     streamed_modules,
@@ -148,13 +148,15 @@ def start_engine(
     request: OffloadRequest,
     placement: Placement,
     device: torch.device,
+    parking: ParkingLot,
     last_order: CallOrder | None = None,
     history: PatchHistory | None = None,
 ) -> Engine:
     """Streams ``placement``'s blocks of ``model`` (ComfyUI has loaded the rest): their weight patches
     applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them.
     ``last_order``: the model's last engine's call order (``call_order_of``), where the first step starts;
-    ``history``: the patches its last engines ran, which may make baking them pay (``_bake``)."""
+    ``history``: the patches its last engines ran, which may make baking them pay (``_bake``); ``parking``: the
+    model's parked host buffers, which the engine takes over and parks into."""
     # Weights ComfyUI page-locked in place (its partial unload registers what it moves to the host) are
     # unregistered through ComfyUI before the engine packs them: packing frees the originals, and
     # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
@@ -164,7 +166,7 @@ def start_engine(
     fast_disk = on_fast_disk(model)
     file_options, in_host = _file_tier_options(request, units, recurse, fast_disk)
     read_each_step = file_options.get("read_each_step", frozenset())
-    baking = _bake(model, request, placement, units, read_each_step, in_host, history)
+    baking = _bake(model, request, placement, units, read_each_step, in_host, history, parking)
     baked = baking.blocks if baking is not None else frozenset()
     # Only a block plan bakes: the sequential wrapper's model may have no block list.
     baked_names = frozenset(block_names(model)[index] for index in baked) if baked else frozenset()
@@ -175,7 +177,12 @@ def start_engine(
     adapters = AdapterStaging.of(patching, units, recurse)
     arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    streaming = {"companions": adapters.companions, "contents": contents, "transforms": arrival.transforms()}
+    streaming = {
+        "companions": adapters.companions,
+        "contents": contents,
+        "transforms": arrival.transforms(),
+        "parking": parking,
+    }
     runner = _runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
     adapters.bind(runner)
     runner.enable()
@@ -281,6 +288,7 @@ def _bake(
     read_each_step: frozenset[int],
     in_host: frozenset[int],
     history: PatchHistory | None,
+    parking: ParkingLot,
 ) -> BakeDecision | None:
     """Whether this engine bakes its streamed blocks' patches into their host buffers (``placement.bake``). Only
     a Dynamic VRAM twin's blocks held in host memory can: their originals are views of the checkpoint file, to
@@ -288,7 +296,7 @@ def _bake(
     file tier's reads bound the step as the last engine measured them."""
     if not request.dynamic_vram_twin or placement.plan is None:
         return None
-    candidates = in_host | frozenset(index for index, unit in units.items() if parked_from_file(unit))
+    candidates = in_host | frozenset(index for index, unit in units.items() if parking.from_file(unit))
     same = history is not None and history.patches == model.patches_uuid
     steps = history.steps if same else 0
     least_ms = 0.0
@@ -321,7 +329,8 @@ def _runner(
 ) -> Runner:
     """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
     streamed blocks), with ``_file_tier_options``' and the patches' ``streaming`` options: the units'
-    ``companions``, their host buffer ``contents`` (blocks only) and the ``transforms``."""
+    ``companions``, their host buffer ``contents`` (blocks only), the ``transforms``, and the model's
+    ``parking``."""
     diffusion_model = model.model.diffusion_model
     if plan is None:
         streaming.pop("contents")  # only blocks bake

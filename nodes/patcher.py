@@ -28,7 +28,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
-from ..offload import GIB, OffloadPlan, place_falling_back, unpark
+from ..offload import GIB, OffloadPlan, place_falling_back
 from . import report
 from .blocks import inside
 from .device_patches import refuse_reshaping_patches
@@ -221,7 +221,9 @@ class BlockOffloadPatcher(ModelPatcher):
         if not placement.streamed:
             return
         if state.engine is None:
-            state.engine = start_engine(self, request, placement, device_to, state.call_order, state.patch_history)
+            state.engine = start_engine(
+                self, request, placement, device_to, state.parking, state.call_order, state.patch_history
+            )
             self._check_resident_loaded(request, offered)
         state.owner = self.patcher_id
         self.model.model_lowvram = True  # the streamed blocks are not on the device
@@ -278,8 +280,8 @@ class BlockOffloadPatcher(ModelPatcher):
         elif unpatch_weights:
             # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
             self._stop_streaming()
-            unpark(self.model.modules())
             state = state_of(self.model)
+            state.parking.unpark(self.model.modules())
             state.hidden = frozenset()  # blocks parked earlier are ordinary weights again
             state.parked_load = None
             unpatched = super().unpatch_model(device_to, unpatch_weights)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from ..offload import ParkingLot
 
 if TYPE_CHECKING:
     from .engine import Engine, PatchHistory
@@ -37,6 +39,9 @@ class ModelState:
     # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
     call_order: tuple[str, int, tuple[int, ...]] | None = None
     patch_history: PatchHistory | None = None  # the patches the last engines ran, and for how many steps
+    # The host buffers the model's engines parked on stopping, for the next engine to take over; freed (the
+    # blocks given memory of their own) at a real unload.
+    parking: ParkingLot = field(default_factory=ParkingLot)
 
 
 def state_of(model: nn.Module) -> ModelState:

@@ -26,6 +26,7 @@ from .device import (
 from .discovery import FoundBlocks, NoBlocksError, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
 from .host_memory import release_freed_host_memory
+from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import (
@@ -42,7 +43,7 @@ from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .step_aside import StepAside, platform_aside, step_aside
-from .streamer import BlockStreamer, parked_from_file, unpark
+from .streamer import BlockStreamer
 from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "MemorySnapshot",
     "ModuleState",
     "OffloadPlan",
+    "ParkingLot",
     "PinnedMemoryBudget",
     "ReadSpan",
     "Prediction",
@@ -93,8 +95,6 @@ __all__ = [
     "simulate",
     "step_aside",
     "streamed_modules",
-    "parked_from_file",
-    "unpark",
     "unsupported_torch",
     "use_host_registrar",
 ]

@@ -20,6 +20,7 @@ from torch import nn
 
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf, module_stored_bytes
+from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import stream_buffer_bytes
 from .streamer import BlockStreamer, eager
@@ -106,12 +107,13 @@ class SequentialOffloader:
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
         persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
+        parking: ParkingLot | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
         ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
         ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
         module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
-        ``persistent_allocations``: see ``BlockStreamer``."""
+        ``persistent_allocations`` and ``parking``: see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -136,6 +138,7 @@ class SequentialOffloader:
             transforms=transforms,
             holders=holders,
             persistent_allocations=persistent_allocations,
+            parking=parking,
         )
         self._promotion_hook = None
 

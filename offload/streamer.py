@@ -25,10 +25,11 @@ out of order or are skipped cost a miss (an unhidden copy) at most once.
 
 Stopping can *park* instead of restoring: blocks that came from the CPU keep
 their host buffers, which then are their only storage (valid CPU tensors holding
-exactly the weights). The next streamer enabled on the same modules adopts a
-parked buffer while the modules still use exactly its views, so a host that
-hands a model from one streamer to the next (ComfyUI loads a new clone for
-every prompt) neither copies nor pins the streamed weights again.
+exactly the weights), in the streamer's ``ParkingLot`` (``offload/parking.py``).
+The next streamer enabled on the same modules with the same lot adopts a parked
+buffer while the modules still use exactly its views, so a host that hands a
+model from one streamer to the next (ComfyUI loads a new clone for every prompt)
+neither copies nor pins the streamed weights again.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .device import (
 )
 from .file_source import FileSlice, stamps
 from .layout import BlockLayout, DtypeOf, TensorForm, aligned
+from .parking import ParkedBuffer, ParkingLot, leave, same_memory, signature
 from .pinning import PinnedMemoryBudget
 from .reader import BlockRead, FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
@@ -160,85 +162,6 @@ class _StreamedBlock:
         return aligned(self.layout.nbytes) + extra
 
 
-@dataclass(frozen=True)
-class _ParkedBuffer:
-    """A parked block's host buffer, known only weakly: the module's tensors are what keep it alive."""
-
-    storage: weakref.ref[torch.UntypedStorage]
-    nbytes: int
-    signature: tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]
-    pinned: bool
-    recurse: bool  # laid out with the block's submodules, or its own tensors only
-    # Its pinned bytes' reservation, released when the buffer is freed, or taken back by an adopting share.
-    reservation: weakref.finalize | None
-    # A block packed from its file: its parts as views of the file, which a real unload points it back at.
-    originals: tuple[torch.Tensor, ...] | None = None
-    content: Hashable = None  # what the host wrote over the weights as packed
-
-    def host(self) -> torch.Tensor | None:
-        storage = self.storage()
-        if storage is None:
-            return None
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))
-
-
-# Keyed weakly by the block module: a deleted model takes its parked buffers (and their reservations) with it.
-_PARKED: weakref.WeakKeyDictionary[nn.Module, _ParkedBuffer] = weakref.WeakKeyDictionary()
-
-
-def _signature(layout: BlockLayout) -> tuple[tuple[str, bool, int, torch.Size, torch.dtype], ...]:
-    # No owner modules: a value of the weak registry must not keep its key alive.
-    return tuple(
-        (slot.name, slot.is_parameter, part.offset, part.shape, part.dtype)
-        for slot in layout.slots
-        for part in slot.parts
-    )
-
-
-def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
-    return (
-        tensor.device == view.device
-        and tensor.data_ptr() == view.data_ptr()
-        and tensor.dtype == view.dtype
-        and tensor.shape == view.shape
-        and tensor.stride() == view.stride()
-    )
-
-
-def parked_from_file(module: nn.Module) -> bool:
-    """Whether ``module`` is parked on a host buffer packed from its file (whose views it goes back to)."""
-    parked = _PARKED.get(module)
-    return parked is not None and parked.originals is not None and parked.host() is not None
-
-
-def unpark(modules: Iterable[nn.Module]) -> None:
-    """Gives the parked blocks among ``modules`` memory of their own again (a copy of what they hold),
-    so that their host buffers, pinned ones included, are freed: what a host's real unload calls."""
-    for module in modules:
-        parked = _PARKED.pop(module, None)
-        if parked is not None:
-            _leave_buffer(module, parked)
-
-
-def _leave_buffer(module: nn.Module, parked: _ParkedBuffer) -> None:
-    """Points ``module``'s parts that are views of its parked buffer at memory of their own: its file's views
-    for a block packed from its file, else a copy."""
-    host = parked.host()
-    if host is None:
-        return
-    start, end = host.data_ptr(), host.data_ptr() + parked.nbytes
-    layout = BlockLayout.of(module, recurse=parked.recurse)
-    current = layout.current()
-    originals = parked.originals or current
-    parts = tuple(
-        (original if parked.originals else part.clone())
-        if part.device.type == "cpu" and start <= part.data_ptr() < end
-        else part
-        for part, original in zip(current, originals, strict=True)
-    )
-    layout.point_at(layout.assemble(parts))
-
-
 @dataclass
 class _ActiveCall:
     block: int
@@ -279,6 +202,8 @@ class BlockStreamer:
     to the next (its ring and staging buffer, a block made resident) and around their frees, some of which
     happen inside a block call (a ring released with ``release_device_buffers`` is allocated again by the next
     call): a host that records and replays the allocations of each call (ComfyUI's compiler) keeps them out.
+    ``parking``: where ``disable(park=True)`` leaves the blocks' host buffers and ``enable`` takes them over from
+    (``offload/parking.py``); without one the streamer neither parks nor adopts.
 
     Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in
     it) are never copied into memory of the process: a block of ``read_each_step`` has no host buffer and
@@ -313,6 +238,7 @@ class BlockStreamer:
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
         persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
+        parking: ParkingLot | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -335,6 +261,7 @@ class BlockStreamer:
         self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
         self.persistent_allocations = persistent_allocations
+        self.parking = parking
         self.staging_slots = staging_slots
         self.prefetch = prefetch
         self.pin_memory = pin_memory and can_pin_memory()
@@ -401,6 +328,8 @@ class BlockStreamer:
         """
         if not self.enabled:
             return
+        if park and self.parking is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
         self._finish_active()
         synchronize(self.device)
         for handle in self._handles:
@@ -711,30 +640,34 @@ class BlockStreamer:
         reservation = (
             self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
         )
-        _PARKED[self.blocks[index]] = _ParkedBuffer(
-            weakref.ref(storage),
-            state.host.numel(),
-            _signature(state.layout),
-            state.pinned,
-            self.recurse,
-            reservation,
-            state.originals if state.file_backed else None,
-            state.content,
+        assert self.parking is not None  # disable refuses to park without one
+        self.parking.park(
+            self.blocks[index],
+            ParkedBuffer(
+                weakref.ref(storage),
+                state.host.numel(),
+                signature(state.layout),
+                state.pinned,
+                self.recurse,
+                reservation,
+                state.originals if state.file_backed else None,
+                state.content,
+            ),
         )
 
     def _adopt(self, index: int, block: nn.Module) -> _StreamedBlock | None:
         """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
         packed from its file points at the file's views again, to be packed from them (never from a buffer
         that may hold other content, nor into a copy of its own that would outlive the streamer)."""
-        parked = _PARKED.pop(block, None)
+        parked = self.parking.take(block) if self.parking is not None else None
         if parked is None:
             return None
         adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
         if adopted is None and parked.originals is not None:
-            _leave_buffer(block, parked)
+            leave(block, parked)
         return adopted
 
-    def _take_over(self, parked: _ParkedBuffer, layout: BlockLayout, index: int) -> _StreamedBlock | None:
+    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> _StreamedBlock | None:
         """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
         or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
         the one asked for; never for a block to be read from its file at each step."""
@@ -743,10 +676,10 @@ class BlockStreamer:
         if parked.content not in (None, self.contents.get(index)):
             return None
         host = parked.host()
-        if host is None or parked.signature != _signature(layout):
+        if host is None or parked.signature != signature(layout):
             return None
         parts = layout.part_views(host)
-        if not all(_same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
+        if not all(same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
             return None
         if parked.reservation is not None:
             if self._pinned is None or not self._pinned.adopt(parked.reservation):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness.mapped_file import MappedFile
+from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, FileChangedError, SequentialOffloader, TimelineRecorder, file_source
@@ -38,6 +39,7 @@ def _streamer(mapped: MappedFile, read_each_step, device: torch.device = CPU, **
         root=mapped.module,
         file_slice=mapped.file_slice,
         read_each_step=read_each_step,
+        parking=lot_of(mapped.module),
         **kwargs,
     )
 

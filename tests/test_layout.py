@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.parking import lot_of
 from harness.transformer_stack import Stack, forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, SequentialOffloader, module_bytes, unpark
+from block_offload.offload import BlockStreamer, SequentialOffloader, module_bytes
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
 
 CPU = torch.device("cpu")
@@ -186,20 +187,20 @@ def test_parked_subclasses_are_adopted_then_given_memory_of_their_own() -> None:
     model = mixed_stack(blocks=3)
     x = torch.randn(2, 4, DIM)
     (reference,) = forward_steps(model, x, steps=1)
-    first = BlockStreamer(model.blocks, CPU, [0, 2], root=model)
+    first = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
     first.enable()
     hosts = {i: first._state[i].host.data_ptr() for i in (0, 2)}
     last = range(hosts[2], hosts[2] + first._state[2].host.numel())
     first.disable(park=True)
     assert forward_steps(model, x, steps=1)[0].equal(reference)
-    second = BlockStreamer(model.blocks, CPU, [0, 2], root=model)
+    second = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
     second.enable()
     assert {i: second._state[i].host.data_ptr() for i in (0, 2)} == hosts  # adopted, not packed again
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     second.disable(park=True)
     block = model.blocks[2]
     assert all(t.data_ptr() in last for t in (block.rows.qdata, block.rows.scale, block.scaled, block.plain.weight))
-    unpark(model.blocks)
+    lot_of(model).unpark(model.blocks)
     assert not any(t.data_ptr() in last for t in (block.rows.qdata, block.rows.scale, block.scaled, block.plain.weight))
     assert isinstance(block.rows, RowScaled) and block.scaled.scale == 0.002
     assert forward_steps(model, x, steps=1)[0].equal(reference)
@@ -231,10 +232,10 @@ def test_parameters_made_in_inference_mode_stay_usable_after_streaming_stops_out
     (reference,) = forward_steps(model, x, steps=1)
     assert all(p.is_inference() for p in model.parameters())
     for park in (True, False):
-        streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], root=model)
+        streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], root=model, parking=lot_of(model))
         with torch.inference_mode():
             streamer.enable()
         assert all(torch.equal(out, reference) for out in forward_steps(model, x))
         streamer.disable(park=park)  # outside inference mode, as ComfyUI unloads
-        unpark(model.blocks)
+        lot_of(model).unpark(model.blocks)
         assert all(torch.equal(out, reference) for out in forward_steps(model, x))

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from harness.inprocess import async_offload, count_packs, offloaded, sample, wan
+from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader, unpark
+from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -37,7 +38,7 @@ def uses(module: torch.nn.Module, buffer: range) -> bool:
 
 
 def streaming(model, device: torch.device = CPU, **kwargs) -> BlockStreamer:
-    streamer = BlockStreamer(model.blocks, device, STREAMED, root=model, **kwargs)
+    streamer = BlockStreamer(model.blocks, device, STREAMED, root=model, parking=lot_of(model), **kwargs)
     streamer.enable()
     return streamer
 
@@ -142,7 +143,7 @@ def test_unpark_gives_the_weights_memory_of_their_own() -> None:
     storage = weakref.ref(streamer._state[1].host.untyped_storage())
     streamer.disable(park=True)
     del streamer
-    unpark(model.modules())
+    lot_of(model).unpark(model.modules())
     gc.collect()
     assert storage() is None
     assert forward_steps(model, x, steps=1)[0].equal(reference)
@@ -152,11 +153,11 @@ def test_sequential_offloader_parks_and_adopts() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    first = SequentialOffloader(model, CPU)
+    first = SequentialOffloader(model, CPU, parking=lot_of(model))
     first.enable()
     packed = host_ptrs(first.streamer)
     first.disable(park=True)
-    second = SequentialOffloader(model, CPU)
+    second = SequentialOffloader(model, CPU, parking=lot_of(model))
     second.enable()
     assert host_ptrs(second.streamer) == packed
     assert forward_steps(model, x)[-1].equal(reference)

@@ -1,0 +1,19 @@
+"""A parking lot per model for the engine's own tests, as the pack keeps one on each model's state
+(``nodes/state.py``): streamers of one model park into it and adopt from it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from block_offload.offload import ParkingLot
+
+_ATTRIBUTE = "block_offload_test_parking"
+
+
+def lot_of(model: nn.Module) -> ParkingLot:
+    """``model``'s lot, made on first use and kept on the model (it goes with it)."""
+    lot = model.__dict__.get(_ATTRIBUTE)
+    if lot is None:
+        lot = ParkingLot()
+        model.__dict__[_ATTRIBUTE] = lot
+    return lot
