@@ -35,34 +35,30 @@ neither copies nor pins the streamed weights again.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .companions import CompanionLayout
 from .device import (
     can_pin_memory,
     copy_stream,
     current_stream,
     free_device_bytes,
     is_accelerator,
-    pinned_allocation_bytes,
-    pinned_host_buffer,
     synchronize,
-    unpin_host_buffer,
 )
 from .file_source import FileSlice, stamps
-from .layout import BlockLayout, DtypeOf, TensorForm, aligned
-from .parking import ParkedBuffer, ParkingLot, leave, same_memory, signature
+from .host_blocks import HostBlocks, StreamedBlock
+from .layout import DtypeOf, TensorForm, aligned
+from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
-from .reader import BlockRead, FileReader
+from .reader import FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
-from .timeline import CallRecord, CopyRecord, TimelineRecorder
+from .timeline import CallRecord, TimelineRecorder
 
 #: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
 #: to step once the ring's cycle and the step's line up; when they drift, views are made again.
@@ -117,49 +113,6 @@ def copy_ahead(
             continue
         if not load(index, held):
             return
-
-
-@dataclass
-class _StreamedBlock:
-    """The host side of a streamed block: its packed tensors and where they came from."""
-
-    layout: BlockLayout
-    storage: BlockLayout
-    host: torch.Tensor
-    host_views: tuple[torch.Tensor, ...]
-    origin_device: torch.device
-    # Kept with a lossy storage dtype (restoring from the rounded copy would change the model), and for a
-    # block whose weights are views of their file (they cost no memory, and restoring copies nothing).
-    originals: tuple[torch.Tensor, ...] | None = None
-    pinned: bool = False
-    pinned_bytes: int = 0  # reserved in the pin budget (an allocator may round the buffer up)
-    # Why a block that wanted pinned memory has pageable memory: the budget refused it ("cap") or the
-    # driver refused to register it ("driver").
-    pageable_because: str | None = None
-    # The device side: events made once, with the ring; the copy that filled its region, until its call.
-    ready: torch.Event | None = None
-    released: torch.Event | None = None
-    released_once: bool = False
-    copy: CopyRecord | None = None
-    device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
-    # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
-    read: BlockRead | None = None
-    file_backed: bool = False  # ``originals`` are views of the file
-    # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
-    companion_layout: CompanionLayout | None = None
-    companion_host: torch.Tensor | None = None
-    companion_reserved: int = 0
-    companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
-    # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
-    content: Hashable = None
-    # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
-    fresh: bool = False
-
-    @property
-    def region_bytes(self) -> int:
-        """The ring bytes the block takes: its own, then its companions'."""
-        extra = self.companion_layout.nbytes if self.companion_layout is not None else 0
-        return aligned(self.layout.nbytes) + extra
 
 
 @dataclass
@@ -248,33 +201,38 @@ class BlockStreamer:
         bad = sorted(i for i in self.streamed if not 0 <= i < len(self.blocks))
         if bad:
             raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
-        self.read_each_step = frozenset(read_each_step)
-        if not self.read_each_step <= self.streamed:
-            extra = sorted(self.read_each_step - self.streamed)
+        extra = sorted(frozenset(read_each_step) - self.streamed)
+        if extra:
             raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
-        if self.read_each_step and (file_slice is None or staging_slots < 1):
+        if frozenset(read_each_step) and (file_slice is None or staging_slots < 1):
             raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
-        self.file_slice = file_slice
-        self._companion_tensors = dict(companions or {})
-        self.contents = {index: content for index, content in (contents or {}).items() if content is not None}
-        self.dtype_of = dtype_of
         self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
         self.persistent_allocations = persistent_allocations
-        self.parking = parking
         self.staging_slots = staging_slots
         self.prefetch = prefetch
-        self.pin_memory = pin_memory and can_pin_memory()
         self._pinned = pin_budget.share(self.give_back_pinned) if pin_budget is not None else None
-        self.storage_dtype = storage_dtype
         self.recorder = recorder
         self.root = root
         self.recurse = recurse
+        self.host = HostBlocks(
+            self.device,
+            unit=self.unit,
+            recurse=recurse,
+            pin_memory=pin_memory and can_pin_memory(),
+            pinned=self._pinned,
+            storage_dtype=storage_dtype,
+            dtype_of=dtype_of,
+            file_slice=file_slice,
+            read_each_step=frozenset(read_each_step),
+            contents={index: content for index, content in (contents or {}).items() if content is not None},
+            companions=companions or {},
+            parking=parking,
+        )
         # Nested streamed modules (a wrapped module inside another) each hold a region while they run.
         self.nesting = nesting
         self.ring_bytes = ring_bytes
         self.copy_stream = copy_stream(self.device)
-        self._state: dict[int, _StreamedBlock] = {}
         self._ring: ByteRing | None = None
         self._holds_all = False  # the ring holds every streamed block (``_ring_holds_all``), set with the ring
         self._buffer: torch.Tensor | None = None  # the ring's memory
@@ -298,8 +256,7 @@ class BlockStreamer:
         if self.enabled:
             return
         for index in sorted(self.streamed):
-            self._state[index] = self._offload(index, self.blocks[index])
-            self._pack_companions(index, self._state[index])
+            self.host.pack(index, self.blocks[index])
         self._start_reader()
         # One pair of hooks per module called: a holder brings in every block it holds, and lets them go in the
         # reverse order, so a call ending never releases a call around it.
@@ -316,7 +273,7 @@ class BlockStreamer:
             begin, end = eager(lambda *_: self.begin_step()), eager(lambda *_: self.end_step())
             self._handles.append(self.root.register_forward_pre_hook(begin, prepend=True))
             self._handles.append(self.root.register_forward_hook(end, always_call=True))
-        self._pageable_deferred = any(self._deferred(state) for state in self._state.values())
+        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         self.enabled = True
 
     def disable(self, park: bool = False) -> None:
@@ -328,7 +285,7 @@ class BlockStreamer:
         """
         if not self.enabled:
             return
-        if park and self.parking is None:
+        if park and self.host.parking is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
         self._finish_active()
         synchronize(self.device)
@@ -337,20 +294,7 @@ class BlockStreamer:
         self._handles.clear()
         self._free_ring()
         self._stop_reader()
-        # Block by block, each block's state (so its host buffer) dropped as the block gets its memory back:
-        # restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly
-        # when another model is waiting for the RAM.
-        for index in sorted(self._state):
-            state = self._state.pop(index)
-            self._drop_companions(state)
-            if park and state.origin_device.type == "cpu":
-                self._park(index, state)
-            elif state.file_backed:
-                state.layout.point_at(state.layout.assemble(state.originals))  # the file's views, as they were
-                self._unpin(state)
-            else:
-                self._restore(state, state.origin_device)
-                self._unpin(state)
+        self.host.let_go(park)
         self.enabled = False
 
     def release_device_buffers(self) -> None:
@@ -360,7 +304,7 @@ class BlockStreamer:
         self._free_ring()
 
     def _free_ring(self) -> None:
-        for state in self._state.values():
+        for state in self.host.blocks.values():
             state.device_views.clear()  # views keep the memory they view alive
             state.companion_views.clear()
         with self.persistent_allocations():
@@ -377,19 +321,18 @@ class BlockStreamer:
         self._finish_active()
         synchronize(self.device)
         for index in indices:
-            state = self._state.pop(index, None)
+            state = self.host.take(index)
             if state is not None:
                 if self._ring is not None:
                     self._ring.drop(index)
                 if self._reader is not None:
                     self._reader.release(index, None)  # a read made ahead for it goes unused
-                self._drop_companions(state)
                 with self.persistent_allocations():
-                    self._restore(state, self.device)
-                self._unpin(state)
-        self.streamed = frozenset(self._state)
+                    self.host.restore(state, self.device)
+                self.host.unpin(state)
+        self.streamed = frozenset(self.host.blocks)
         self._holds_all = self._ring_holds_all()
-        self.read_each_step &= self.streamed
+        self.host.read_each_step &= self.streamed
 
     @property
     def last_order(self) -> tuple[int, ...]:
@@ -405,6 +348,22 @@ class BlockStreamer:
         parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
         return all(start <= part.data_ptr() < end for part in parts)
 
+    @property
+    def ring_memory(self) -> torch.Tensor | None:
+        """The ring's device memory (None before the first call and after a release): what the streamed
+        blocks' weights are views of while they run."""
+        return self._buffer
+
+    @property
+    def running(self) -> tuple[int, ...]:
+        """The blocks whose calls are open, outermost first (empty between calls)."""
+        return tuple(call.block for call in self._active)
+
+    @property
+    def staging_pinned(self) -> bool:
+        """Whether the staging slots the file tier is read into are all pinned (False without a file tier)."""
+        return self._reader is not None and self._reader.pinned
+
     def region_of(self, index: int) -> tuple[int, int] | None:
         """The bytes of the ring (start, end) holding streamed block ``index``, or None while it is only on
         the host."""
@@ -417,7 +376,7 @@ class BlockStreamer:
 
     @property
     def _largest(self) -> int:
-        return max((state.region_bytes for state in self._state.values()), default=0)
+        return max((state.region_bytes for state in self.host.blocks.values()), default=0)
 
     @property
     def unit(self) -> str:
@@ -430,13 +389,12 @@ class BlockStreamer:
     @property
     def host_bytes(self) -> int:
         """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
-        return sum(state.host.numel() for state in self._state.values()) + self.companion_bytes + self.staging_bytes
+        return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
 
     @property
     def companion_bytes(self) -> int:
         """Of ``host_bytes``, the blocks' companions (packed once, copied with their blocks)."""
-        held = [state.companion_host for state in self._state.values() if state.companion_host is not None]
-        return sum(host.numel() for host in held)
+        return self.host.companion_bytes
 
     @property
     def staging_bytes(self) -> int:
@@ -452,16 +410,13 @@ class BlockStreamer:
     def refused_pinning(self) -> dict[int, int]:
         """Streamed blocks (index: host bytes) that wanted pinned memory but got pageable memory,
         because the pin budget was spent."""
-        return self._pageable_because("cap")
+        return self.host.pageable_because("cap")
 
     @property
     def failed_pinning(self) -> dict[int, int]:
         """Streamed blocks (index: host bytes) whose memory the driver refused to pin (they stream from
         pageable memory)."""
-        return self._pageable_because("driver")
-
-    def _pageable_because(self, reason: str) -> dict[int, int]:
-        return {i: state.host.numel() for i, state in sorted(self._state.items()) if state.pageable_because == reason}
+        return self.host.pageable_because("driver")
 
     def give_back_pinned(self, nbytes: int) -> int:
         """Unpins streamed blocks, last first, until ``nbytes`` of the pin budget are free again (for another
@@ -470,88 +425,12 @@ class BlockStreamer:
         if self._active or self._order or self._pinned is None:
             return 0
         synchronize(self.device)  # copies issued ahead (across the step boundary) read these buffers
-        freed = 0
-        for state in reversed([self._state[index] for index in sorted(self._state)]):
-            if freed >= nbytes:
-                break
-            if state.pinned and unpin_host_buffer(state.host):
-                freed += state.pinned_bytes
-                self._unpin(state)
-                state.pinned, state.pageable_because = False, "cap"
-        self._pageable_deferred = any(self._deferred(state) for state in self._state.values())
+        freed = self.host.unpin_some(nbytes)
+        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         return freed
 
-    @property
-    def _casts(self) -> bool:
-        return self.storage_dtype is not None
-
-    # -- host side ---------------------------------------------------------------------------
-
-    def _offload(self, index: int, block: nn.Module) -> _StreamedBlock:
-        adopted = self._adopt(index, block)
-        if adopted is not None:
-            return adopted
-        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
-        current = layout.current()
-        slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
-        file_backed = any(source is not None for source in slices)
-        if index in self.read_each_step:
-            if not file_backed:
-                raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
-            return self._file_tier(block, layout, current, slices)
-        storage = layout
-        if self._casts:
-            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
-        origin = layout.device or self.device
-        host, reserved, pageable_because = self._host_buffer(storage.nbytes)
-        pinned = self.pin_memory and pageable_because is None
-        storage.pack_into(host)
-        host_views = storage.views(host)
-        originals = None
-        if file_backed:
-            originals = current  # views of the file: they cost no memory
-        elif self._casts:
-            # Kept on the host: originals left on the device would keep the whole block there.
-            originals = tuple(t.to("cpu") for t in current)
-        # Otherwise the block's only copy of its weights is now the host buffer.
-        layout.point_at(host_views)
-        return _StreamedBlock(
-            layout,
-            storage,
-            host,
-            host_views,
-            origin,
-            originals,
-            pinned,
-            reserved,
-            pageable_because=pageable_because,
-            file_backed=file_backed,
-        )
-
-    def _file_tier(
-        self,
-        block: nn.Module,
-        layout: BlockLayout,
-        current: tuple[torch.Tensor, ...],
-        slices: list[FileSlice | None],
-    ) -> _StreamedBlock:
-        """A block read from its file for each copy, in its stored dtypes: no host buffer, the module keeps
-        the file's views. Its parts not in the file (a host's converted tensors) are copied from memory."""
-        stored = BlockLayout.of(block, recurse=self.recurse)
-        storage = layout if stored.parts == layout.parts else stored
-        sources = tuple(
-            (part, tensor if source is None else source)
-            for part, source, tensor in zip(storage.parts, slices, current, strict=True)
-        )
-        views = layout.assemble(current)
-        host = torch.empty(0, dtype=torch.uint8)
-        origin = layout.device or self.device
-        return _StreamedBlock(
-            layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
-        )
-
     def _start_reader(self) -> None:
-        reads = [state.read for state in self._state.values() if state.read is not None]
+        reads = [state.read for state in self.host.blocks.values() if state.read is not None]
         if not reads:
             return
         slot_bytes = max(read.nbytes for read in reads)
@@ -561,44 +440,14 @@ class BlockStreamer:
 
     def _staging_slot(self, nbytes: int) -> torch.Tensor:
         """A host staging slot, pinned where the budget and the driver allow (counted like a host buffer)."""
-        slot, reserved, _ = self._host_buffer(nbytes)
+        slot, reserved, _ = self.host.buffer(nbytes)
         self._slot_reservation += reserved
         return slot
-
-    def _host_buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
-        """Host memory for a block's bytes, a staging slot or companions, pinned where the budget and the
-        driver allow: the buffer, the bytes reserved in the pin budget, and why it is pageable although
-        pinning was asked ("cap": the budget refused; "driver": the driver refused to register it)."""
-        reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
-        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
-        host = pinned_host_buffer(nbytes) if pinned else None
-        if host is not None:
-            return host, reserved, None
-        if pinned and self._pinned is not None:
-            self._pinned.release(reserved)  # the driver refused: pageable memory
-        why = ("driver" if pinned else "cap") if self.pin_memory else None
-        return torch.empty(nbytes, dtype=torch.uint8), 0, why
-
-    def _pack_companions(self, index: int, state: _StreamedBlock) -> None:
-        tensors = self._companion_tensors.get(index)
-        if not tensors:
-            return
-        layout = CompanionLayout.of(tensors)
-        host, reserved, _ = self._host_buffer(layout.nbytes)
-        layout.pack_into(host, tensors)
-        state.companion_layout, state.companion_host, state.companion_reserved = layout, host, reserved
-
-    def _drop_companions(self, state: _StreamedBlock) -> None:
-        if state.companion_reserved and self._pinned is not None:
-            self._pinned.release(state.companion_reserved)
-        state.companion_layout = state.companion_host = None
-        state.companion_reserved = 0
-        state.companion_views.clear()
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """Block ``index``'s companions as device views, while it is in the ring (from its copy to its region
         being overwritten: a host reads them during the block's call); None when it has none or is elsewhere."""
-        state = self._state.get(index)
+        state = self.host.blocks.get(index)
         region = self.region_of(index)
         if state is None or state.companion_layout is None or region is None:
             return None
@@ -610,152 +459,49 @@ class BlockStreamer:
             return
         self._reader.close()
         self._reader, self._stamps = None, ()
-        if self._slot_reservation and self._pinned is not None:
-            self._pinned.release(self._slot_reservation)
+        self.host.release(self._slot_reservation)
         self._slot_reservation = 0
 
     @property
     def file_tier_bytes(self) -> int:
         """The bytes read from files for one pass through every file-tier block."""
-        return sum(state.read.file_bytes for state in self._state.values() if state.read is not None)
+        return sum(state.read.file_bytes for state in self.host.blocks.values() if state.read is not None)
 
     def file_slices(self) -> tuple[FileSlice, ...]:
         """The file slices of the file-tier blocks, in block order."""
-        return tuple(source for _, state in sorted(self._state.items()) if state.read for source in state.read.slices())
+        blocks = sorted(self.host.blocks.items())
+        return tuple(source for _, state in blocks if state.read for source in state.read.slices())
 
     @property
     def bytes_read(self) -> int:
         """The bytes read from files since the streamer was enabled."""
         return self._reader.file_bytes if self._reader is not None else 0
 
-    def _park(self, index: int, state: _StreamedBlock) -> None:
-        """Leaves block ``index`` on host memory without a copy (its tensors already point at the host views).
-        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
-        file at each step, or stored in a lossy dtype, goes back to its originals."""
-        if state.read is not None or (state.originals is not None and not state.file_backed):
-            state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
-            self._unpin(state)
-            return
-        storage = state.host.untyped_storage()
-        reservation = (
-            self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
-        )
-        assert self.parking is not None  # disable refuses to park without one
-        self.parking.park(
-            self.blocks[index],
-            ParkedBuffer(
-                weakref.ref(storage),
-                state.host.numel(),
-                signature(state.layout),
-                state.pinned,
-                self.recurse,
-                reservation,
-                state.originals if state.file_backed else None,
-                state.content,
-            ),
-        )
-
-    def _adopt(self, index: int, block: nn.Module) -> _StreamedBlock | None:
-        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
-        packed from its file points at the file's views again, to be packed from them (never from a buffer
-        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
-        parked = self.parking.take(block) if self.parking is not None else None
-        if parked is None:
-            return None
-        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
-        if adopted is None and parked.originals is not None:
-            leave(block, parked)
-        return adopted
-
-    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> _StreamedBlock | None:
-        """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
-        or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
-        the one asked for; never for a block to be read from its file at each step."""
-        if self._casts or index in self.read_each_step or parked.pinned != self.pin_memory:
-            return None
-        if parked.content not in (None, self.contents.get(index)):
-            return None
-        host = parked.host()
-        if host is None or parked.signature != signature(layout):
-            return None
-        parts = layout.part_views(host)
-        if not all(same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
-            return None
-        if parked.reservation is not None:
-            if self._pinned is None or not self._pinned.adopt(parked.reservation):
-                return None
-        elif parked.pinned and self._pinned is not None:
-            return None  # pinned outside this budget: adopting it would leave the budget short
-        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
-        views = layout.assemble(parts)
-        file_backed = parked.originals is not None
-        return _StreamedBlock(
-            layout,
-            layout,
-            host,
-            views,
-            host.device,
-            parked.originals,
-            parked.pinned,
-            reserved,
-            file_backed=file_backed,
-            content=parked.content,
-        )
+    @property
+    def read_each_step(self) -> frozenset[int]:
+        """The streamed blocks read from their file at each copy (the file tier)."""
+        return self.host.read_each_step
 
     @property
     def needs_content(self) -> frozenset[int]:
         """The streamed blocks whose host buffers do not hold the content ``contents`` names for them yet."""
-        return frozenset(
-            index
-            for index, content in self.contents.items()
-            if index in self._state and self._state[index].content != content
-        )
+        return self.host.needs_content
 
     def wrote_content(self, indices: Iterable[int]) -> None:
         """The host has written their ``contents`` into these blocks' host buffers (their tensors, on the host)."""
-        for index in indices:
-            state = self._state[index]
-            if state.read is not None or not state.file_backed:
-                raise ValueError(
-                    f"{self.unit} {index} has no originals in a file to go back to: only a host buffer packed from "
-                    "its file may hold other content"
-                )
-            state.content = self.contents[index]
-
-    def _unpin(self, state: _StreamedBlock) -> None:
-        """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
-        if state.pinned and self._pinned is not None:
-            self._pinned.release(state.pinned_bytes)
-
-    def _restore(self, state: _StreamedBlock, device: torch.device) -> None:
-        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
-        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
-        twice while another model waits for the memory. A pinned one is copied, not to leave the model
-        page-locked."""
-        sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
-        adopt_host = (
-            state.originals is None
-            and not state.pinned
-            and state.host.device == device
-            and all(source.dtype == part.dtype for part, source in zip(state.layout.parts, sources, strict=True))
-        )
-        restored = tuple(
-            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
-            for part, source in zip(state.layout.parts, sources, strict=True)
-        )
-        state.layout.point_at(state.layout.assemble(restored))
+        self.host.wrote_content(indices)
 
     # -- device side -------------------------------------------------------------------------
 
     def allocate_device_buffers(self) -> None:
         """Allocates the ring now rather than at the first block call, so running out of device
         memory shows while the model is being placed, where the caller can still fall back."""
-        if self._state and self._ring is None:
+        if self.host.blocks and self._ring is None:
             self._allocate_ring()
 
     def _allocate_ring(self) -> None:
         capacity = self.capacity
-        casting = [state.storage.nbytes for state in self._state.values() if self._cast_on_device(state)]
+        casting = [state.storage.nbytes for state in self.host.blocks.values() if self._cast_on_device(state)]
         staging = max(casting, default=0)
         free = free_device_bytes(self.device)
         if free is not None and capacity + staging > free:
@@ -770,7 +516,7 @@ class BlockStreamer:
         self._ring = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
         self._holds_all = self._ring_holds_all()
         if is_accelerator(self.device):
-            for state in self._state.values():
+            for state in self.host.blocks.values():
                 if state.ready is None:
                     state.ready = torch.Event(device=self.device)
                     state.released = torch.Event(device=self.device)
@@ -780,14 +526,14 @@ class BlockStreamer:
             # copy stream after everything the compute stream has issued so far.
             self.copy_stream.wait_stream(current_stream(self.device))
 
-    def _views(self, state: _StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
+    def _views(self, state: StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
         return _cached_views(state.device_views, start, lambda: state.layout.views(self._buffer[start:]))
 
     def _load(self, index: int, held: Container[int]) -> bool:
         """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
         if self._ring is None:
             self._allocate_ring()
-        state = self._state[index]
+        state = self.host.blocks[index]
         placed = self._ring.place(index, state.region_bytes, held)
         if placed is None:
             return False
@@ -796,8 +542,8 @@ class BlockStreamer:
         with stream if stream is not None else nullcontext():
             if stream is not None:
                 for other in overwritten:
-                    if self._state[other].released_once:
-                        stream.wait_event(self._state[other].released)
+                    if self.host.blocks[other].released_once:
+                        stream.wait_event(self.host.blocks[other].released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
             self._copy_in(index, state, start)
             state.fresh = True
@@ -808,7 +554,7 @@ class BlockStreamer:
         state.copy = record
         return True
 
-    def _copy_in(self, index: int, state: _StreamedBlock, start: int) -> None:
+    def _copy_in(self, index: int, state: StreamedBlock, start: int) -> None:
         host = state.host if state.read is None else self._reader.take(index, state.read)
         non_blocking = host.is_pinned()
         size = state.storage.nbytes
@@ -827,7 +573,7 @@ class BlockStreamer:
             self._buffer[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
 
     @staticmethod
-    def _cast_on_device(state: _StreamedBlock) -> bool:
+    def _cast_on_device(state: StreamedBlock) -> bool:
         """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
         return state.storage is not state.layout
 
@@ -838,19 +584,19 @@ class BlockStreamer:
         thread until it is done (the driver stages it), so issued before a block's kernels are launched
         it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
         just launched computing meanwhile."""
-        if not self._state:
+        if not self.host.blocks:
             return
         if self._ring is None:
             self._allocate_ring()
-        upcoming = look_ahead(self._expected, len(self._order), self._state, self.prefetch)
+        upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, self.prefetch)
         held = {call.block for call in self._active}
 
         def skip(index: int) -> bool:
             # A file-tier block whose read is not done is copied later: waiting here would hold up the
             # launch of the block about to run.
-            if self._state[index].read is not None and not self._reader.is_read(index):
+            if self.host.blocks[index].read is not None and not self._reader.is_read(index):
                 return True
-            return defer_pageable and self._deferred(self._state[index])
+            return defer_pageable and self._deferred(self.host.blocks[index])
 
         copy_ahead(upcoming, held, self._ring.regions, self._load, skip)
         self._read_ahead()
@@ -867,9 +613,9 @@ class BlockStreamer:
             return
         ring = self._ring
         advance = 0  # the ring bytes the copies before the block in hand will write, from the head
-        upcoming = look_ahead(self._expected, len(self._order), self._state, len(self._state))
+        upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, len(self.host.blocks))
         for position, index in enumerate(upcoming):
-            state = self._state[index]
+            state = self.host.blocks[index]
             region = ring.regions.get(index)
             stays = region is not None and (
                 position < self.prefetch or self._holds_all or (region[0] - ring.head) % ring.capacity >= advance
@@ -885,9 +631,9 @@ class BlockStreamer:
 
     def _ring_holds_all(self) -> bool:
         """Whether the ring holds every streamed block at once (then a block copied once stays)."""
-        return sum(aligned(state.region_bytes) for state in self._state.values()) <= self.capacity
+        return sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
 
-    def _deferred(self, state: _StreamedBlock) -> bool:
+    def _deferred(self, state: StreamedBlock) -> bool:
         if self.copy_stream is None:
             return False
         return not (self._reader.pinned if state.read is not None else state.pinned)
@@ -942,7 +688,7 @@ class BlockStreamer:
         record = self.recorder.call_arrived(index, compute) if self.recorder else None
         self._order.append(index)
         copy = None
-        state = self._state.get(index)
+        state = self.host.blocks.get(index)
         if state is not None:
             region = self.region_of(index)
             if region is None:
@@ -963,7 +709,7 @@ class BlockStreamer:
             self._transform(index, state)
         self._prefetch(defer_pageable=True)
 
-    def _transform(self, index: int, state: _StreamedBlock) -> None:
+    def _transform(self, index: int, state: StreamedBlock) -> None:
         try:
             self.transforms[index](state.fresh)
         except BaseException:
@@ -984,7 +730,7 @@ class BlockStreamer:
             self.recorder.call_finished(call.record, compute)
         if not call.streamed:
             return
-        state = self._state[call.block]
+        state = self.host.blocks[call.block]
         if state.released is not None:
             state.released.record(compute)
             state.released_once = True

@@ -120,9 +120,9 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
         forward_steps(model, x, steps=1)
     handle.remove()
     # Block 3's parameters went back to the host although its call never returned.
-    host = streamer._state[3].host
+    host = streamer.host.blocks[3].host
     inside = range(host.data_ptr(), host.data_ptr() + host.numel())
-    assert not streamer._active and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
+    assert not streamer.running and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
@@ -197,7 +197,7 @@ def test_recorder_times_every_call_and_exports_json() -> None:
             assert 0 <= span.compute_start <= span.compute_end <= step.duration_ms
     # Cold, each streamed block is copied once; resident ones never are.
     copied = {span.block: span.bytes_copied for span in first.spans if span.copy_start is not None}
-    assert copied == {i: streamer._state[i].host.numel() for i in (1, 3)}
+    assert copied == {i: streamer.host.blocks[i].host.numel() for i in (1, 3)}
     # Two slots hold both streamed blocks, so later steps copy nothing again.
     assert last.bytes_copied == 0 and last.overlap == 1.0
     data = json.loads(json.dumps(first.as_dict()))
@@ -297,7 +297,7 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     def check(index: int):
         def hook(*_: object) -> None:
             views = streamer.companions(index)
-            ring = streamer._buffer
+            ring = streamer.ring_memory
             inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
             same = all(torch.equal(v, t) for v, t in zip(views, companions[index], strict=True))
             seen[index] = inside and same

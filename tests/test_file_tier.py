@@ -64,13 +64,13 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     # Every file-tier block read once per step and nothing else, but for the reads already made for the
     # next step: as far ahead as the copies (prefetch 2) and the staging slots (2) run.
     streamer.release_device_buffers()
-    largest = max((streamer._state[i].read.file_bytes for i in read_each_step), default=0)
+    largest = max((streamer.host.blocks[i].read.file_bytes for i in read_each_step), default=0)
     assert 3 * per_block <= streamer.bytes_read <= 3 * per_block + (2 + 2) * largest, (streamer.bytes_read, per_block)
     host_buffers = sum(
         sum(t.numel() * t.element_size() for t in mapped.module.blocks[i].state_dict().values())
         for i in set(range(6)) - set(read_each_step)
     )
-    slots = 2 * max((streamer._state[i].read.nbytes for i in read_each_step), default=0)
+    slots = 2 * max((streamer.host.blocks[i].read.nbytes for i in read_each_step), default=0)
     assert streamer.host_bytes <= host_buffers + slots + 6 * 256 * 8  # alignment padding per tensor
     streamer.disable()
     # The module holds its file's views again: nothing was copied into memory of its own.
@@ -186,7 +186,7 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
         mapped, range(1, 8, 2), cuda, dtype_of=lambda module, name: torch.bfloat16, prefetch=2, recorder=recorder
     )
     streamer.enable()
-    assert streamer.staging_bytes > 0 and all(slot.buffer.is_pinned() for slot in streamer._reader._slots)
+    assert streamer.staging_bytes > 0 and streamer.staging_pinned
     for out in forward_steps(mapped.module, x, steps=4):
         assert torch.equal(out, reference)
     # Each step reads blocks 1, 3, 5, 7. A read counts in the step open when it ends: on a GPU the host ends a step
@@ -224,7 +224,7 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
         return started
 
     def hosts(started: BlockStreamer) -> dict[int, int]:
-        return {index: state.host.data_ptr() for index, state in started._state.items() if state.read is None}
+        return {index: state.host.data_ptr() for index, state in started.host.blocks.items() if state.read is None}
 
     def same_outputs(expected: list[torch.Tensor]) -> bool:
         outputs = forward_steps(mapped.module, x, steps=2)
@@ -255,7 +255,7 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
     into_plain = streamer({0: "plus one"})
     assert into_plain.needs_content == {0} and hosts(into_plain) == kept  # adopted, to be written
     with pytest.raises(ValueError, match="no originals in a file"):
-        into_plain.contents[3] = "plus one"
+        into_plain.host.contents[3] = "plus one"
         into_plain.wrote_content([3])  # read from the file at each step: it has no host buffer to hold content
     into_plain.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
@@ -272,7 +272,7 @@ def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_fi
     assert not any(mapped.mapped(tensor) for tensor in mapped.module.blocks.state_dict().values())  # parked
     second = _streamer(mapped, read_each_step=(), storage_dtype=torch.bfloat16)
     second.enable()
-    assert all(state.file_backed for state in second._state.values())
+    assert all(state.file_backed for state in second.host.blocks.values())
     second.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
     # Parked again, then asked to be read from the file at each step: the file tier, not the parked buffer.
@@ -281,6 +281,6 @@ def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_fi
     third.disable(park=True)
     fourth = _streamer(mapped, read_each_step=(0,))
     fourth.enable()
-    assert fourth._state[0].read is not None and fourth._state[0].host.numel() == 0
+    assert fourth.host.blocks[0].read is not None and fourth.host.blocks[0].host.numel() == 0
     fourth.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())

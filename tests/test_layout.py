@@ -140,7 +140,7 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
     parts = (block.plain.weight, block.plain.bias, block.rows.qdata, block.rows.scale, block.scaled, block.shift)
     stored = sum(t.numel() * t.element_size() for t in parts)
     assert module_bytes(block) == stored
-    host = streamer._state[1].host
+    host = streamer.host.blocks[1].host
     assert stored <= host.numel() <= stored + 6 * ALIGNMENT  # six parts, each aligned
     inside = range(host.data_ptr(), host.data_ptr() + host.numel())
     assert block.rows.qdata.data_ptr() in inside and block.rows.scale.data_ptr() in inside
@@ -150,7 +150,7 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
 
     def in_the_slot(module: nn.Module, args: tuple) -> None:
         start, end = streamer.region_of(1)
-        memory = range(streamer._buffer.data_ptr() + start, streamer._buffer.data_ptr() + end)
+        memory = range(streamer.ring_memory.data_ptr() + start, streamer.ring_memory.data_ptr() + end)
         rows, scaled = module.rows, module.scaled
         seen.append(rows.qdata.data_ptr() in memory and rows.scale.data_ptr() in memory)
         seen.append(scaled.data_ptr() in memory and scaled.scale == 0.002)
@@ -189,13 +189,13 @@ def test_parked_subclasses_are_adopted_then_given_memory_of_their_own() -> None:
     (reference,) = forward_steps(model, x, steps=1)
     first = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
     first.enable()
-    hosts = {i: first._state[i].host.data_ptr() for i in (0, 2)}
-    last = range(hosts[2], hosts[2] + first._state[2].host.numel())
+    hosts = {i: first.host.blocks[i].host.data_ptr() for i in (0, 2)}
+    last = range(hosts[2], hosts[2] + first.host.blocks[2].host.numel())
     first.disable(park=True)
     assert forward_steps(model, x, steps=1)[0].equal(reference)
     second = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
     second.enable()
-    assert {i: second._state[i].host.data_ptr() for i in (0, 2)} == hosts  # adopted, not packed again
+    assert {i: second.host.blocks[i].host.data_ptr() for i in (0, 2)} == hosts  # adopted, not packed again
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     second.disable(park=True)
     block = model.blocks[2]

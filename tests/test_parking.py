@@ -17,6 +17,7 @@ from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader
+from block_offload.offload.host_blocks import HostBlocks
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -28,7 +29,7 @@ def host_ptrs(streamer: BlockStreamer) -> dict[int, range]:
     """Each streamed block's host buffer, as the range of addresses it covers."""
     ranges = {}
     for index in streamer.streamed:
-        host = streamer._state[index].host
+        host = streamer.host.blocks[index].host
         ranges[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
     return ranges
 
@@ -62,7 +63,7 @@ def test_parked_blocks_are_adopted_not_packed_again() -> None:
     # Pageable, the buffers become the weights' own memory: stopping copies nothing, so holds nothing twice.
     for index, buffer in packed.items():
         assert all(p.data_ptr() in buffer for p in model.blocks[index].parameters())
-    assert not second._state
+    assert not second.host.blocks
     assert forward_steps(model, x, steps=1)[0].equal(reference)
 
 
@@ -76,16 +77,16 @@ def test_stopping_frees_each_host_buffer_before_the_next_block_is_restored(monke
     streamer = streaming(model)
     forward_steps(model, x)
     for index in STREAMED:
-        streamer._state[index].pinned = True  # by index: a loop variable would keep the last block's buffer
-    buffers = {index: weakref.ref(streamer._state[index].host.untyped_storage()) for index in STREAMED}
+        streamer.host.blocks[index].pinned = True  # by index: a loop variable would keep the last block's buffer
+    buffers = {index: weakref.ref(streamer.host.blocks[index].host.untyped_storage()) for index in STREAMED}
     alive_at_restore = []
-    restore = BlockStreamer._restore
+    restore = HostBlocks.restore
 
     def counting(self, state, device):
         alive_at_restore.append(sorted(index for index, buffer in buffers.items() if buffer() is not None))
         return restore(self, state, device)
 
-    monkeypatch.setattr(BlockStreamer, "_restore", counting)
+    monkeypatch.setattr(HostBlocks, "restore", counting)
     streamer.disable()
     assert alive_at_restore == [list(STREAMED[k:]) for k in range(len(STREAMED))]
     assert all(buffer() is None for buffer in buffers.values())
@@ -118,14 +119,14 @@ def test_storage_dtype_parks_on_the_originals() -> None:
     for name, p in model.blocks[1].named_parameters():
         assert p.data_ptr() == originals[name].data_ptr() and p.dtype == originals[name].dtype, name
     again = streaming(model, storage_dtype=torch.bfloat16)
-    assert again._state[1].host.dtype == torch.uint8 and again._state[1].originals is not None
+    assert again.host.blocks[1].host.dtype == torch.uint8 and again.host.blocks[1].originals is not None
     again.disable()
 
 
 def test_a_deleted_model_takes_its_parked_buffers_with_it() -> None:
     model = transformer_stack()
     streamer = streaming(model)
-    storage = weakref.ref(streamer._state[1].host.untyped_storage())
+    storage = weakref.ref(streamer.host.blocks[1].host.untyped_storage())
     streamer.disable(park=True)
     del streamer
     gc.collect()
@@ -140,7 +141,7 @@ def test_unpark_gives_the_weights_memory_of_their_own() -> None:
     x = torch.randn(2, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
     streamer = streaming(model)
-    storage = weakref.ref(streamer._state[1].host.untyped_storage())
+    storage = weakref.ref(streamer.host.blocks[1].host.untyped_storage())
     streamer.disable(park=True)
     del streamer
     lot_of(model).unpark(model.modules())
@@ -421,7 +422,7 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     assert torch.equal(sample(comfy, streaming), reference)
     engine = streaming.offload_engine
     runner = engine.runner
-    ring = (runner.streamer if node == "sequential" else runner)._buffer
+    ring = (runner.streamer if node == "sequential" else runner).ring_memory
     inside = range(ring.data_ptr(), ring.data_ptr() + ring.numel())
     streamed = [
         (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)

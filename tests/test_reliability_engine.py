@@ -191,7 +191,7 @@ def test_pin_budget_on_cuda_pins_what_fits_and_frees_it_all() -> None:
     assert not any(p.is_pinned() for p in model.blocks[3].parameters())
     assert torch.equal(forward(model, x), reference)
     # The pinned buffers go back to torch's host allocator (which may keep them cached for reuse).
-    pinned = [weakref.ref(streamer._state[i].host) for i in (0, 1)]
+    pinned = [weakref.ref(streamer.host.blocks[i].host) for i in (0, 1)]
     streamer.disable()
     assert budget.used == 0 and streamer.host_bytes == 0
     assert [ref() for ref in pinned] == [None, None]

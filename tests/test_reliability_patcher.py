@@ -42,10 +42,10 @@ def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 def assert_idle(streamer) -> None:
     """No call left open, the ring its planned size, every streamed block on its host copy."""
-    assert not streamer._active
-    assert streamer._buffer is not None and streamer._buffer.numel() == streamer.capacity
+    assert not streamer.running
+    assert streamer.ring_memory is not None and streamer.ring_memory.numel() == streamer.capacity
     for index in streamer.streamed:
-        state = streamer._state[index]
+        state = streamer.host.blocks[index]
         host = state.host.data_ptr(), state.host.data_ptr() + state.host.numel()
         assert all(host[0] <= p.data_ptr() < host[1] for p in streamer.blocks[index].parameters()), index
 

@@ -82,11 +82,11 @@ class RingLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         out = func(*args, **(kwargs or {}))
-        ring = self.streamer._buffer
+        ring = self.streamer.ring_memory
         if func is torch.ops.aten.copy_.default and ring is not None:
             target, source = args[0], args[1]
             if target.untyped_storage().data_ptr() == ring.untyped_storage().data_ptr():
-                block = next(i for i, s in self.streamer._state.items() if s.host.data_ptr() == source.data_ptr())
+                block = next(i for i, s in self.streamer.host.blocks.items() if s.host.data_ptr() == source.data_ptr())
                 start = target.data_ptr() - ring.data_ptr()
                 self.events.append(("copy", block, start, start + target.nbytes))
         return out

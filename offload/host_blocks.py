@@ -1,0 +1,390 @@
+"""The host side of streamed blocks: each block's tensors packed once into a host buffer (pinned where the
+pin budget and the driver allow) or left in their checkpoint file to be read at each copy (the file tier), the
+companions packed beside them, and what becomes of them when streaming stops: restored to memory of their own,
+or parked (``offload/parking.py``) for the next streamer of the same modules to take over as they are.
+
+``BlockStreamer`` owns one and runs the device side (ring, copies, hooks) from the ``StreamedBlock`` records it
+keeps; each record also carries the device side's few per-block fields (events, cached views).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .companions import CompanionLayout
+from .device import pinned_allocation_bytes, pinned_host_buffer, unpin_host_buffer
+from .file_source import FileSlice
+from .layout import BlockLayout, DtypeOf, aligned
+from .parking import ParkedBuffer, ParkingLot, leave, same_memory, signature
+from .pinning import PinnedShare
+from .reader import BlockRead
+from .timeline import CopyRecord
+
+
+@dataclass
+class StreamedBlock:
+    """The host side of a streamed block: its packed tensors and where they came from."""
+
+    layout: BlockLayout
+    storage: BlockLayout
+    host: torch.Tensor
+    host_views: tuple[torch.Tensor, ...]
+    origin_device: torch.device
+    # Kept with a lossy storage dtype (restoring from the rounded copy would change the model), and for a
+    # block whose weights are views of their file (they cost no memory, and restoring copies nothing).
+    originals: tuple[torch.Tensor, ...] | None = None
+    pinned: bool = False
+    pinned_bytes: int = 0  # reserved in the pin budget (an allocator may round the buffer up)
+    # Why a block that wanted pinned memory has pageable memory: the budget refused it ("cap") or the
+    # driver refused to register it ("driver").
+    pageable_because: str | None = None
+    # The device side: events made once, with the ring; the copy that filled its region, until its call.
+    ready: torch.Event | None = None
+    released: torch.Event | None = None
+    released_once: bool = False
+    copy: CopyRecord | None = None
+    device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
+    read: BlockRead | None = None
+    file_backed: bool = False  # ``originals`` are views of the file
+    # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
+    companion_layout: CompanionLayout | None = None
+    companion_host: torch.Tensor | None = None
+    companion_reserved: int = 0
+    companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
+    content: Hashable = None
+    # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
+    fresh: bool = False
+
+    @property
+    def region_bytes(self) -> int:
+        """The ring bytes the block takes: its own, then its companions'."""
+        extra = self.companion_layout.nbytes if self.companion_layout is not None else 0
+        return aligned(self.layout.nbytes) + extra
+
+
+class HostBlocks:
+    """The host side of a streamer's blocks (see the module docstring): ``blocks`` holds each streamed block's
+    record by index, from ``pack`` to ``take`` or ``let_go``.
+
+    ``pinned``: the streamer's share of a pin budget (None: unbounded). ``storage_dtype``, ``dtype_of``,
+    ``file_slice``, ``read_each_step``, ``contents``, ``companions`` and ``parking``: see ``BlockStreamer``."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        unit: str,
+        recurse: bool,
+        pin_memory: bool,
+        pinned: PinnedShare | None,
+        storage_dtype: torch.dtype | None,
+        dtype_of: DtypeOf | None,
+        file_slice: Callable[[torch.Tensor], FileSlice | None] | None,
+        read_each_step: frozenset[int],
+        contents: Mapping[int, Hashable],
+        companions: Mapping[int, Sequence[torch.Tensor]],
+        parking: ParkingLot | None,
+    ) -> None:
+        self.device = device
+        self.unit = unit
+        self.recurse = recurse
+        self.pin_memory = pin_memory
+        self._pinned = pinned
+        self.storage_dtype = storage_dtype
+        self.dtype_of = dtype_of
+        self.file_slice = file_slice
+        self.read_each_step = read_each_step
+        self.contents = dict(contents)
+        self._companion_tensors = dict(companions)
+        self.parking = parking
+        self.blocks: dict[int, StreamedBlock] = {}
+        self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
+
+    @property
+    def _casts(self) -> bool:
+        return self.storage_dtype is not None
+
+    def pack(self, index: int, block: nn.Module) -> StreamedBlock:
+        """Block ``index`` (``block``) moved into its host buffer, a parked one taken over, or left in its file."""
+        state = self.blocks[index] = self._packed(index, block)
+        self.modules[index] = block
+        self._pack_companions(index, state)
+        return state
+
+    def take(self, index: int) -> StreamedBlock | None:
+        """Block ``index``'s record, no longer kept (its companions dropped): the caller restores it."""
+        self.modules.pop(index, None)
+        state = self.blocks.pop(index, None)
+        if state is not None:
+            self._drop_companions(state)
+        return state
+
+    def let_go(self, park: bool) -> None:
+        """Every block back on memory of its own (its file's views, a copy, or, pageable and in its tensors'
+        dtypes, its host buffer as it is); with ``park``, blocks that came from the CPU stay on their host
+        buffers, in ``parking``. Block by block, each record dropped as its block gets its memory back:
+        restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly when
+        another model is waiting for the RAM."""
+        if park and self.parking is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        for index in sorted(self.blocks):
+            module = self.modules[index]
+            state = self.take(index)
+            assert state is not None
+            if park and state.origin_device.type == "cpu":
+                self._park(module, state)
+            elif state.file_backed:
+                state.layout.point_at(state.layout.assemble(state.originals))  # the file's views, as they were
+                self.unpin(state)
+            else:
+                self.restore(state, state.origin_device)
+                self.unpin(state)
+
+    def unpin_some(self, nbytes: int) -> int:
+        """Unpins blocks' host buffers, last first, until ``nbytes`` of the pin budget are free again; returns
+        how many. The caller makes sure no copy reads them meanwhile."""
+        freed = 0
+        for state in reversed([self.blocks[index] for index in sorted(self.blocks)]):
+            if freed >= nbytes:
+                break
+            if state.pinned and unpin_host_buffer(state.host):
+                freed += state.pinned_bytes
+                self.unpin(state)
+                state.pinned, state.pageable_because = False, "cap"
+        return freed
+
+    def pageable_because(self, reason: str) -> dict[int, int]:
+        """Blocks (index: host bytes) whose host buffer is pageable for ``reason`` ("cap" or "driver")."""
+        return {i: state.host.numel() for i, state in sorted(self.blocks.items()) if state.pageable_because == reason}
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The blocks' host buffers."""
+        return sum(state.host.numel() for state in self.blocks.values())
+
+    @property
+    def companion_bytes(self) -> int:
+        """The blocks' companions (packed once, copied with their blocks)."""
+        return sum(state.companion_host.numel() for state in self.blocks.values() if state.companion_host is not None)
+
+    def release(self, reserved: int) -> None:
+        """Gives ``reserved`` bytes of the pin budget back (a buffer from ``buffer`` is dropped)."""
+        if reserved and self._pinned is not None:
+            self._pinned.release(reserved)
+
+    def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
+        adopted = self._adopt(index, block)
+        if adopted is not None:
+            return adopted
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        current = layout.current()
+        slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
+        file_backed = any(source is not None for source in slices)
+        if index in self.read_each_step:
+            if not file_backed:
+                raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
+            return self._file_tier(block, layout, current, slices)
+        storage = layout
+        if self._casts:
+            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
+        origin = layout.device or self.device
+        host, reserved, pageable_because = self.buffer(storage.nbytes)
+        pinned = self.pin_memory and pageable_because is None
+        storage.pack_into(host)
+        host_views = storage.views(host)
+        originals = None
+        if file_backed:
+            originals = current  # views of the file: they cost no memory
+        elif self._casts:
+            # Kept on the host: originals left on the device would keep the whole block there.
+            originals = tuple(t.to("cpu") for t in current)
+        # Otherwise the block's only copy of its weights is now the host buffer.
+        layout.point_at(host_views)
+        return StreamedBlock(
+            layout,
+            storage,
+            host,
+            host_views,
+            origin,
+            originals,
+            pinned,
+            reserved,
+            pageable_because=pageable_because,
+            file_backed=file_backed,
+        )
+
+    def _file_tier(
+        self,
+        block: nn.Module,
+        layout: BlockLayout,
+        current: tuple[torch.Tensor, ...],
+        slices: list[FileSlice | None],
+    ) -> StreamedBlock:
+        """A block read from its file for each copy, in its stored dtypes: no host buffer, the module keeps
+        the file's views. Its parts not in the file (a host's converted tensors) are copied from memory."""
+        stored = BlockLayout.of(block, recurse=self.recurse)
+        storage = layout if stored.parts == layout.parts else stored
+        sources = tuple(
+            (part, tensor if source is None else source)
+            for part, source, tensor in zip(storage.parts, slices, current, strict=True)
+        )
+        views = layout.assemble(current)
+        host = torch.empty(0, dtype=torch.uint8)
+        origin = layout.device or self.device
+        return StreamedBlock(
+            layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
+        )
+
+    def buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
+        """Host memory for a block's bytes, a staging slot or companions, pinned where the budget and the
+        driver allow: the buffer, the bytes reserved in the pin budget, and why it is pageable although
+        pinning was asked ("cap": the budget refused; "driver": the driver refused to register it)."""
+        reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
+        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
+        host = pinned_host_buffer(nbytes) if pinned else None
+        if host is not None:
+            return host, reserved, None
+        if pinned and self._pinned is not None:
+            self._pinned.release(reserved)  # the driver refused: pageable memory
+        why = ("driver" if pinned else "cap") if self.pin_memory else None
+        return torch.empty(nbytes, dtype=torch.uint8), 0, why
+
+    def _pack_companions(self, index: int, state: StreamedBlock) -> None:
+        tensors = self._companion_tensors.get(index)
+        if not tensors:
+            return
+        layout = CompanionLayout.of(tensors)
+        host, reserved, _ = self.buffer(layout.nbytes)
+        layout.pack_into(host, tensors)
+        state.companion_layout, state.companion_host, state.companion_reserved = layout, host, reserved
+
+    def _drop_companions(self, state: StreamedBlock) -> None:
+        if state.companion_reserved and self._pinned is not None:
+            self._pinned.release(state.companion_reserved)
+        state.companion_layout = state.companion_host = None
+        state.companion_reserved = 0
+        state.companion_views.clear()
+
+    def _park(self, module: nn.Module, state: StreamedBlock) -> None:
+        """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
+        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
+        file at each step, or stored in a lossy dtype, goes back to its originals."""
+        if state.read is not None or (state.originals is not None and not state.file_backed):
+            state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
+            self.unpin(state)
+            return
+        storage = state.host.untyped_storage()
+        reservation = (
+            self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
+        )
+        assert self.parking is not None  # let_go refuses to park without one
+        self.parking.park(
+            module,
+            ParkedBuffer(
+                weakref.ref(storage),
+                state.host.numel(),
+                signature(state.layout),
+                state.pinned,
+                self.recurse,
+                reservation,
+                state.originals if state.file_backed else None,
+                state.content,
+            ),
+        )
+
+    def _adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
+        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
+        packed from its file points at the file's views again, to be packed from them (never from a buffer
+        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
+        parked = self.parking.take(block) if self.parking is not None else None
+        if parked is None:
+            return None
+        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
+        if adopted is None and parked.originals is not None:
+            leave(block, parked)
+        return adopted
+
+    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
+        """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
+        or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
+        the one asked for; never for a block to be read from its file at each step."""
+        if self._casts or index in self.read_each_step or parked.pinned != self.pin_memory:
+            return None
+        if parked.content not in (None, self.contents.get(index)):
+            return None
+        host = parked.host()
+        if host is None or parked.signature != signature(layout):
+            return None
+        parts = layout.part_views(host)
+        if not all(same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
+            return None
+        if parked.reservation is not None:
+            if self._pinned is None or not self._pinned.adopt(parked.reservation):
+                return None
+        elif parked.pinned and self._pinned is not None:
+            return None  # pinned outside this budget: adopting it would leave the budget short
+        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
+        views = layout.assemble(parts)
+        file_backed = parked.originals is not None
+        return StreamedBlock(
+            layout,
+            layout,
+            host,
+            views,
+            host.device,
+            parked.originals,
+            parked.pinned,
+            reserved,
+            file_backed=file_backed,
+            content=parked.content,
+        )
+
+    @property
+    def needs_content(self) -> frozenset[int]:
+        """The streamed blocks whose host buffers do not hold the content ``contents`` names for them yet."""
+        return frozenset(
+            index
+            for index, content in self.contents.items()
+            if index in self.blocks and self.blocks[index].content != content
+        )
+
+    def wrote_content(self, indices: Iterable[int]) -> None:
+        """The host has written their ``contents`` into these blocks' host buffers (their tensors, on the host)."""
+        for index in indices:
+            state = self.blocks[index]
+            if state.read is not None or not state.file_backed:
+                raise ValueError(
+                    f"{self.unit} {index} has no originals in a file to go back to: only a host buffer packed from "
+                    "its file may hold other content"
+                )
+            state.content = self.contents[index]
+
+    def unpin(self, state: StreamedBlock) -> None:
+        """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
+        if state.pinned and self._pinned is not None:
+            self._pinned.release(state.pinned_bytes)
+
+    def restore(self, state: StreamedBlock, device: torch.device) -> None:
+        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
+        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
+        twice while another model waits for the memory. A pinned one is copied, not to leave the model
+        page-locked."""
+        sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
+        adopt_host = (
+            state.originals is None
+            and not state.pinned
+            and state.host.device == device
+            and all(source.dtype == part.dtype for part, source in zip(state.layout.parts, sources, strict=True))
+        )
+        restored = tuple(
+            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
+            for part, source in zip(state.layout.parts, sources, strict=True)
+        )
+        state.layout.point_at(state.layout.assemble(restored))
