@@ -45,36 +45,17 @@ from torch.utils.hooks import RemovableHandle
 
 from .device import (
     can_pin_memory,
-    copy_stream,
     current_stream,
-    free_device_bytes,
-    is_accelerator,
     synchronize,
 )
+from .device_ring import DeviceRing
 from .file_source import FileSlice, stamps
 from .host_blocks import HostBlocks, StreamedBlock
-from .layout import DtypeOf, TensorForm, aligned
+from .layout import DtypeOf, aligned
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .reader import FileReader
-from .ring import ByteRing, ring_capacity, ring_granule
 from .timeline import CallRecord, TimelineRecorder
-
-#: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
-#: to step once the ring's cycle and the step's line up; when they drift, views are made again.
-_VIEWS_KEPT = 16
-
-
-def _cached_views(
-    cache: dict[int, tuple[torch.Tensor, ...]], start: int, make: Callable[[], tuple[torch.Tensor, ...]]
-) -> tuple[torch.Tensor, ...]:
-    """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
-    views = cache.get(start)
-    if views is None:
-        if len(cache) == _VIEWS_KEPT:
-            cache.clear()
-        views = cache[start] = make()
-    return views
 
 
 def eager(hook: Callable) -> Callable:
@@ -229,14 +210,16 @@ class BlockStreamer:
             companions=companions or {},
             parking=parking,
         )
-        # Nested streamed modules (a wrapped module inside another) each hold a region while they run.
-        self.nesting = nesting
-        self.ring_bytes = ring_bytes
-        self.copy_stream = copy_stream(self.device)
-        self._ring: ByteRing | None = None
-        self._holds_all = False  # the ring holds every streamed block (``_ring_holds_all``), set with the ring
-        self._buffer: torch.Tensor | None = None  # the ring's memory
-        self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
+        self.ring = DeviceRing(
+            self.device,
+            self.host,
+            prefetch=prefetch,
+            nesting=nesting,
+            ring_bytes=ring_bytes,
+            recorder=recorder,
+            persistent_allocations=persistent_allocations,
+        )
+        self.copy_stream = self.ring.copy_stream
         self._reader: FileReader | None = None
         self._slot_reservation = 0  # the staging slots' pinned bytes
         self._stamps: tuple = ()  # the files read from, as they were when streaming began
@@ -292,7 +275,7 @@ class BlockStreamer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._free_ring()
+        self.ring.free()
         self._stop_reader()
         self.host.let_go(park)
         self.enabled = False
@@ -301,14 +284,7 @@ class BlockStreamer:
         """Frees the ring; it is allocated again by the next call that needs it."""
         self._finish_active()
         synchronize(self.device)
-        self._free_ring()
-
-    def _free_ring(self) -> None:
-        for state in self.host.blocks.values():
-            state.device_views.clear()  # views keep the memory they view alive
-            state.companion_views.clear()
-        with self.persistent_allocations():
-            self._ring = self._buffer = self._staging = None
+        self.ring.free()
 
     def make_resident(self, indices: Iterable[int]) -> None:
         """Stops streaming these blocks: their tensors move to the device for good. Not for a block with
@@ -323,15 +299,14 @@ class BlockStreamer:
         for index in indices:
             state = self.host.take(index)
             if state is not None:
-                if self._ring is not None:
-                    self._ring.drop(index)
+                self.ring.drop(index)
                 if self._reader is not None:
                     self._reader.release(index, None)  # a read made ahead for it goes unused
                 with self.persistent_allocations():
                     self.host.restore(state, self.device)
                 self.host.unpin(state)
         self.streamed = frozenset(self.host.blocks)
-        self._holds_all = self._ring_holds_all()
+        self.ring.recount()
         self.host.read_each_step &= self.streamed
 
     @property
@@ -342,17 +317,13 @@ class BlockStreamer:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether every part of ``tensor`` (a quantized one's data and scales) lies in the engine's device
         buffers: a streamed unit's weights while it runs, copied there for the call."""
-        if self._buffer is None:
-            return False
-        start, end = self._buffer.data_ptr(), self._buffer.data_ptr() + self._buffer.numel()
-        parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
-        return all(start <= part.data_ptr() < end for part in parts)
+        return self.ring.holds(tensor)
 
     @property
     def ring_memory(self) -> torch.Tensor | None:
         """The ring's device memory (None before the first call and after a release): what the streamed
         blocks' weights are views of while they run."""
-        return self._buffer
+        return self.ring.memory
 
     @property
     def running(self) -> tuple[int, ...]:
@@ -367,16 +338,12 @@ class BlockStreamer:
     def region_of(self, index: int) -> tuple[int, int] | None:
         """The bytes of the ring (start, end) holding streamed block ``index``, or None while it is only on
         the host."""
-        return None if self._ring is None else self._ring.regions.get(index)
+        return self.ring.region_of(index)
 
     @property
     def capacity(self) -> int:
         """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
-        return ring_capacity(self._largest, self.prefetch, self.nesting, self.ring_bytes or 0)
-
-    @property
-    def _largest(self) -> int:
-        return max((state.region_bytes for state in self.host.blocks.values()), default=0)
+        return self.ring.capacity
 
     @property
     def unit(self) -> str:
@@ -404,7 +371,7 @@ class BlockStreamer:
     @property
     def device_buffer_bytes(self) -> int:
         """Device bytes the ring (and its staging buffer) hold now (0 before the first call and after a release)."""
-        return sum(buffer.numel() for buffer in (self._buffer, self._staging) if buffer is not None)
+        return self.ring.device_buffer_bytes
 
     @property
     def refused_pinning(self) -> dict[int, int]:
@@ -435,7 +402,7 @@ class BlockStreamer:
             return
         slot_bytes = max(read.nbytes for read in reads)
         slots = [self._staging_slot(slot_bytes) for _ in range(self.staging_slots)]
-        self._reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
+        self._reader = self.ring.reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
         self._stamps = stamps(source for read in reads for source in read.slices())
 
     def _staging_slot(self, nbytes: int) -> torch.Tensor:
@@ -447,18 +414,14 @@ class BlockStreamer:
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """Block ``index``'s companions as device views, while it is in the ring (from its copy to its region
         being overwritten: a host reads them during the block's call); None when it has none or is elsewhere."""
-        state = self.host.blocks.get(index)
-        region = self.region_of(index)
-        if state is None or state.companion_layout is None or region is None:
-            return None
-        start = region[0] + aligned(state.layout.nbytes)
-        return _cached_views(state.companion_views, start, lambda: state.companion_layout.views(self._buffer[start:]))
+        return self.ring.companions(index)
 
     def _stop_reader(self) -> None:
         if self._reader is None:
             return
         self._reader.close()
-        self._reader, self._stamps = None, ()
+        self._reader = self.ring.reader = None
+        self._stamps = ()
         self.host.release(self._slot_reservation)
         self._slot_reservation = 0
 
@@ -496,86 +459,8 @@ class BlockStreamer:
     def allocate_device_buffers(self) -> None:
         """Allocates the ring now rather than at the first block call, so running out of device
         memory shows while the model is being placed, where the caller can still fall back."""
-        if self.host.blocks and self._ring is None:
-            self._allocate_ring()
-
-    def _allocate_ring(self) -> None:
-        capacity = self.capacity
-        casting = [state.storage.nbytes for state in self.host.blocks.values() if self._cast_on_device(state)]
-        staging = max(casting, default=0)
-        free = free_device_bytes(self.device)
-        if free is not None and capacity + staging > free:
-            raise torch.OutOfMemoryError(
-                f"the device ring needs {capacity + staging} bytes and {self.device} has {free} free: allocated "
-                "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
-            )
-        with self.persistent_allocations():
-            self._buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-            # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
-            self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
-        self._ring = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
-        self._holds_all = self._ring_holds_all()
-        if is_accelerator(self.device):
-            for state in self.host.blocks.values():
-                if state.ready is None:
-                    state.ready = torch.Event(device=self.device)
-                    state.released = torch.Event(device=self.device)
-        if self.copy_stream is not None:
-            # The allocator hands out memory on the compute stream: its last reader there may still be
-            # queued. The first copy into fresh memory has no released event to wait on, so order the
-            # copy stream after everything the compute stream has issued so far.
-            self.copy_stream.wait_stream(current_stream(self.device))
-
-    def _views(self, state: StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
-        return _cached_views(state.device_views, start, lambda: state.layout.views(self._buffer[start:]))
-
-    def _load(self, index: int, held: Container[int]) -> bool:
-        """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
-        if self._ring is None:
-            self._allocate_ring()
-        state = self.host.blocks[index]
-        placed = self._ring.place(index, state.region_bytes, held)
-        if placed is None:
-            return False
-        start, overwritten = placed
-        stream = self.copy_stream
-        with stream if stream is not None else nullcontext():
-            if stream is not None:
-                for other in overwritten:
-                    if self.host.blocks[other].released_once:
-                        stream.wait_event(self.host.blocks[other].released)
-            record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            self._copy_in(index, state, start)
-            state.fresh = True
-            if self.recorder:
-                self.recorder.copy_finished(record, stream)
-            if state.ready is not None:
-                state.ready.record(stream)
-        state.copy = record
-        return True
-
-    def _copy_in(self, index: int, state: StreamedBlock, start: int) -> None:
-        host = state.host if state.read is None else self._reader.take(index, state.read)
-        non_blocking = host.is_pinned()
-        size = state.storage.nbytes
-        if not self._cast_on_device(state):
-            self._buffer[start : start + size].copy_(host[:size], non_blocking=non_blocking)
-        else:
-            self._staging[:size].copy_(host[:size], non_blocking=non_blocking)
-            targets = state.layout.part_views(self._buffer[start:])
-            for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
-                target.copy_(source)
-        if state.read is not None:
-            self._reader.release(index, self.copy_stream)
-        companions = state.companion_host
-        if companions is not None:
-            at = start + aligned(state.layout.nbytes)
-            self._buffer[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
-
-    @staticmethod
-    def _cast_on_device(state: StreamedBlock) -> bool:
-        """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
-        return state.storage is not state.layout
+        if self.host.blocks and self.ring.books is None:
+            self.ring.allocate()
 
     def _prefetch(self, defer_pageable: bool = False) -> None:
         """Issues the copies of the next streamed blocks, as far ahead as the ring has room.
@@ -586,8 +471,8 @@ class BlockStreamer:
         just launched computing meanwhile."""
         if not self.host.blocks:
             return
-        if self._ring is None:
-            self._allocate_ring()
+        if self.ring.books is None:
+            self.ring.allocate()
         upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, self.prefetch)
         held = {call.block for call in self._active}
 
@@ -598,7 +483,7 @@ class BlockStreamer:
                 return True
             return defer_pageable and self._deferred(self.host.blocks[index])
 
-        copy_ahead(upcoming, held, self._ring.regions, self._load, skip)
+        copy_ahead(upcoming, held, self.ring.books.regions, self.ring.load, skip)
         self._read_ahead()
 
     def _read_ahead(self) -> None:
@@ -611,14 +496,14 @@ class BlockStreamer:
         never a wrong weight."""
         if self._reader is None:
             return
-        ring = self._ring
+        ring = self.ring.books
         advance = 0  # the ring bytes the copies before the block in hand will write, from the head
         upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, len(self.host.blocks))
         for position, index in enumerate(upcoming):
             state = self.host.blocks[index]
             region = ring.regions.get(index)
             stays = region is not None and (
-                position < self.prefetch or self._holds_all or (region[0] - ring.head) % ring.capacity >= advance
+                position < self.prefetch or self.ring.holds_all or (region[0] - ring.head) % ring.capacity >= advance
             )
             if stays:
                 if position < self.prefetch and self._reader.holds(index):
@@ -628,10 +513,6 @@ class BlockStreamer:
             needs_read = state.read is not None and not self._reader.holds(index)
             if needs_read and not self._reader.schedule(index, state.read):
                 return
-
-    def _ring_holds_all(self) -> bool:
-        """Whether the ring holds every streamed block at once (then a block copied once stays)."""
-        return sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
 
     def _deferred(self, state: StreamedBlock) -> bool:
         if self.copy_stream is None:
@@ -692,7 +573,7 @@ class BlockStreamer:
         if state is not None:
             region = self.region_of(index)
             if region is None:
-                if not self._load(index, {call.block for call in self._active}):
+                if not self.ring.load(index, {call.block for call in self._active}):
                     raise RuntimeError(
                         f"no room for {self.unit} {index} in the device ring of {self.capacity} bytes: "
                         f"{len(self._active)} streamed {self.unit}s are running nested inside each other"
@@ -701,7 +582,7 @@ class BlockStreamer:
             if compute is not None:
                 compute.wait_event(state.ready)
             copy, state.copy = state.copy, None
-            state.layout.point_at(self._views(state, region[0]))
+            state.layout.point_at(self.ring.views(state, region[0]))
         self._active.append(_ActiveCall(index, state is not None, record))
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
@@ -713,7 +594,7 @@ class BlockStreamer:
         try:
             self.transforms[index](state.fresh)
         except BaseException:
-            self._ring.drop(index)  # half transformed: the next call copies it afresh
+            self.ring.drop(index)  # half transformed: the next call copies it afresh
             raise
         state.fresh = False
 

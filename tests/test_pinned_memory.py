@@ -21,7 +21,7 @@ import torch
 
 from harness.inprocess import async_offload, sample, wan
 
-from block_offload.offload import PinnedMemoryBudget, cost_cache, planner, use_host_registrar
+from block_offload.offload import PinnedMemoryBudget, cost_cache, device_ring, planner, use_host_registrar
 from block_offload.offload import device as device_module
 from block_offload.offload import streamer as streamer_module
 
@@ -305,9 +305,9 @@ def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest
     model = transformer_stack(num_blocks=4, dim=32)
     streamer = streamer_module.BlockStreamer(model.blocks, torch.device("cpu"), range(1, 4), root=model)
     streamer.enable()
-    monkeypatch.setattr(streamer_module, "free_device_bytes", lambda device: streamer.capacity - 1)
+    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity - 1)
     with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
         streamer.allocate_device_buffers()
-    monkeypatch.setattr(streamer_module, "free_device_bytes", lambda device: streamer.capacity)
+    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity)
     streamer.allocate_device_buffers()
     streamer.disable()

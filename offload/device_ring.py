@@ -1,0 +1,197 @@
+"""The device side of a streamer's copies: the ring's memory (``ByteRing`` keeps its books), the staging buffer
+a copy to cast lands in first, each block's events and device views, and the copies themselves, issued on the
+device's copy stream (see ``offload/streamer.py`` for how a step uses them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from .device import copy_stream, current_stream, free_device_bytes, is_accelerator
+from .host_blocks import HostBlocks, StreamedBlock
+from .layout import TensorForm, aligned
+from .reader import FileReader
+from .ring import ByteRing, ring_capacity, ring_granule
+from .timeline import TimelineRecorder
+
+#: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
+#: to step once the ring's cycle and the step's line up; when they drift, views are made again.
+_VIEWS_KEPT = 16
+
+
+def _cached_views(
+    cache: dict[int, tuple[torch.Tensor, ...]], start: int, make: Callable[[], tuple[torch.Tensor, ...]]
+) -> tuple[torch.Tensor, ...]:
+    """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
+    views = cache.get(start)
+    if views is None:
+        if len(cache) == _VIEWS_KEPT:
+            cache.clear()
+        views = cache[start] = make()
+    return views
+
+
+class DeviceRing:
+    """The ring the ``host``'s blocks are copied into: ``prefetch`` blocks ahead and ``nesting`` running by
+    default, or ``ring_bytes``; allocated at the first copy (or ``allocate``), under ``persistent_allocations``
+    (see ``BlockStreamer``). File-tier blocks are copied from ``reader``'s staging slots."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        host: HostBlocks,
+        *,
+        prefetch: int,
+        nesting: int,
+        ring_bytes: int | None,
+        recorder: TimelineRecorder | None,
+        persistent_allocations: Callable[[], AbstractContextManager],
+    ) -> None:
+        self.device = device
+        self.host = host
+        self.prefetch = prefetch
+        # Nested streamed modules (a wrapped module inside another) each hold a region while they run.
+        self.nesting = nesting
+        self.ring_bytes = ring_bytes
+        self.recorder = recorder
+        self.persistent_allocations = persistent_allocations
+        self.copy_stream = copy_stream(device)
+        self.reader: FileReader | None = None
+        self.books: ByteRing | None = None
+        self.memory: torch.Tensor | None = None  # the ring's bytes
+        self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
+        self.holds_all = False  # the ring holds every streamed block at once (then a block copied once stays)
+
+    @property
+    def capacity(self) -> int:
+        """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
+        return ring_capacity(self._largest, self.prefetch, self.nesting, self.ring_bytes or 0)
+
+    @property
+    def _largest(self) -> int:
+        return max((state.region_bytes for state in self.host.blocks.values()), default=0)
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        """Device bytes the ring (and its staging buffer) hold now (0 before the first copy and after ``free``)."""
+        return sum(buffer.numel() for buffer in (self.memory, self._staging) if buffer is not None)
+
+    def recount(self) -> None:
+        """Whether the ring holds every streamed block, again (after blocks left the host side)."""
+        self.holds_all = sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
+
+    def allocate(self) -> None:
+        capacity = self.capacity
+        casting = [state.storage.nbytes for state in self.host.blocks.values() if cast_on_device(state)]
+        staging = max(casting, default=0)
+        free = free_device_bytes(self.device)
+        if free is not None and capacity + staging > free:
+            raise torch.OutOfMemoryError(
+                f"the device ring needs {capacity + staging} bytes and {self.device} has {free} free: allocated "
+                "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
+            )
+        with self.persistent_allocations():
+            self.memory = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
+            self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
+        self.books = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
+        self.recount()
+        if is_accelerator(self.device):
+            for state in self.host.blocks.values():
+                if state.ready is None:
+                    state.ready = torch.Event(device=self.device)
+                    state.released = torch.Event(device=self.device)
+        if self.copy_stream is not None:
+            # The allocator hands out memory on the compute stream: its last reader there may still be
+            # queued. The first copy into fresh memory has no released event to wait on, so order the
+            # copy stream after everything the compute stream has issued so far.
+            self.copy_stream.wait_stream(current_stream(self.device))
+
+    def free(self) -> None:
+        for state in self.host.blocks.values():
+            state.device_views.clear()  # views keep the memory they view alive
+            state.companion_views.clear()
+        with self.persistent_allocations():
+            self.books = self.memory = self._staging = None
+
+    def region_of(self, index: int) -> tuple[int, int] | None:
+        """The bytes of the ring (start, end) holding block ``index``, or None while it is only on the host."""
+        return None if self.books is None else self.books.regions.get(index)
+
+    def drop(self, index: int) -> None:
+        """Forgets block ``index``'s region: its next call copies it afresh."""
+        if self.books is not None:
+            self.books.drop(index)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether every part of ``tensor`` (a quantized one's data and scales) lies in the ring."""
+        if self.memory is None:
+            return False
+        start, end = self.memory.data_ptr(), self.memory.data_ptr() + self.memory.numel()
+        parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
+        return all(start <= part.data_ptr() < end for part in parts)
+
+    def views(self, state: StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
+        """The block's tensors as views of its region at ``start``."""
+        return _cached_views(state.device_views, start, lambda: state.layout.views(self.memory[start:]))
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        """Block ``index``'s companions as device views while it is in the ring; None when it has none or is
+        elsewhere."""
+        state = self.host.blocks.get(index)
+        region = self.region_of(index)
+        if state is None or state.companion_layout is None or region is None:
+            return None
+        start = region[0] + aligned(state.layout.nbytes)
+        return _cached_views(state.companion_views, start, lambda: state.companion_layout.views(self.memory[start:]))
+
+    def load(self, index: int, held: Container[int]) -> bool:
+        """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
+        if self.books is None:
+            self.allocate()
+        state = self.host.blocks[index]
+        placed = self.books.place(index, state.region_bytes, held)
+        if placed is None:
+            return False
+        start, overwritten = placed
+        stream = self.copy_stream
+        with stream if stream is not None else nullcontext():
+            if stream is not None:
+                for other in overwritten:
+                    if self.host.blocks[other].released_once:
+                        stream.wait_event(self.host.blocks[other].released)
+            record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
+            self._copy_in(index, state, start)
+            state.fresh = True
+            if self.recorder:
+                self.recorder.copy_finished(record, stream)
+            if state.ready is not None:
+                state.ready.record(stream)
+        state.copy = record
+        return True
+
+    def _copy_in(self, index: int, state: StreamedBlock, start: int) -> None:
+        host = state.host if state.read is None else self.reader.take(index, state.read)
+        non_blocking = host.is_pinned()
+        size = state.storage.nbytes
+        if not cast_on_device(state):
+            self.memory[start : start + size].copy_(host[:size], non_blocking=non_blocking)
+        else:
+            self._staging[:size].copy_(host[:size], non_blocking=non_blocking)
+            targets = state.layout.part_views(self.memory[start:])
+            for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
+                target.copy_(source)
+        if state.read is not None:
+            self.reader.release(index, self.copy_stream)
+        companions = state.companion_host
+        if companions is not None:
+            at = start + aligned(state.layout.nbytes)
+            self.memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
+
+
+def cast_on_device(state: StreamedBlock) -> bool:
+    """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
+    return state.storage is not state.layout
