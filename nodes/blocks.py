@@ -2,13 +2,17 @@
 for every model ComfyUI loads, with no table of architectures to keep up with its releases. They are found
 again at each load, from the model as ComfyUI patched it for that load: an object patch that swaps a block
 (or a whole list) streams as it is, never from a list found before. This file holds what the nodes say of
-them, and the models whose blocks must not stream as blocks (``MODULE_BY_MODULE``, each with its reason).
+them, the models whose blocks must not stream as blocks (``MODULE_BY_MODULE``, each with its reason), and the
+one answer to which units an engine streams (``Units``), which the placement and the engine both ask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from ..offload import OffloadPlan, streamed_modules
 from ..offload.discovery import FoundBlocks, NoBlocksError
 from ..offload.discovery import find_blocks as discover
 
@@ -42,3 +46,42 @@ def module_by_module_notice(error: NoBlocksError) -> str:
 def inside(name: str, prefixes: frozenset[str]) -> bool:
     """Whether the module or weight ``name`` is one of ``prefixes`` or lies inside one."""
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class Units:
+    """Units of a diffusion model an engine streams, by index, with their module names under it: modules that own
+    tensors (the sequential wrapper's; ``recurse`` False: each unit is its own tensors only) or blocks (``recurse``
+    True: each with its submodules). Indices are the engine's: into ``streamed_modules`` or the block list."""
+
+    modules: dict[int, nn.Module]
+    names: dict[int, str]
+    recurse: bool
+
+    @classmethod
+    def every(cls, diffusion_model: nn.Module, sequential: bool) -> Units:
+        """Every unit the sequential wrapper (``sequential``) or a block engine could stream."""
+        found = streamed_modules(diffusion_model) if sequential else find_blocks(diffusion_model).blocks
+        return cls(
+            {i: module for i, (_, module) in enumerate(found)},
+            {i: name for i, (name, _) in enumerate(found)},
+            not sequential,
+        )
+
+    @classmethod
+    def streamed(cls, diffusion_model: nn.Module, plan: OffloadPlan | None) -> Units:
+        """The units an engine streams: every module that owns tensors without a block ``plan``, else the plan's
+        streamed blocks."""
+        every = cls.every(diffusion_model, sequential=plan is None)
+        if plan is None:
+            return every
+        return cls(
+            {i: every.modules[i] for i in sorted(plan.streamed)},
+            {i: every.names[i] for i in sorted(plan.streamed)},
+            True,
+        )
+
+    @property
+    def qualified(self) -> frozenset[str]:
+        """The units' names as ComfyUI's patcher knows them (under ``diffusion_model``)."""
+        return frozenset(f"diffusion_model.{name}" if name else "diffusion_model" for name in self.names.values())

@@ -30,11 +30,10 @@ from ..offload import (
     TimelineRecorder,
     read_bandwidth,
     release_freed_host_memory,
-    streamed_modules,
 )
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
-from .blocks import find_blocks, inside
+from .blocks import Units, find_blocks, inside
 from .compiler import outside_the_recording
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, on_fast_disk, patched_as_cast, recorded_dtype
@@ -162,7 +161,8 @@ def start_engine(
     # ComfyUI would later try to unpin memory that is gone, its pinned total never coming down.
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:
         model.unpin_weight(key)
-    units, recurse = _streamed_units(model, placement.plan)
+    streamed = Units.streamed(model.model.diffusion_model, placement.plan)
+    units, recurse = streamed.modules, streamed.recurse
     fast_disk = on_fast_disk(model)
     file_options, in_host = _file_tier_options(request, units, recurse, fast_disk)
     read_each_step = file_options.get("read_each_step", frozenset())
@@ -306,16 +306,6 @@ def _bake(
     return bake(placement, model, candidates - read_each_step, steps, least_ms)
 
 
-def _streamed_units(model: ModelPatcher, plan: OffloadPlan | None) -> tuple[dict[int, nn.Module], bool]:
-    """The units the engine streams, by index: every tensor-owning module (the sequential wrapper), or the
-    plan's streamed blocks; and whether a unit is a module with its submodules."""
-    diffusion_model = model.model.diffusion_model
-    if plan is None:
-        return dict(enumerate(module for _, module in streamed_modules(diffusion_model))), False
-    blocks = find_blocks(diffusion_model).blocks
-    return {index: blocks[index][1] for index in plan.streamed}, True
-
-
 def _runner(
     model: ModelPatcher,
     request: OffloadRequest,
@@ -327,7 +317,7 @@ def _runner(
     file_options: dict,
     streaming: dict,
 ) -> Runner:
-    """The engine of ``units`` (``_streamed_units``: modules for the sequential wrapper, else the plan's
+    """The engine of ``units`` (``Units.streamed``: modules for the sequential wrapper, else the plan's
     streamed blocks), with ``_file_tier_options``' and the patches' ``streaming`` options: the units'
     ``companions``, their host buffer ``contents`` (blocks only), the ``transforms``, and the model's
     ``parking``."""

@@ -34,10 +34,9 @@ from ..offload import (
     can_pin_memory,
     device_name,
     module_bytes,
-    streamed_modules,
 )
 from ..offload.layout import aligned, module_stored_bytes
-from .blocks import find_blocks
+from .blocks import Units, find_blocks
 from .device_patches import adapter_bytes
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
@@ -116,12 +115,12 @@ def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:
     from the file is decided when the engine starts, by the host memory left then."""
     if not request.dynamic_vram_twin:
         return 0
-    diffusion_model = model.model.diffusion_model
-    if request.sequential:
-        units, recurse = [module for _, module in streamed_modules(diffusion_model)], False
-    else:
-        units, recurse = [block for _, block in find_blocks(diffusion_model).blocks], True
-    casting = [module_stored_bytes(unit, recurse) for unit in units if not stored_as_computed(unit, recurse)]
+    units = Units.every(model.model.diffusion_model, request.sequential)
+    casting = [
+        module_stored_bytes(unit, units.recurse)
+        for unit in units.modules.values()
+        if not stored_as_computed(unit, units.recurse)
+    ]
     return aligned(max(casting, default=0))
 
 
@@ -137,9 +136,7 @@ def _place(
     """
     diffusion_model = model.model.diffusion_model
     if request.sequential:
-        names = frozenset(
-            f"diffusion_model.{name}" if name else "diffusion_model" for name, _ in streamed_modules(diffusion_model)
-        )
+        names = Units.every(diffusion_model, sequential=True).qualified
         limit = request.vram_limit_bytes / GIB
         dtype = request.storage_dtype or "the model's dtype"
         summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
@@ -252,7 +249,8 @@ def _patch_ms(model: ModelPatcher, untimed: list[str]) -> tuple[float, ...]:
 
 def block_names(model: ModelPatcher) -> list[str]:
     """Each block's module name in the model (under ``diffusion_model``), in block order."""
-    return [f"diffusion_model.{name}" for name, _ in find_blocks(model.model.diffusion_model).blocks]
+    names = Units.every(model.model.diffusion_model, sequential=False).names
+    return [f"diffusion_model.{names[index]}" for index in sorted(names)]
 
 
 def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
@@ -267,9 +265,9 @@ def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
 def describe(plan: OffloadPlan, model: ModelPatcher, patch_ms: tuple[float, ...] = ()) -> Placement:
     """The placement of a block plan: the streamed blocks' module names and the summary line (``patch_ms``: the
     blocks' patch costs, kept from the placement it replaces)."""
-    found = find_blocks(model.model.diffusion_model)
-    streamed = frozenset(f"diffusion_model.{found.blocks[i][0]}" for i in plan.streamed)
-    summary = f"{found.describe()}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
+    diffusion_model = model.model.diffusion_model
+    streamed = Units.streamed(diffusion_model, plan).qualified
+    summary = f"{find_blocks(diffusion_model).describe()}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
     return Placement(plan, streamed, summary, plan.slot_bytes, patch_ms=patch_ms)
 
 

@@ -71,7 +71,9 @@ status=0
 part() {  # part NAME CAP_SECONDS COMMAND...: runs it under the smaller of its cap and the time left
   local name="$1" cap="$2"; shift 2
   local left=$(( seconds - (SECONDS - start) ))
-  (( cap > left )) && cap=$left
+  # A part's cap guards the device call's time; on this CPU the parts share two cores with whatever else runs,
+  # so a dry run lets each take what the call has left.
+  (( cap > left || dry == 1 )) && cap=$left
   if (( cap < 20 )); then
     echo "#### $name: not run (${left} s left of the call)" >> "$report"
     status=1
