@@ -22,11 +22,14 @@ import dataclasses
 import itertools
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import comfy.model_management
 import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
+from torch import nn
 
 from ..offload import GIB, OffloadPlan, place_falling_back
 from . import report
@@ -87,6 +90,21 @@ def _offload_class(base: type) -> type:
     return _CLASSES[base]
 
 
+class LoadEntry(NamedTuple):
+    """One entry of ComfyUI's ``_load_list``, by name. Its layout in 0.3.75 and 0.33's classic loader is
+    ``(offload_mem, module_mem, name, module, params)``; it is read here only, so a change breaks one place."""
+
+    offload_mem: int  # what casting the module on the fly would take
+    module_mem: int  # the module's weights as ComfyUI counts them
+    name: str
+    module: nn.Module
+
+    @classmethod
+    def of(cls, entry: Sequence[Any]) -> LoadEntry:
+        offload_mem, module_mem, name, module = entry[:4]
+        return cls(offload_mem, module_mem, name, module)
+
+
 class BlockOffloadPatcher(ModelPatcher):
     """Mixin: must come before the patcher class in the MRO (see ``_offload_class``)."""
 
@@ -121,8 +139,7 @@ class BlockOffloadPatcher(ModelPatcher):
     def _load_list(self, *args, **kwargs):
         entries = super()._load_list(*args, **kwargs)
         hidden = state_of(self.model).hidden
-        # Entry layout in ComfyUI 0.3.75 and 0.33's classic loader: (offload_mem, module_mem, name, module, params).
-        return [entry for entry in entries if not inside(entry[2], hidden)]
+        return [entry for entry in entries if not inside(LoadEntry.of(entry).name, hidden)]
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         state = state_of(self.model)
@@ -216,7 +233,7 @@ class BlockOffloadPatcher(ModelPatcher):
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
         # a weight to another dtype, ComfyUI counting it as it was).
-        offered = sum(entry[1] for entry in self._load_list())
+        offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
             return
@@ -242,12 +259,13 @@ class BlockOffloadPatcher(ModelPatcher):
         largest first, each only while the bytes loaded so far, the module and cast buffers for it and
         the next ``NUM_STREAMS`` modules fit (``load()`` in comfy/model_patcher.py; 0.3.75 counts this
         module's cast size for each of those, 0.33 the next modules' sizes, which are no larger)."""
-        entries = sorted((e for e in super()._load_list() if not inside(e[2], streamed)), key=lambda e: -e[0])
+        entries = [LoadEntry.of(entry) for entry in super()._load_list()]
+        kept = sorted((e for e in entries if not inside(e.name, streamed)), key=lambda e: -e.offload_mem)
         buffers = comfy.model_management.NUM_STREAMS + 1
         need = loaded = 0
-        for offload_size, size, *_ in entries:
-            need = max(need, loaded + size + buffers * offload_size)
-            loaded += size
+        for entry in kept:
+            need = max(need, loaded + entry.module_mem + buffers * entry.offload_mem)
+            loaded += entry.module_mem
         return need + 1  # ComfyUI's test is strict (<)
 
     def _check_resident_loaded(self, request: OffloadRequest, offered: int) -> None:

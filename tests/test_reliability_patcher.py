@@ -111,7 +111,11 @@ def test_out_of_memory_falls_back_to_more_streaming(
     plan_lines = [r.getMessage() for r in caplog.records if "blocks resident (" in r.getMessage()]
     assert len(plan_lines) == 1 and "1/5 blocks resident (0, leading), 4 streamed" in plan_lines[0]
     # ComfyUI counts what is really on the device: what its loader was offered, as for a clean placement.
-    assert patched.loaded_size() == sum(entry[1] for entry in patched._load_list()) == loaded
+    assert (
+        patched.loaded_size()
+        == sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in patched._load_list())
+        == loaded
+    )
     assert engine.runner.device_buffer_bytes == buffers
 
     caplog.clear()
