@@ -36,7 +36,7 @@ class CostCache:
         self.path = Path(path)
         self.limit = limit
 
-    def _entries(self) -> dict[str, dict]:
+    def _entries(self) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -77,13 +77,14 @@ class CostCache:
         entry = entries.get(key)
         if not isinstance(entry, dict):
             return
-        plans = entry.get("plans") if isinstance(entry.get("plans"), dict) else {}
+        kept = entry.get("plans")
+        plans: dict[str, Any] = kept if isinstance(kept, dict) else {}
         plans.pop(search, None)
         plans[search] = _plan_as_dict(plan)
         entry["plans"] = dict(list(plans.items())[-self.limit :])
         self._write(entries)
 
-    def _write(self, entries: dict[str, dict]) -> None:
+    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         # Written whole then renamed, so a reader never sees half a file. The write happens as a model is
         # loaded or unloaded: a failure (a full disk; on Windows, a reader holding the file makes the rename
         # raise PermissionError) costs what was to be kept only, never the load.
@@ -100,7 +101,7 @@ class CostCache:
                 Path(temporary).unlink(missing_ok=True)
 
 
-def _plan_as_dict(plan: OffloadPlan) -> dict:
+def _plan_as_dict(plan: OffloadPlan) -> dict[str, Any]:
     policy = None if plan.policy is None else plan.policy.value
     return {
         "resident": sorted(plan.resident),
@@ -112,7 +113,7 @@ def _plan_as_dict(plan: OffloadPlan) -> dict:
     }
 
 
-def _plan_from_dict(data: dict) -> OffloadPlan:
+def _plan_from_dict(data: dict[str, Any]) -> OffloadPlan:
     policy = None if data["policy"] is None else ResidencyPolicy(data["policy"])
     return OffloadPlan(
         tuple(int(size) for size in data["block_bytes"]),

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 
@@ -44,7 +44,7 @@ _DEVICE_FUNCTIONS = (
 )
 
 
-def _device_function(device_type: str, name: str) -> Callable | None:
+def _device_function(device_type: str, name: str) -> Callable[..., Any] | None:
     accelerator = getattr(torch, "accelerator", None)
     function = getattr(accelerator, name, None)
     if function is None:
@@ -56,7 +56,7 @@ def _device_function(device_type: str, name: str) -> Callable | None:
 _resolved = functools.cache(_device_function)
 
 
-def _call(device: torch.device, name: str, *args: object) -> object:
+def _call(device: torch.device, name: str, *args: object) -> Any:
     function = _resolved(device.type, name)
     if function is None:  # unsupported_torch refuses such a device before any engine starts
         raise RuntimeError(f"torch {torch.__version__} has no {name} for {device.type}")
@@ -66,7 +66,7 @@ def _call(device: torch.device, name: str, *args: object) -> object:
 def accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None:
-        return accelerator.is_available()
+        return bool(accelerator.is_available())
     return torch.cuda.is_available()
 
 
@@ -105,14 +105,14 @@ def copy_stream(device: torch.device) -> torch.Stream | None:
 def current_stream(device: torch.device) -> torch.Stream | None:
     if not is_accelerator(device):
         return None
-    return _call(device, "current_stream", device)
+    return cast(torch.Stream, _call(device, "current_stream", device))
 
 
 def device_name(device: torch.device) -> str:
     """What the device is (``NVIDIA H100 80GB HBM3``), for keying measurements made on it."""
     backend = getattr(torch, device.type, None)
-    if is_accelerator(device) and hasattr(backend, "get_device_name"):
-        return backend.get_device_name(device)
+    if is_accelerator(device) and backend is not None and hasattr(backend, "get_device_name"):
+        return str(backend.get_device_name(device))
     return device.type
 
 
@@ -140,6 +140,12 @@ def discard_async_error() -> None:
         pass  # the error being dropped: the failed call already said so
 
 
+def _cudart() -> Any:
+    """CUDA's runtime API as torch binds it (looked up at each call: tests put a recreated one in its place)."""
+    cudart: Callable[[], Any] = torch.cuda.cudart
+    return cudart()
+
+
 class CudaHostRegistrar:
     """``cudaHostRegister`` / ``cudaHostUnregister``, each failure's sticky error cleared by ``discard_error``."""
 
@@ -147,10 +153,10 @@ class CudaHostRegistrar:
         self.discard_error = discard_error  # None: ``discard_async_error``
 
     def register(self, pointer: int, nbytes: int) -> bool:
-        return self._succeeded(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE))
+        return self._succeeded(_cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE))
 
     def unregister(self, pointer: int) -> bool:
-        return self._succeeded(torch.cuda.cudart().cudaHostUnregister(pointer))
+        return self._succeeded(_cudart().cudaHostUnregister(pointer))
 
     def _succeeded(self, status: int) -> bool:
         if status == 0:
@@ -191,7 +197,7 @@ def pinned_allocation_bytes(nbytes: int) -> int:
 # Bytes of host memory the engine has page-locked itself and not yet given back (see pinned_host_buffer).
 _registered_bytes = 0
 # Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
-_REGISTRATIONS: dict[int, weakref.finalize] = {}
+_REGISTRATIONS: dict[int, weakref.finalize[..., Any]] = {}
 
 
 def pinned_bytes() -> int:
@@ -266,11 +272,11 @@ def peak_allocated(device: torch.device) -> int | None:
         return None
     device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)  # private: absent from other torch versions
     if device_stats is None:
-        return _call(device, "max_memory_allocated", device)
+        return int(_call(device, "max_memory_allocated", device))
     if not torch._C._accelerator_isAllocatorInitialized():
         return 0  # nothing was ever allocated (what the public function answers too)
     index = device.index if device.index is not None else _call(device, "current_device_index")
-    return device_stats(index)["allocated_bytes"]["all"]["peak"]
+    return int(device_stats(index)["allocated_bytes"]["all"]["peak"])
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -280,7 +286,7 @@ def free_device_bytes(device: torch.device) -> int | None:
     if not is_accelerator(device):
         return None
     free, _ = _call(device, "get_memory_info", device)
-    return free + _call(device, "memory_reserved", device) - _call(device, "memory_allocated", device)
+    return int(free + _call(device, "memory_reserved", device) - _call(device, "memory_allocated", device))
 
 
 @dataclass(frozen=True)
@@ -329,27 +335,27 @@ class Clock:
         return [0.0]
 
     def mark(self, marker: Marker, stream: torch.Stream | None) -> None:
-        if self.on_device:
-            marker.record(stream)
-        else:
+        if isinstance(marker, list):
             marker[0] = time.perf_counter()
+        else:
+            marker.record(stream)
 
     def reached(self, marker: Marker) -> bool:
         """Whether the device has passed ``marker`` (a query; the host clock is always there)."""
-        return not self.on_device or marker.query()
+        return isinstance(marker, list) or marker.query()
 
     def wait(self, marker: Marker) -> None:
         """Blocks the host until the device has passed ``marker``."""
-        if self.on_device:
+        if not isinstance(marker, list):
             marker.synchronize()
 
     def since(self, start: Marker) -> Callable[[Marker], float]:
         """A reader of the milliseconds from ``start`` to a marker the device has reached: each read is one
         elapsed-time call on a device, which neither waits nor synchronizes."""
-        if self.on_device:
-            return start.elapsed_time
+        if not isinstance(start, list):
+            return cast("Callable[[Marker], float]", start.elapsed_time)
         origin = start[0]
-        return lambda marker: (marker[0] - origin) * 1000.0
+        return lambda marker: (cast(list[float], marker)[0] - origin) * 1000.0
 
     def elapsed_ms(self, start: Marker, end: Marker) -> float:
         """Milliseconds from ``start`` to ``end``, waiting for the device to reach ``end``."""

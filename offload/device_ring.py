@@ -48,7 +48,7 @@ class DeviceRing:
         nesting: int,
         ring_bytes: int | None,
         recorder: TimelineRecorder | None,
-        persistent_allocations: Callable[[], AbstractContextManager],
+        persistent_allocations: Callable[[], AbstractContextManager[object]],
     ) -> None:
         self.device = device
         self.host = host
@@ -104,11 +104,12 @@ class DeviceRing:
                 if state.ready is None:
                     state.ready = torch.Event(device=self.device)
                     state.released = torch.Event(device=self.device)
-        if self.copy_stream is not None:
+        compute = current_stream(self.device)
+        if self.copy_stream is not None and compute is not None:
             # The allocator hands out memory on the compute stream: its last reader there may still be
             # queued. The first copy into fresh memory has no released event to wait on, so order the
             # copy stream after everything the compute stream has issued so far.
-            self.copy_stream.wait_stream(current_stream(self.device))
+            self.copy_stream.wait_stream(compute)
 
     def free(self) -> None:
         for state in self.host.blocks.values():
@@ -134,26 +135,34 @@ class DeviceRing:
         parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
         return all(start <= part.data_ptr() < end for part in parts)
 
+    def allocated(self) -> tuple[ByteRing, torch.Tensor]:
+        """The ring's books and memory, allocated now if they are not yet."""
+        if self.books is None or self.memory is None:
+            self.allocate()
+        assert self.books is not None and self.memory is not None
+        return self.books, self.memory
+
     def views(self, state: StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
         """The block's tensors as views of its region at ``start``."""
-        return _cached_views(state.device_views, start, lambda: state.layout.views(self.memory[start:]))
+        _, memory = self.allocated()
+        return _cached_views(state.device_views, start, lambda: state.layout.views(memory[start:]))
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """Block ``index``'s companions as device views while it is in the ring; None when it has none or is
         elsewhere."""
         state = self.host.blocks.get(index)
         region = self.region_of(index)
-        if state is None or state.companion_layout is None or region is None:
+        if state is None or state.companion_layout is None or region is None or self.memory is None:
             return None
+        layout, memory = state.companion_layout, self.memory
         start = region[0] + aligned(state.layout.nbytes)
-        return _cached_views(state.companion_views, start, lambda: state.companion_layout.views(self.memory[start:]))
+        return _cached_views(state.companion_views, start, lambda: layout.views(memory[start:]))
 
     def load(self, index: int, held: Container[int]) -> bool:
         """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
-        if self.books is None:
-            self.allocate()
+        books, memory = self.allocated()
         state = self.host.blocks[index]
-        placed = self.books.place(index, state.region_bytes, held)
+        placed = books.place(index, state.region_bytes, held)
         if placed is None:
             return False
         start, overwritten = placed
@@ -161,10 +170,11 @@ class DeviceRing:
         with stream if stream is not None else nullcontext():
             if stream is not None:
                 for other in overwritten:
-                    if self.host.blocks[other].released_once:
-                        stream.wait_event(self.host.blocks[other].released)
+                    released = self.host.blocks[other].released
+                    if released is not None and self.host.blocks[other].released_once:
+                        stream.wait_event(released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            self._copy_in(index, state, start)
+            self._copy_in(index, state, memory, start)
             state.fresh = True
             if self.recorder:
                 self.recorder.copy_finished(record, stream)
@@ -173,23 +183,30 @@ class DeviceRing:
         state.copy = record
         return True
 
-    def _copy_in(self, index: int, state: StreamedBlock, start: int) -> None:
-        host = state.host if state.read is None else self.reader.take(index, state.read)
+    def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> None:
+        reader = self.reader
+        if state.read is not None:
+            assert reader is not None  # a file-tier block's streamer started its reader
+            host = reader.take(index, state.read)
+        else:
+            host = state.host
         non_blocking = host.is_pinned()
         size = state.storage.nbytes
         if not cast_on_device(state):
-            self.memory[start : start + size].copy_(host[:size], non_blocking=non_blocking)
+            memory[start : start + size].copy_(host[:size], non_blocking=non_blocking)
         else:
-            self._staging[:size].copy_(host[:size], non_blocking=non_blocking)
-            targets = state.layout.part_views(self.memory[start:])
-            for target, source in zip(targets, state.storage.part_views(self._staging), strict=True):
+            staging = self._staging
+            assert staging is not None  # allocated with the ring, as large as the largest block cast
+            staging[:size].copy_(host[:size], non_blocking=non_blocking)
+            targets = state.layout.part_views(memory[start:])
+            for target, source in zip(targets, state.storage.part_views(staging), strict=True):
                 target.copy_(source)
-        if state.read is not None:
-            self.reader.release(index, self.copy_stream)
+        if reader is not None and state.read is not None:
+            reader.release(index, self.copy_stream)
         companions = state.companion_host
         if companions is not None:
             at = start + aligned(state.layout.nbytes)
-            self.memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
+            memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
 
 
 def cast_on_device(state: StreamedBlock) -> bool:

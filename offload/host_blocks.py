@@ -62,6 +62,11 @@ class StreamedBlock:
     # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
     fresh: bool = False
 
+    def point_at_originals(self) -> None:
+        """Points the block's tensors back at its originals: its file's views, or the copy a storage dtype kept."""
+        assert self.originals is not None, "only a block read from its file, from a file or cast to a storage dtype"
+        self.layout.point_at(self.layout.assemble(self.originals))
+
     @property
     def region_bytes(self) -> int:
         """The ring bytes the block takes: its own, then its companions'."""
@@ -141,7 +146,7 @@ class HostBlocks:
             if park and state.origin_device.type == "cpu":
                 self._park(module, state)
             elif state.file_backed:
-                state.layout.point_at(state.layout.assemble(state.originals))  # the file's views, as they were
+                state.point_at_originals()  # the file's views, as they were
                 self.unpin(state)
             else:
                 self.restore(state, state.origin_device)
@@ -277,7 +282,7 @@ class HostBlocks:
         A block from its file keeps its host buffer too (its file views kept beside it); one read from the
         file at each step, or stored in a lossy dtype, goes back to its originals."""
         if state.read is not None or (state.originals is not None and not state.file_backed):
-            state.layout.point_at(state.layout.assemble(state.originals))  # the rounded copy must not replace them
+            state.point_at_originals()  # the rounded copy must not replace them
             self.unpin(state)
             return
         storage = state.host.untyped_storage()

@@ -11,13 +11,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
 
 
 @functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     library = ctypes.CDLL(name) if name else None
-    return getattr(library, "malloc_trim", None)  # glibc only
+    trim: Callable[[int], int] | None = getattr(library, "malloc_trim", None)  # glibc only
+    return trim
 
 
 def release_freed_host_memory() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -82,7 +83,7 @@ class TensorForm:
         if kind in (torch.Tensor, nn.Parameter):
             return cls(kind)
         if hasattr(kind, "__tensor_flatten__") and hasattr(kind, "__tensor_unflatten__"):
-            names, context = tensor.__tensor_flatten__()
+            names, context = cast(Any, tensor).__tensor_flatten__()  # torch types wrappers' protocol nowhere
             inner = tuple((name, cls.of(getattr(tensor, name), f"{where}.{name}")) for name in names)
             return cls(kind, context, inner, tensor.size(), tensor.stride())
         if kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
@@ -100,7 +101,7 @@ class TensorForm:
             yield _own_memory(tensor)
             return
         # Asked of the tensor itself: a wrapper may expose its inner tensors only once flattened.
-        names, _ = tensor.__tensor_flatten__()
+        names, _ = cast(Any, tensor).__tensor_flatten__()
         for name, (_, form) in zip(names, self.inner, strict=True):
             yield from form.parts_of(getattr(tensor, name))
 
@@ -110,7 +111,8 @@ class TensorForm:
         if not self.is_wrapper:
             return next(parts)
         inner = {name: form.assemble(parts) for name, form in self.inner}
-        return self.kind.__tensor_unflatten__(inner, self.context, self.size, self.stride)
+        rebuilt: torch.Tensor = cast(Any, self.kind).__tensor_unflatten__(inner, self.context, self.size, self.stride)
+        return rebuilt
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,9 @@ class TensorSlot:
 
     def tensor(self) -> torch.Tensor:
         table = self.owner._parameters if self.is_parameter else self.owner._buffers
-        return table[self.name]
+        tensor = table[self.name]
+        assert tensor is not None, f"{self.name} was None when the layout was taken"  # a slot holds a tensor
+        return tensor
 
     def place(self, tensor: torch.Tensor) -> None:
         """Makes the module hold ``tensor`` (from ``TensorForm.assemble``) here.
@@ -156,7 +160,7 @@ class TensorSlot:
                 tensor = _inference_alias(tensor)
             held.data = tensor
         elif self.is_parameter:
-            self.owner._parameters[self.name] = tensor
+            self.owner._parameters[self.name] = cast(nn.Parameter, tensor)  # a wrapper Parameter, rebuilt
         else:
             self.owner._buffers[self.name] = tensor
 

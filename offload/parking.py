@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ class ParkedBuffer:
     pinned: bool
     recurse: bool  # laid out with the block's submodules, or its own tensors only
     # Its pinned bytes' reservation, released when the buffer is freed, or taken back by an adopting share.
-    reservation: weakref.finalize | None
+    reservation: weakref.finalize[..., Any] | None
     # A block packed from its file: its parts as views of the file, which a real unload points it back at.
     originals: tuple[torch.Tensor, ...] | None = None
     content: Hashable = None  # what the host wrote over the weights as packed
@@ -61,7 +62,8 @@ class ParkedBuffer:
         storage = self.storage()
         if storage is None:
             return None
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))
+        # torch's stubs leave out set_'s (storage, offset, size) overload for an untyped storage.
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))  # type: ignore[call-overload,no-any-return]
 
 
 class ParkingLot:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 #: Answers whether ``nbytes`` more may be pinned now, beyond the cap (a host's check of available RAM).
 Admission = Callable[[int], bool]
@@ -116,13 +117,13 @@ class PinnedShare:
         give_back = self._give_back() if self._give_back is not None else None
         return give_back(nbytes) if give_back is not None else 0
 
-    def park(self, nbytes: int, memory: object) -> weakref.finalize:
+    def park(self, nbytes: int, memory: object) -> weakref.finalize[..., Any]:
         """Hands ``nbytes`` of this share to ``memory`` (a host buffer's storage that outlives its streamer):
         they stay counted until ``memory`` is collected, unless a share of the same budget adopts them first."""
         self.nbytes -= nbytes
         return weakref.finalize(memory, self.budget.release, nbytes)
 
-    def adopt(self, parked: weakref.finalize) -> bool:
+    def adopt(self, parked: weakref.finalize[..., Any]) -> bool:
         """Takes back bytes ``park`` handed out, without counting them twice; False when the memory is gone
         or was counted by another budget (then nothing changes)."""
         held = parked.peek()

@@ -61,6 +61,7 @@ class OffloadPlan:
         if resident_count is not None:
             resident = resident_indices(len(sizes), resident_count, policy)
         else:
+            assert budget_bytes is not None  # exactly one of the two was given
             # The ring comes out of the same budget as the resident blocks.
             slots = ring_capacity(max(sizes, default=0), prefetch)
             resident = resident_for_budget(sizes, max(0, budget_bytes - slots), policy)

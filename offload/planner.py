@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from .layout import aligned
 from .plan import GIB, OffloadPlan
@@ -37,6 +38,9 @@ from .residency import ResidencyPolicy, resident_indices
 from .ring import ByteRing, ring_capacity, ring_granule
 from .streamer import copy_ahead, look_ahead
 from .timeline import StepTimeline
+
+#: The events a simulation replays, as the engine would run them (``simulate``'s ``trace``).
+Trace = list[tuple[object, ...]]
 
 #: Predictions this close (relative) count as equal.
 TIE = 1e-6
@@ -118,8 +122,10 @@ class StackCosts:
         bandwidth = bandwidth_gbps or step.bandwidth_gbps
         if bandwidth is None:
             raise ValueError("the step copied nothing, so it cannot tell the bandwidth; give bandwidth_gbps")
-        copies = [(s.copy_start, s.copy_end) for s in step.spans if s.copy_start is not None]
-        calls, compute, gaps = [], [], []
+        copies = [(s.copy_start, s.copy_end) for s in step.spans if s.copy_start is not None and s.copy_end is not None]
+        calls: list[int] = []
+        compute: list[float] = []
+        gaps: list[float] = []
         previous_end = 0.0
         for span in step.spans:
             arrive = span.compute_start - span.stall
@@ -167,11 +173,11 @@ class StackCosts:
         """The step with every block resident: nothing to wait for."""
         return sum(self.gap_ms) + sum(self.compute_ms) + self.tail_ms
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> StackCosts:
+    def from_dict(cls, data: dict[str, Any]) -> StackCosts:
         return cls(
             tuple(int(b) for b in data["block_bytes"]),
             tuple(int(c) for c in data["calls"]),
@@ -287,7 +293,7 @@ class _Pipeline:
 
     It runs thousands of times per search, so each block's figures are read into lists once."""
 
-    def __init__(self, costs: StackCosts, plan: OffloadPlan, inline_copies: bool, trace: list | None) -> None:
+    def __init__(self, costs: StackCosts, plan: OffloadPlan, inline_copies: bool, trace: Trace | None) -> None:
         self.costs = costs
         self.trace = trace
         self.streamed = plan.streamed
@@ -319,7 +325,7 @@ class _Pipeline:
         self.clock += self.costs.tail_ms
         return self.clock - step.start, step
 
-    def state(self) -> tuple:
+    def state(self) -> tuple[object, ...]:
         """What the next step depends on, its times taken from the clock (to a picosecond, so that sums
         which differ in their last bits compare equal)."""
 
@@ -389,7 +395,7 @@ class _Pipeline:
 
 
 def simulate(
-    costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False, steps: int = 3, trace: list | None = None
+    costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False, steps: int = 3, trace: Trace | None = None
 ) -> Prediction:
     """The ``steps``-th step of ``plan`` (the first ``steps - 1`` warm the ring up).
 
@@ -456,13 +462,14 @@ def _greedy(
             for i, plan in plans.items()
             if plan is not None
         }
+        fitting = {i: plan for i, plan in plans.items() if plan is not None}
         if not floor:
             return best if count is None else None
         chosen: Prediction | None = None
         for i in sorted(floor, key=lambda i: (floor[i], i)):
             if chosen is not None and floor[i] >= chosen.step_ms * (1 - TIE):
                 break
-            option = simulate(costs, plans[i], inline_copies=inline_copies)
+            option = simulate(costs, fitting[i], inline_copies=inline_copies)
             gains[i] = current.step_ms - option.step_ms
             if chosen is None or option.step_ms < chosen.step_ms * (1 - TIE):
                 chosen = option
@@ -545,15 +552,15 @@ def best_plan(
     if resident_count is None:
         # Each policy at every count (fewer resident blocks leave a larger ring, which may hide more), and
         # every set the greedy searches grew block by block.
-        sets = [
+        sets: list[tuple[frozenset[int], ResidencyPolicy | None]] = [
             (frozenset(resident_indices(len(sizes), count, policy)), policy)
             for policy in ResidencyPolicy
             for count in range(len(sizes))
         ]
-        for resident, policy in [*sets, *dict.fromkeys((resident, None) for resident in grown)]:
-            plan = OffloadPlan.with_ring(sizes, resident, budget_bytes, pin_memory, policy)
-            if plan is not None:
-                choice.consider(plan)
+        for resident, placed_by in [*sets, *dict.fromkeys((resident, None) for resident in grown)]:
+            ring_plan = OffloadPlan.with_ring(sizes, resident, budget_bytes, pin_memory, placed_by)
+            if ring_plan is not None:
+                choice.consider(ring_plan)
     if choice.best is None:
         smallest = ring_capacity(max(sizes, default=0), min(prefetch_choices))
         raise ValueError(

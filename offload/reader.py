@@ -49,7 +49,7 @@ class BlockRead:
 class _Slot:
     buffer: torch.Tensor
     block: int | None = None
-    read: Future | None = None
+    read: Future[None] | None = None
     freed: torch.Event | None = None  # the copy out of it, which the next read into it waits for
 
 
@@ -87,13 +87,13 @@ class FileReader:
 
     def is_read(self, block: int) -> bool:
         slot = self._holding(block)
-        return slot is not None and slot.read.done()
+        return slot is not None and slot.read is not None and slot.read.done()
 
     def take(self, block: int, read: BlockRead) -> torch.Tensor:
         """``block``'s bytes: its slot once its read is done, or, when it was not scheduled, the spare buffer
         it is read into now; raises what its read raised."""
         slot = self._holding(block)
-        if slot is not None:
+        if slot is not None and slot.read is not None:
             slot.read.result()
             return slot.buffer
         if self._spare is None or self._spare.numel() < read.nbytes:

@@ -17,6 +17,7 @@ from enum import Enum
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf, module_stored_bytes
@@ -106,7 +107,7 @@ class SequentialOffloader:
         companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
-        persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
+        persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
@@ -140,7 +141,7 @@ class SequentialOffloader:
             persistent_allocations=persistent_allocations,
             parking=parking,
         )
-        self._promotion_hook = None
+        self._promotion_hook: RemovableHandle | None = None
 
     def enable(self) -> None:
         self.streamer.enable()
@@ -200,8 +201,9 @@ class SequentialOffloader:
         return ModuleState.OFFLOADED
 
     def _promote_after_first_pass(self, *_: object) -> None:
-        self._promotion_hook.remove()
-        self._promotion_hook = None
+        if self._promotion_hook is not None:
+            self._promotion_hook.remove()
+            self._promotion_hook = None
         calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.transforms)
         # Most calls first; among equals the smaller module, so more of them fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))

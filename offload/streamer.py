@@ -38,6 +38,7 @@ import itertools
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ from .device import (
     synchronize,
 )
 from .device_ring import DeviceRing
-from .file_source import FileSlice, stamps
+from .file_source import FileSlice, FileStamp, stamps
 from .host_blocks import HostBlocks, StreamedBlock
 from .layout import DtypeOf, aligned
 from .parking import ParkingLot
@@ -57,12 +58,15 @@ from .pinning import PinnedMemoryBudget
 from .reader import FileReader
 from .timeline import CallRecord, TimelineRecorder
 
+Hook = TypeVar("Hook", bound=Callable[..., object])
 
-def eager(hook: Callable) -> Callable:
+
+def eager(hook: Hook) -> Hook:
     """``hook``, run as plain Python under ``torch.compile``: the engine's hooks issue copies, record events
     and repoint parameters, which a traced graph would bake in once; the compiler breaks the graph around
     them instead, and compiles the blocks' own code between them."""
-    return torch.compiler.disable(hook, recursive=True)
+    disable: Callable[..., object] = torch.compiler.disable
+    return cast(Hook, disable(hook, recursive=True))
 
 
 def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> Iterator[int]:
@@ -171,7 +175,7 @@ class BlockStreamer:
         contents: Mapping[int, Hashable] | None = None,
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
-        persistent_allocations: Callable[[], AbstractContextManager] = nullcontext,
+        persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
     ) -> None:
         if prefetch < 0:
@@ -222,7 +226,7 @@ class BlockStreamer:
         self.copy_stream = self.ring.copy_stream
         self._reader: FileReader | None = None
         self._slot_reservation = 0  # the staging slots' pinned bytes
-        self._stamps: tuple = ()  # the files read from, as they were when streaming began
+        self._stamps: tuple[FileStamp, ...] = ()  # the files read from, as they were when streaming began
         self._handles: list[RemovableHandle] = []
         self._active: list[_ActiveCall] = []
         # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
@@ -471,19 +475,19 @@ class BlockStreamer:
         just launched computing meanwhile."""
         if not self.host.blocks:
             return
-        if self.ring.books is None:
-            self.ring.allocate()
+        books, _ = self.ring.allocated()
         upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, self.prefetch)
         held = {call.block for call in self._active}
+        reader = self._reader
 
         def skip(index: int) -> bool:
             # A file-tier block whose read is not done is copied later: waiting here would hold up the
             # launch of the block about to run.
-            if self.host.blocks[index].read is not None and not self._reader.is_read(index):
+            if self.host.blocks[index].read is not None and reader is not None and not reader.is_read(index):
                 return True
             return defer_pageable and self._deferred(self.host.blocks[index])
 
-        copy_ahead(upcoming, held, self.ring.books.regions, self.ring.load, skip)
+        copy_ahead(upcoming, held, books.regions, self.ring.load, skip)
         self._read_ahead()
 
     def _read_ahead(self) -> None:
@@ -494,9 +498,9 @@ class BlockStreamer:
         the blocks before it will write from the ring's head (the ring overwrites its oldest regions
         first). The estimate may miss where placement wraps; a miss costs a wasted read or a wait for one,
         never a wrong weight."""
-        if self._reader is None:
+        reader, ring = self._reader, self.ring.books
+        if reader is None or ring is None:
             return
-        ring = self.ring.books
         advance = 0  # the ring bytes the copies before the block in hand will write, from the head
         upcoming = look_ahead(self._expected, len(self._order), self.host.blocks, len(self.host.blocks))
         for position, index in enumerate(upcoming):
@@ -506,18 +510,17 @@ class BlockStreamer:
                 position < self.prefetch or self.ring.holds_all or (region[0] - ring.head) % ring.capacity >= advance
             )
             if stays:
-                if position < self.prefetch and self._reader.holds(index):
-                    self._reader.release(index, None)  # read for nothing: it stayed in the ring
+                if position < self.prefetch and reader.holds(index):
+                    reader.release(index, None)  # read for nothing: it stayed in the ring
                 continue
             advance += aligned(state.region_bytes, ring.granule)
-            needs_read = state.read is not None and not self._reader.holds(index)
-            if needs_read and not self._reader.schedule(index, state.read):
+            if state.read is not None and not reader.holds(index) and not reader.schedule(index, state.read):
                 return
 
     def _deferred(self, state: StreamedBlock) -> bool:
         if self.copy_stream is None:
             return False
-        return not (self._reader.pinned if state.read is not None else state.pinned)
+        return not (self.staging_pinned if state.read is not None else state.pinned)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -548,15 +551,15 @@ class BlockStreamer:
         if self.recorder:
             self.recorder.end_step(current_stream(self.device))
 
-    def _pre_hook(self, indices: tuple[int, ...]):
-        def hook(module: nn.Module, args: tuple) -> None:
+    def _pre_hook(self, indices: tuple[int, ...]) -> Callable[[nn.Module, tuple[object, ...]], None]:
+        def hook(module: nn.Module, args: tuple[object, ...]) -> None:
             for index in indices:
                 self._call_begins(index)
 
         return hook
 
-    def _post_hook(self, indices: tuple[int, ...]):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
+    def _post_hook(self, indices: tuple[int, ...]) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             for index in indices:
                 self._call_ends(index)
             if self._pageable_deferred or self._reader is not None:
@@ -579,7 +582,8 @@ class BlockStreamer:
                         f"{len(self._active)} streamed {self.unit}s are running nested inside each other"
                     )
                 region = self.region_of(index)
-            if compute is not None:
+                assert region is not None  # just placed
+            if compute is not None and state.ready is not None:
                 compute.wait_event(state.ready)
             copy, state.copy = state.copy, None
             state.layout.point_at(self.ring.views(state, region[0]))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -100,7 +100,7 @@ class StepTimeline:
     bytes_copied: int = field(init=False)
 
     def __post_init__(self) -> None:
-        copies = [s.copy_end - s.copy_start for s in self.spans if s.copy_start is not None]
+        copies = [s.copy_end - s.copy_start for s in self.spans if s.copy_start is not None and s.copy_end is not None]
         object.__setattr__(self, "copy_ms", sum(copies))
         object.__setattr__(self, "stall_ms", sum(s.stall for s in self.spans))
         object.__setattr__(self, "bytes_copied", sum(s.bytes_copied for s in self.spans))
@@ -131,7 +131,7 @@ class StepTimeline:
             return None
         return self.bytes_read / (read_ms / 1000.0) / 1e9
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["overlap"] = self.overlap
         data["bandwidth_gbps"] = self.bandwidth_gbps
