@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -93,3 +94,13 @@ class Runner(Protocol):
     def allocate_device_buffers(self) -> None: ...
 
     def close_open_step(self) -> None: ...
+
+    @property
+    def needs_content(self) -> frozenset[int]:
+        """The units whose host buffers do not hold the content their host named yet (``BlockStreamer``'s
+        ``contents``): to write after ``enable``, before the first step, then to declare with ``wrote_content``."""
+        ...
+
+    def wrote_content(self, indices: Iterable[int]) -> None:
+        """The host has written the named content into these units' host buffers."""
+        ...

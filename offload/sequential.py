@@ -171,6 +171,7 @@ class SequentialOffloader:
     staging_bytes = _streamers("staging_bytes")
     companion_bytes = _streamers("companion_bytes")
     last_order = _streamers("last_order")
+    needs_content = _streamers("needs_content")
 
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""
@@ -179,6 +180,10 @@ class SequentialOffloader:
     def close_open_step(self) -> None:
         """See ``BlockStreamer.close_open_step``."""
         self.streamer.close_open_step()
+
+    def wrote_content(self, indices: Iterable[int]) -> None:
+        """See ``BlockStreamer.wrote_content``."""
+        self.streamer.wrote_content(indices)
 
     def file_slices(self) -> tuple[FileSlice, ...]:
         """See ``BlockStreamer.file_slices``."""

@@ -28,3 +28,23 @@ def test_the_repository_is_ruff_clean() -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
     formatted = checked(str(ruff), "format", "--check", ".")
     assert formatted.returncode == 0, formatted.stdout + formatted.stderr
+
+
+def test_both_engines_offer_everything_the_runner_protocol_declares() -> None:
+    """The nodes hold an engine as a ``Runner``: whatever they call on it, the protocol declares and both engines
+    have (mypy checks the calls against the protocol; this, the engines against it)."""
+    import torch
+
+    from harness.transformer_stack import transformer_stack
+
+    from block_offload.offload import BlockStreamer, Runner, SequentialOffloader
+
+    declared = {name for name in vars(Runner) if not name.startswith("_")}
+    assert {"needs_content", "wrote_content", "read_each_step", "companions"} <= declared
+    model = transformer_stack(num_blocks=2, dim=8)
+    for engine in (
+        BlockStreamer(model.blocks, torch.device("cpu"), [1], root=model),
+        SequentialOffloader(model, "cpu"),
+    ):
+        missing = sorted(name for name in declared if not hasattr(engine, name))
+        assert not missing, f"{type(engine).__name__} lacks {missing}"
