@@ -1,20 +1,26 @@
 """The house's static checks, run as CI runs the suite: the engine (``offload/``) type-checks under mypy's strict
 mode, and the whole repository is ruff clean (lint and format). The same commands by hand, from the repository
-root: ``python -m mypy --strict offload`` and ``ruff check . && ruff format --check .``."""
+root: ``MYPYPATH=. python -m mypy --explicit-package-bases --strict offload`` and
+``ruff check . && ruff format --check .``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 #: Where third-party code has no annotations of its own (torch's private helpers, ComfyUI), mypy reads it as Any.
-MYPY = [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--follow-imports=silent", "--python-version=3.10"]
+MYPY = [sys.executable, "-m", "mypy", "--explicit-package-bases", "--ignore-missing-imports", "--follow-imports=silent"]
+MYPY += ["--python-version=3.10"]
 
 
 def checked(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    # The repository is a package itself (ComfyUI imports it by its folder's name, which may be no valid module
+    # name): mypy names modules from the repository root instead of crawling up to it.
+    env = {**os.environ, "MYPYPATH": str(REPO)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
 def test_the_engine_type_checks_under_strict_mypy() -> None:
