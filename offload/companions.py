@@ -9,8 +9,8 @@ patches) starts another streamer, whose blocks adopt their parked weights and pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,3 +39,23 @@ class CompanionLayout:
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(part.view(flat) for part in self.parts)
+
+
+@dataclass
+class PackedCompanions:
+    """A block's companions in their host buffer, and the device views made of them in the ring."""
+
+    layout: CompanionLayout
+    host: torch.Tensor
+    reserved: int  # the pinned bytes reserved for ``host``
+    views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+
+    @classmethod
+    def pack(
+        cls, tensors: Sequence[torch.Tensor], buffer: Callable[[int], tuple[torch.Tensor, int, str | None]]
+    ) -> PackedCompanions:
+        """``tensors`` packed into a host buffer from ``buffer`` (``HostMemory.buffer``)."""
+        layout = CompanionLayout.of(tensors)
+        host, reserved, _ = buffer(layout.nbytes)
+        layout.pack_into(host, tensors)
+        return cls(layout, host, reserved)

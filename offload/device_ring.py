@@ -114,7 +114,8 @@ class DeviceRing:
     def free(self) -> None:
         for state in self.host.blocks.values():
             state.device_views.clear()  # views keep the memory they view alive
-            state.companion_views.clear()
+            if state.companions is not None:
+                state.companions.views.clear()
         with self.persistent_allocations():
             self.books = self.memory = self._staging = None
 
@@ -152,11 +153,11 @@ class DeviceRing:
         elsewhere."""
         state = self.host.blocks.get(index)
         region = self.region_of(index)
-        if state is None or state.companion_layout is None or region is None or self.memory is None:
+        if state is None or state.companions is None or region is None or self.memory is None:
             return None
-        layout, memory = state.companion_layout, self.memory
+        layout, memory = state.companions.layout, self.memory
         start = region[0] + aligned(state.layout.nbytes)
-        return _cached_views(state.companion_views, start, lambda: layout.views(memory[start:]))
+        return _cached_views(state.companions.views, start, lambda: layout.views(memory[start:]))
 
     def load(self, index: int, held: Container[int]) -> bool:
         """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
@@ -203,7 +204,7 @@ class DeviceRing:
                 target.copy_(source)
         if reader is not None and state.read is not None:
             reader.release(index, self.copy_stream)
-        companions = state.companion_host
+        companions = state.companions.host if state.companions is not None else None
         if companions is not None:
             at = start + aligned(state.layout.nbytes)
             memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())

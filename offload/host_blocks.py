@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .companions import CompanionLayout
-from .device import pinned_allocation_bytes, pinned_host_buffer, unpin_host_buffer
+from .companions import PackedCompanions
+from .device import pinned_allocation_bytes, unpin_host_buffer
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf, aligned
-from .parking import ParkedBuffer, ParkingLot, leave, same_memory, signature
-from .pinning import PinnedShare
+from .parking import ParkedBuffer, ParkingLot, leave, signature
+from .pinning import HostMemory, PinnedShare
 from .reader import BlockRead
 from .timeline import CopyRecord
 
@@ -53,10 +53,7 @@ class StreamedBlock:
     read: BlockRead | None = None
     file_backed: bool = False  # ``originals`` are views of the file
     # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
-    companion_layout: CompanionLayout | None = None
-    companion_host: torch.Tensor | None = None
-    companion_reserved: int = 0
-    companion_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    companions: PackedCompanions | None = None
     # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
     content: Hashable = None
     # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
@@ -70,7 +67,7 @@ class StreamedBlock:
     @property
     def region_bytes(self) -> int:
         """The ring bytes the block takes: its own, then its companions'."""
-        extra = self.companion_layout.nbytes if self.companion_layout is not None else 0
+        extra = self.companions.layout.nbytes if self.companions is not None else 0
         return aligned(self.layout.nbytes) + extra
 
 
@@ -78,8 +75,25 @@ class HostBlocks:
     """The host side of a streamer's blocks (see the module docstring): ``blocks`` holds each streamed block's
     record by index, from ``pack`` to ``take`` or ``let_go``.
 
-    ``pinned``: the streamer's share of a pin budget (None: unbounded). ``storage_dtype``, ``dtype_of``,
-    ``file_slice``, ``read_each_step``, ``contents``, ``companions`` and ``parking``: see ``BlockStreamer``."""
+    ``pinned``: the streamer's share of a pin budget (None: unbounded).
+    ``storage_dtype`` keeps floating-point parameters in another dtype on the host; they are cast back on the
+    copy stream, right after the copy, so the cast and the copy are ordered on one stream. It shrinks what each
+    step copies; the originals are kept too, because a rounded copy must never replace them.
+    Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in it) are
+    never copied into memory of the process: a block of ``read_each_step`` has no host buffer and is read from
+    the file for each copy (``offload/file_tier.py``), in the dtypes it is stored in; other streamed blocks pack
+    their host buffer from the file. ``dtype_of`` gives the dtype each plain tensor is computed in (a file
+    stored in fp32, run in bf16): the host buffers hold that dtype, and file-tier bytes are cast to it on the
+    device, after the copy.
+    ``companions``: per streamed block, tensors copied with it into the ring (packed once, pinned like its
+    buffer), handed back as device views while it runs (``BlockStreamer.companions``).
+    ``contents``: per streamed block, a name for what the host writes over its weights in its host buffer
+    (through the block's tensors, between ``enable`` and the first step: ``needs_content`` says which, and
+    ``wrote_content`` that it is done), such as patches applied once instead of at every call. A parked buffer
+    is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
+    the block packed again from its originals, so only a block packed from its file may hold content.
+    ``parking``: where ``let_go(park=True)`` leaves the blocks' host buffers and ``pack`` takes them over from
+    (``offload/parking.py``); without one the streamer neither parks nor adopts."""
 
     def __init__(
         self,
@@ -100,8 +114,7 @@ class HostBlocks:
         self.device = device
         self.unit = unit
         self.recurse = recurse
-        self.pin_memory = pin_memory
-        self._pinned = pinned
+        self.memory = HostMemory(pin_memory, pinned)
         self.storage_dtype = storage_dtype
         self.dtype_of = dtype_of
         self.file_slice = file_slice
@@ -111,10 +124,6 @@ class HostBlocks:
         self.parking = parking
         self.blocks: dict[int, StreamedBlock] = {}
         self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
-
-    @property
-    def _casts(self) -> bool:
-        return self.storage_dtype is not None
 
     def pack(self, index: int, block: nn.Module) -> StreamedBlock:
         """Block ``index`` (``block``) moved into its host buffer, a parked one taken over, or left in its file."""
@@ -131,14 +140,18 @@ class HostBlocks:
             self._drop_companions(state)
         return state
 
+    def check_can_park(self, park: bool) -> None:
+        """Raises before anything is let go if ``park`` is asked without a lot to park into."""
+        if park and self.parking is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+
     def let_go(self, park: bool) -> None:
         """Every block back on memory of its own (its file's views, a copy, or, pageable and in its tensors'
         dtypes, its host buffer as it is); with ``park``, blocks that came from the CPU stay on their host
         buffers, in ``parking``. Block by block, each record dropped as its block gets its memory back:
         restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly when
         another model is waiting for the RAM."""
-        if park and self.parking is None:
-            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        self.check_can_park(park)
         for index in sorted(self.blocks):
             module = self.modules[index]
             state = self.take(index)
@@ -177,12 +190,7 @@ class HostBlocks:
     @property
     def companion_bytes(self) -> int:
         """The blocks' companions (packed once, copied with their blocks)."""
-        return sum(state.companion_host.numel() for state in self.blocks.values() if state.companion_host is not None)
-
-    def release(self, reserved: int) -> None:
-        """Gives ``reserved`` bytes of the pin budget back (a buffer from ``buffer`` is dropped)."""
-        if reserved and self._pinned is not None:
-            self._pinned.release(reserved)
+        return sum(state.companions.host.numel() for state in self.blocks.values() if state.companions is not None)
 
     def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
         adopted = self._adopt(index, block)
@@ -197,17 +205,17 @@ class HostBlocks:
                 raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
             return self._file_tier(block, layout, current, slices)
         storage = layout
-        if self._casts:
+        if self.storage_dtype is not None:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
         origin = layout.device or self.device
-        host, reserved, pageable_because = self.buffer(storage.nbytes)
-        pinned = self.pin_memory and pageable_because is None
+        host, reserved, pageable_because = self.memory.buffer(storage.nbytes)
+        pinned = self.memory.pin_memory and pageable_because is None
         storage.pack_into(host)
         host_views = storage.views(host)
         originals = None
         if file_backed:
             originals = current  # views of the file: they cost no memory
-        elif self._casts:
+        elif self.storage_dtype is not None:
             # Kept on the host: originals left on the device would keep the whole block there.
             originals = tuple(t.to("cpu") for t in current)
         # Otherwise the block's only copy of its weights is now the host buffer.
@@ -247,35 +255,15 @@ class HostBlocks:
             layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
         )
 
-    def buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
-        """Host memory for a block's bytes, a staging slot or companions, pinned where the budget and the
-        driver allow: the buffer, the bytes reserved in the pin budget, and why it is pageable although
-        pinning was asked ("cap": the budget refused; "driver": the driver refused to register it)."""
-        reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
-        pinned = self.pin_memory and (self._pinned is None or self._pinned.reserve(reserved))
-        host = pinned_host_buffer(nbytes) if pinned else None
-        if host is not None:
-            return host, reserved, None
-        if pinned and self._pinned is not None:
-            self._pinned.release(reserved)  # the driver refused: pageable memory
-        why = ("driver" if pinned else "cap") if self.pin_memory else None
-        return torch.empty(nbytes, dtype=torch.uint8), 0, why
-
     def _pack_companions(self, index: int, state: StreamedBlock) -> None:
         tensors = self._companion_tensors.get(index)
-        if not tensors:
-            return
-        layout = CompanionLayout.of(tensors)
-        host, reserved, _ = self.buffer(layout.nbytes)
-        layout.pack_into(host, tensors)
-        state.companion_layout, state.companion_host, state.companion_reserved = layout, host, reserved
+        if tensors:
+            state.companions = PackedCompanions.pack(tensors, self.memory.buffer)
 
     def _drop_companions(self, state: StreamedBlock) -> None:
-        if state.companion_reserved and self._pinned is not None:
-            self._pinned.release(state.companion_reserved)
-        state.companion_layout = state.companion_host = None
-        state.companion_reserved = 0
-        state.companion_views.clear()
+        if state.companions is not None:
+            self.memory.release(state.companions.reserved)
+            state.companions = None
 
     def _park(self, module: nn.Module, state: StreamedBlock) -> None:
         """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
@@ -286,9 +274,7 @@ class HostBlocks:
             self.unpin(state)
             return
         storage = state.host.untyped_storage()
-        reservation = (
-            self._pinned.park(state.pinned_bytes, storage) if state.pinned and self._pinned is not None else None
-        )
+        reservation = self.memory.park(state.pinned_bytes, storage) if state.pinned else None
         assert self.parking is not None  # let_go refuses to park without one
         self.parking.park(
             module,
@@ -317,37 +303,29 @@ class HostBlocks:
         return adopted
 
     def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
-        """A parked host buffer as block ``index``'s, if the block still uses exactly its views (a weight replaced
-        or patched while parked means it is packed again), it is pinned as asked, and it holds no content or
-        the one asked for; never for a block to be read from its file at each step."""
-        if self._casts or index in self.read_each_step or parked.pinned != self.pin_memory:
+        """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned
+        bytes can move into this streamer's share; never for a block to be read from its file at each step."""
+        fits = (
+            None
+            if self.storage_dtype is not None or index in self.read_each_step
+            else parked.parts_for(layout, self.memory.pin_memory, self.contents.get(index))
+        )
+        if fits is None:
             return None
-        if parked.content not in (None, self.contents.get(index)):
+        if not self.memory.adopt(parked.reservation, parked.pinned):
             return None
-        host = parked.host()
-        if host is None or parked.signature != signature(layout):
-            return None
-        parts = layout.part_views(host)
-        if not all(same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
-            return None
-        if parked.reservation is not None:
-            if self._pinned is None or not self._pinned.adopt(parked.reservation):
-                return None
-        elif parked.pinned and self._pinned is not None:
-            return None  # pinned outside this budget: adopting it would leave the budget short
+        host, parts = fits
         reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
-        views = layout.assemble(parts)
-        file_backed = parked.originals is not None
         return StreamedBlock(
             layout,
             layout,
             host,
-            views,
+            layout.assemble(parts),
             host.device,
             parked.originals,
             parked.pinned,
             reserved,
-            file_backed=file_backed,
+            file_backed=parked.originals is not None,
             content=parked.content,
         )
 
@@ -373,8 +351,8 @@ class HostBlocks:
 
     def unpin(self, state: StreamedBlock) -> None:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
-        if state.pinned and self._pinned is not None:
-            self._pinned.release(state.pinned_bytes)
+        if state.pinned:
+            self.memory.release(state.pinned_bytes)
 
     def restore(self, state: StreamedBlock, device: torch.device) -> None:
         """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on

@@ -65,6 +65,22 @@ class ParkedBuffer:
         # torch's stubs leave out set_'s (storage, offset, size) overload for an untyped storage.
         return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))  # type: ignore[call-overload,no-any-return]
 
+    def parts_for(
+        self, layout: BlockLayout, pinned: bool, content: Hashable
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The buffer and its views as ``layout``'s parts, if a streamer asking for ``pinned`` memory and ``content``
+        can take it over as it is: it is still alive, pinned as asked, holds no content or that one, and the
+        block still uses exactly its views (a weight replaced or patched while parked means packing again)."""
+        if self.pinned != pinned or self.content not in (None, content):
+            return None
+        host = self.host()
+        if host is None or self.signature != signature(layout):
+            return None
+        parts = layout.part_views(host)
+        if not all(same_memory(tensor, view) for tensor, view in zip(layout.current(), parts, strict=True)):
+            return None
+        return host, parts
+
 
 class ParkingLot:
     """The parked buffers of some blocks, by block module (weakly)."""

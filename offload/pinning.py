@@ -16,6 +16,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from .device import pinned_allocation_bytes, pinned_host_buffer
+
 #: Answers whether ``nbytes`` more may be pinned now, beyond the cap (a host's check of available RAM).
 Admission = Callable[[int], bool]
 
@@ -137,3 +141,41 @@ class PinnedShare:
         if self.nbytes:
             self.budget.release(self.nbytes)
             self.nbytes = 0
+
+
+class HostMemory:
+    """Host buffers for one streamer: pinned where ``pin_memory`` asks and its ``share`` of a pin budget
+    (None: unbounded) and the driver allow, pageable otherwise."""
+
+    def __init__(self, pin_memory: bool, share: PinnedShare | None) -> None:
+        self.pin_memory = pin_memory
+        self.share = share
+
+    def buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
+        """The buffer, the bytes reserved in the pin budget, and why it is pageable although pinning was asked
+        ("cap": the budget refused; "driver": the driver refused to register it)."""
+        reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
+        pinned = self.pin_memory and (self.share is None or self.share.reserve(reserved))
+        host = pinned_host_buffer(nbytes) if pinned else None
+        if host is not None:
+            return host, reserved, None
+        self.release(reserved if pinned else 0)  # the driver refused: pageable memory
+        why = ("driver" if pinned else "cap") if self.pin_memory else None
+        return torch.empty(nbytes, dtype=torch.uint8), 0, why
+
+    def release(self, reserved: int) -> None:
+        """Gives ``reserved`` bytes of the pin budget back (a buffer from ``buffer`` is dropped)."""
+        if reserved and self.share is not None:
+            self.share.release(reserved)
+
+    def park(self, reserved: int, storage: object) -> weakref.finalize[..., Any] | None:
+        """Hands a pinned buffer's ``reserved`` bytes to its ``storage`` as it outlives the streamer
+        (``PinnedShare.park``); None without a budget."""
+        return self.share.park(reserved, storage) if self.share is not None else None
+
+    def adopt(self, reservation: weakref.finalize[..., Any] | None, pinned: bool) -> bool:
+        """Whether a parked buffer (``pinned`` or not, its bytes ``reservation`` from ``park``) can be taken over
+        without leaving the budget short: its bytes move into this share."""
+        if reservation is not None:
+            return self.share is not None and self.share.adopt(reservation)
+        return not (pinned and self.share is not None)  # pinned outside this budget

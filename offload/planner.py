@@ -35,8 +35,7 @@ from typing import Any
 from .layout import aligned
 from .plan import GIB, OffloadPlan
 from .residency import ResidencyPolicy, resident_indices
-from .ring import ByteRing, ring_capacity, ring_granule
-from .streamer import copy_ahead, look_ahead
+from .ring import ByteRing, copy_ahead, look_ahead, ring_capacity, ring_granule
 from .timeline import StepTimeline
 
 #: The events a simulation replays, as the engine would run them (``simulate``'s ``trace``).

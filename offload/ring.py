@@ -6,6 +6,9 @@ resident blocks compute, the copy stream fills the whole ring, and small blocks 
 largest one would. The ring only keeps the books (which block holds which bytes); ``BlockStreamer`` owns
 the memory and the events, and ``offload.planner`` replays the same books with clocks.
 
+What to copy when is chosen by ``look_ahead`` and ``copy_ahead``, here so that the engine and the
+planner's replay of it share them.
+
 A region is placed where the previous one ended (wrapping to the start when the rest is too short), so
 the blocks copied longest ago are overwritten first; regions start at multiples of a granule
 (``ring_granule``). Blocks the caller *holds* (running, or about to run)
@@ -16,7 +19,8 @@ nearest after the head. That is complete: a region that fits anywhere can slide 
 
 from __future__ import annotations
 
-from collections.abc import Container
+import itertools
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .layout import ALIGNMENT, aligned
@@ -91,3 +95,34 @@ class ByteRing:
 
     def drop(self, block: int) -> None:
         self.regions.pop(block, None)
+
+
+def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> Iterator[int]:
+    """The next ``count`` streamed blocks of the call ``order`` from ``position``, wrapping into the next step."""
+    if count <= 0:
+        return
+    seen: set[int] = set()
+    for index in itertools.chain(itertools.islice(order, position, None), itertools.islice(order, position)):
+        if index in streamed and index not in seen:
+            seen.add(index)
+            yield index
+            if len(seen) == count:
+                return
+
+
+def copy_ahead(
+    upcoming: Iterable[int],
+    held: set[int],
+    loaded: Container[int],
+    load: Callable[[int, set[int]], bool],
+    skip: Callable[[int], bool] = lambda index: False,
+) -> None:
+    """Copies the ``upcoming`` blocks not ``loaded`` yet, in order, until one does not fit. Each is ``held``
+    (not to be overwritten) from its turn on, so a nearer block is never overwritten for a further one;
+    ``skip`` leaves a block for later without stopping. The engine and the planner's replay both copy so."""
+    for index in upcoming:
+        held.add(index)
+        if index in loaded or skip(index):
+            continue
+        if not load(index, held):
+            return

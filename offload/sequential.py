@@ -20,11 +20,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .file_source import FileSlice
+from .hooks import eager
 from .layout import BlockLayout, DtypeOf, module_stored_bytes
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import stream_buffer_bytes
-from .streamer import BlockStreamer, eager
+from .streamer import BlockStreamer
 from .timeline import TimelineRecorder
 
 

@@ -1,0 +1,124 @@
+"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for
+each copy, into a few host staging slots (``offload/reader.py``), in the dtypes they are stored in.
+
+Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for the blocks
+that will need a copy: one still in the ring at its call needs no read. The files are stamped when
+streaming starts and checked at every step, so a checkpoint rewritten under a running model is an error,
+never a wrong weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .device_ring import DeviceRing
+from .file_source import FileSlice, FileStamp, stamps
+from .host_blocks import HostBlocks
+from .layout import aligned
+from .reader import FileReader
+from .timeline import TimelineRecorder
+
+
+class FileTier:
+    """The reader of a streamer's file-tier blocks, its staging slots and the files' stamps; idle (no reader,
+    no slots) when no streamed block is read from its file."""
+
+    def __init__(
+        self, host: HostBlocks, ring: DeviceRing, staging_slots: int, recorder: TimelineRecorder | None
+    ) -> None:
+        self.host = host
+        self.ring = ring
+        self.staging_slots = staging_slots
+        self.recorder = recorder
+        self.reader: FileReader | None = None
+        self._slot_reservation = 0  # the staging slots' pinned bytes
+        self._stamps: tuple[FileStamp, ...] = ()  # the files read from, as they were when streaming began
+
+    def start(self) -> None:
+        """Allocates the staging slots (pinned where the budget and the driver allow, counted like a host
+        buffer) and starts the reader, if any streamed block is read from its file."""
+        reads = [state.read for state in self.host.blocks.values() if state.read is not None]
+        if not reads:
+            return
+        slot_bytes = max(read.nbytes for read in reads)
+        slots = []
+        for _ in range(self.staging_slots):
+            slot, reserved, _ = self.host.memory.buffer(slot_bytes)
+            self._slot_reservation += reserved
+            slots.append(slot)
+        self.reader = self.ring.reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
+        self._stamps = stamps(source for read in reads for source in read.slices())
+
+    def stop(self) -> None:
+        if self.reader is None:
+            return
+        self.reader.close()
+        self.reader = self.ring.reader = None
+        self._stamps = ()
+        self.host.memory.release(self._slot_reservation)
+        self._slot_reservation = 0
+
+    def check_files(self) -> None:
+        """Raises ``FileChangedError`` if a file read from has changed since streaming began."""
+        for stamp in self._stamps:
+            stamp.check()
+
+    def reading(self, index: int) -> bool:
+        """Whether block ``index`` is read from its file and its read is not done: its copy would wait."""
+        state = self.host.blocks[index]
+        return state.read is not None and self.reader is not None and not self.reader.is_read(index)
+
+    def forget(self, index: int) -> None:
+        """Block ``index`` no longer streams: a read made ahead for it goes unused."""
+        if self.reader is not None:
+            self.reader.release(index, None)
+
+    def read_ahead(self, upcoming: Iterable[int], prefetch: int) -> None:
+        """Starts reading the ``upcoming`` file-tier blocks (in call order) that will need a copy, while the
+        reader has free slots.
+
+        A block in the ring needs none if it will still be there at its call: copied for it (within the
+        ``prefetch`` window), the ring holding every streamed block, or its region lying beyond what the
+        copies of the blocks before it will write from the ring's head (the ring overwrites its oldest
+        regions first). The estimate may miss where placement wraps; a miss costs a wasted read or a wait
+        for one, never a wrong weight."""
+        reader, books = self.reader, self.ring.books
+        if reader is None or books is None:
+            return
+        advance = 0  # the ring bytes the copies before the block in hand will write, from the head
+        for position, index in enumerate(upcoming):
+            state = self.host.blocks[index]
+            region = books.regions.get(index)
+            stays = region is not None and (
+                position < prefetch or self.ring.holds_all or (region[0] - books.head) % books.capacity >= advance
+            )
+            if stays:
+                if position < prefetch and reader.holds(index):
+                    reader.release(index, None)  # read for nothing: it stayed in the ring
+                continue
+            advance += aligned(state.region_bytes, books.granule)
+            if state.read is not None and not reader.holds(index) and not reader.schedule(index, state.read):
+                return
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the staging slots are all pinned (False without a file tier)."""
+        return self.reader is not None and self.reader.pinned
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.reader.slot_bytes if self.reader is not None else 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.file_bytes if self.reader is not None else 0
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes read from files for one pass through every file-tier block."""
+        return sum(state.read.file_bytes for state in self.host.blocks.values() if state.read is not None)
+
+    def file_slices(self) -> tuple[FileSlice, ...]:
+        """The file slices of the file-tier blocks, in block order."""
+        blocks = sorted(self.host.blocks.items())
+        return tuple(source for _, state in blocks if state.read for source in state.read.slices())
