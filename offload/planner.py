@@ -270,8 +270,12 @@ def slow_copies(costs: StackCosts) -> StackCosts:
 
 def predict(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False) -> Prediction:
     """The step of ``plan``, and with ``slow_copies``, as the search reports the placement it chose."""
-    found = simulate(costs, plan, inline_copies=inline_copies)
-    return replace(found, slow_step_ms=simulate(slow_copies(costs), plan, inline_copies=inline_copies).step_ms)
+    return with_slow_step(simulate(costs, plan, inline_copies=inline_copies), slow_copies(costs), inline_copies)
+
+
+def with_slow_step(found: Prediction, slow_costs: StackCosts, inline_copies: bool) -> Prediction:
+    """``found`` with its step under ``slow_costs`` (``slow_copies`` of the costs it was simulated with)."""
+    return replace(found, slow_step_ms=simulate(slow_costs, found.plan, inline_copies=inline_copies).step_ms)
 
 
 def lower_bound_ms(costs: StackCosts, streamed_bytes: int) -> float:
@@ -599,9 +603,7 @@ class _Choice:
     def add(self, candidate: Prediction) -> None:
         if candidate.step_ms > self.fastest * (1 + NEAR):
             return
-        candidate = replace(
-            candidate, slow_step_ms=simulate(self.slow_costs, candidate.plan, inline_copies=self.inline).step_ms
-        )
+        candidate = with_slow_step(candidate, self.slow_costs, self.inline)
         if candidate.step_ms < self.fastest:
             self.fastest = candidate.step_ms
             kept = [c for c in self.near if c.step_ms <= self.fastest * (1 + NEAR)]
