@@ -30,6 +30,7 @@ import functools
 import weakref
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeGuard, cast, overload
 
 import comfy.float
 import comfy.lora
@@ -89,6 +90,14 @@ class LoadedPatch:
     def module(self) -> torch.nn.Module | None:
         return self._module()
 
+    def _live_module(self) -> torch.nn.Module:
+        """The module, when this patch runs: the module that holds it (as a weight function) or the unit it is
+        patched into is in use, so alive."""
+        module = self._module()
+        if module is None:
+            raise ReferenceError(f"Block Offload: the layer of {self.key} was freed before its patch ran")
+        return module
+
     def adapters(self) -> list[torch.Tensor]:
         """The host tensors this weight's patches hold, in the order ``_staged_patches`` replaces them."""
         return list(host_tensors(self.patches[self.key]))
@@ -112,7 +121,7 @@ class LoadedPatch:
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
-        module = self._module()
+        module = self._live_module()
         stored = getattr(module, self.param)
         patches = self._staged_patches()
         dynamic = weight.dtype if self.dynamic_vram is not None else None
@@ -124,7 +133,7 @@ class LoadedPatch:
         the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
         its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
         format's own kernel, and no weight function."""
-        module = self._module()
+        module = self._live_module()
         current = getattr(module, self.param)
         patches = self._staged_patches()
         # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
@@ -138,15 +147,15 @@ class LoadedPatch:
         """Where the re-quantized weight's own description differs from the stored one's (0.3.75 records the
         dtype it was quantized from), the module holds the weight under it again: the engine points the module
         at its bytes under the stored description at each call."""
-        module = self._module()
         if self._form is not None:
+            module = self._live_module()
             current = getattr(module, self.param)
             module._parameters[self.param] = self._form.assemble(TensorForm.of(current, self.key).parts_of(current))
 
     def write_to_host(self, device: torch.device) -> None:
         """Writes the patched weight over the module's own tensor (a view of its host buffer), computed on
         ``device`` as at each call: the block computes with the same weight, bit for bit, without patching."""
-        module = self._module()
+        module = self._live_module()
         host = getattr(module, self.param)
         on_device = host.to(device, copy=True)
         patches, handed = self.patches[self.key], on_device if self.dynamic_vram is None else None
@@ -297,6 +306,16 @@ def _carries_patches(weight: torch.Tensor) -> bool:
     return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
 
 
+class _CastLayer(Protocol):
+    """A layer of ComfyUI's ops (``comfy.ops.CastWeightBiasOp``), with the attributes ComfyUI's lowvram load
+    sets on it: the functions its forward applies to the weight and bias it casts, and whether it casts them."""
+
+    comfy_cast_weights: bool
+    prev_comfy_cast_weights: bool
+    weight_function: list[Callable[[torch.Tensor], torch.Tensor]]
+    bias_function: list[Callable[[torch.Tensor], torch.Tensor]]
+
+
 def stored_by_layer(module: torch.nn.Module) -> bool:
     """A layer whose weight ComfyUI's load stores through the layer's own ``set_weight`` (a quantized format
     re-quantizes the patched weight): its ops compute from that form, with the format's kernel, only while it
@@ -353,7 +372,7 @@ def patch_streamed_weights(
     twin_dtype = compute_dtype(model) if patched_as_cast is not None else None
     for name, module, routes in patched_parameters(model, streamed):
         computed_in = twin_dtype if patched_as_cast is not None and patched_as_cast(name, module) else None
-        functions: dict[str, list] = {}
+        functions: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
         arriving = []
         bake_now = []  # outside ComfyUI's ops: patched once, before packing
         for param, tensor, route in routes:
@@ -369,28 +388,33 @@ def patch_streamed_weights(
                     arriving.append(patch)
                 functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
-                patch = [LoadedPatch(key, model.patches, module, param, computed_in)] if key in model.patches else []
-                functions[param] = patch + list(model.weight_wrapper_patches.get(key, []))
-                on_device += len(patch)
-                loaded += patch
+                # The weight's own LoadedPatch; none where it has only wrapper patches.
+                own = [LoadedPatch(key, model.patches, module, param, computed_in)] if key in model.patches else []
+                functions[param] = own + list(model.weight_wrapper_patches.get(key, []))
+                on_device += len(own)
+                loaded += own
             else:
                 bake_now.append(key)
         if functions or arriving:
-            module.weight_function = functions.get("weight", [])
-            module.bias_function = functions.get("bias", [])
-            if not hasattr(module, "prev_comfy_cast_weights"):  # as ComfyUI's lowvram load marks a module
-                module.prev_comfy_cast_weights = module.comfy_cast_weights
+            # Only a layer of ComfyUI's ops has "arrival" and "device" routes (``patched_parameters``).
+            layer = cast(_CastLayer, module)
+            layer.weight_function = functions.get("weight", [])
+            layer.bias_function = functions.get("bias", [])
+            if not hasattr(layer, "prev_comfy_cast_weights"):  # as ComfyUI's lowvram load marks a module
+                layer.prev_comfy_cast_weights = layer.comfy_cast_weights
                 counted += len(arriving) + sum(
-                    isinstance(f, LoadedPatch) for f in (*module.weight_function, *module.bias_function)
+                    isinstance(f, LoadedPatch) for f in (*layer.weight_function, *layer.bias_function)
                 )
-            if module.weight_function or module.bias_function:
-                module.comfy_cast_weights = True  # a layer patched only where it arrives computes as loaded
+            if layer.weight_function or layer.bias_function:
+                layer.comfy_cast_weights = True  # a layer patched only where it arrives computes as loaded
             on_arrival += arriving
             loaded += arriving
         for key in bake_now:
             _bake(model, key, device)
         if bake_now:
-            module.comfy_patched_weights = True  # a clone taking these weights over must not patch them again
+            # A clone taking these weights over must not patch them again. (The ignore: torch annotates the value
+            # nn.Module.__setattr__ takes as Tensor | Module; it takes any.)
+            module.comfy_patched_weights = True  # type: ignore[assignment]
             baked += len(bake_now)
     # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
@@ -451,6 +475,16 @@ def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]
     return {id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))}
 
 
+class _WeightAdapter(Protocol):
+    """A weight adapter of ``comfy.weight_adapter`` (a LoRA's, a LoHa's, ...): its tensors are in ``weights``."""
+
+    weights: list[Any] | tuple[Any, ...]
+
+
+def _is_weight_adapter(value: object) -> TypeGuard[_WeightAdapter]:
+    return isinstance(getattr(value, "weights", None), (tuple, list))
+
+
 def host_tensors(value: object) -> Iterator[torch.Tensor]:
     """The host tensors a patch holds (``comfy.lora``'s formats: tuples and lists of them, and the weight
     adapters of ``comfy.weight_adapter``, whose tensors are in ``weights``), in a fixed order."""
@@ -460,8 +494,19 @@ def host_tensors(value: object) -> Iterator[torch.Tensor]:
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from host_tensors(item)
-    elif isinstance(getattr(value, "weights", None), (tuple, list)):
+    elif _is_weight_adapter(value):
         yield from host_tensors(value.weights)
+
+
+# A list (a weight's patches) comes back a list; a list or tuple (an adapter's weights), a list or tuple.
+@overload
+def with_host_tensors(value: list[Any], replacements: Iterator[torch.Tensor]) -> list[Any]: ...
+@overload
+def with_host_tensors(
+    value: list[Any] | tuple[Any, ...], replacements: Iterator[torch.Tensor]
+) -> list[Any] | tuple[Any, ...]: ...
+@overload
+def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object: ...
 
 
 def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object:
@@ -472,8 +517,11 @@ def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> ob
         return [with_host_tensors(item, replacements) for item in value]
     if isinstance(value, tuple):
         items = [with_host_tensors(item, replacements) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(getattr(value, "weights", None), (tuple, list)):
+        if hasattr(value, "_fields"):  # a namedtuple's class takes its fields as arguments
+            namedtuple_class: Callable[..., tuple[Any, ...]] = type(value)
+            return namedtuple_class(*items)
+        return tuple(items)
+    if _is_weight_adapter(value):
         adapter = copy.copy(value)  # the adapter's own code, around the copies
         adapter.weights = with_host_tensors(value.weights, replacements)
         return adapter

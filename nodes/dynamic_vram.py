@@ -19,11 +19,11 @@ blocks (host buffers packed in the recorded dtypes, file-tier blocks read as sto
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import weakref
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import comfy.model_management
 import comfy.utils
@@ -163,8 +163,12 @@ def cast_unloaded_to_recorded_dtypes(model: torch.nn.Module, streamed: frozenset
                     table[name] = tensor.to(dtype)
 
 
-# The entry ComfyUI keeps in ``ModelPatcher.backup`` for a patched weight (``patch_weight_to_device``).
-_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+class _Backup(NamedTuple):
+    """The entry ComfyUI keeps in ``ModelPatcher.backup`` for a patched weight (``patch_weight_to_device``'s
+    namedtuple, which its unpatch reads by these fields)."""
+
+    weight: torch.Tensor
+    inplace_update: bool
 
 
 def load_in_recorded_dtype(patcher: ModelPatcher, key: str, device: torch.device) -> None:
@@ -192,7 +196,8 @@ def patched_as_cast(model: torch.nn.Module, module_name: str, module: torch.nn.M
     """Whether a Dynamic VRAM model patches this module's weights as it casts them (``as_loaded``'s
     ``dynamic_vram``): a layer of ComfyUI's ops over 16 KiB as its file stores it (``module_size``, on the
     twin's views of the file where it has them). Others it loads as a classic load does."""
-    if not hasattr(module, "comfy_cast_weights") or not is_plain(getattr(module, "weight", None)):
+    weight = getattr(module, "weight", None)
+    if not hasattr(module, "comfy_cast_weights") or not isinstance(weight, torch.Tensor) or not is_plain(weight):
         return False  # a quantized layer keeps its format's own re-quantization (not compared on a GPU yet)
     views = file_views(model)
     prefix = f"{module_name}." if module_name else ""

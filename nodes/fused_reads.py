@@ -18,6 +18,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
@@ -33,7 +34,9 @@ def read_by_parents(root: nn.Module) -> dict[int, nn.Module]:
     index_of = {id(module): index for index, (_, module) in enumerate(streamed_modules(root))}
     holders: dict[int, nn.Module] = {}
     for parent in root.modules():
-        for path in read_paths(type(parent)):
+        # Widened to ``type``: mypy takes the ``type[Module]`` of ``type(parent)`` for unhashable.
+        parent_class: type = type(parent)
+        for path in read_paths(parent_class):
             child = _resolve(parent, path)
             if child is not None and child is not parent and id(child) in index_of:
                 holders.setdefault(index_of[id(child)], parent)
@@ -84,14 +87,27 @@ def _self_path(expression: ast.expr) -> tuple[str | int, ...] | None:
             return None
 
 
+@runtime_checkable
+class _Indexed(Protocol):
+    """A module the model's code indexes (``nn.Sequential``, ``nn.ModuleList``, a model's own container)."""
+
+    def __getitem__(self, index: int, /) -> object: ...
+
+
 def _resolve(module: nn.Module, path: tuple[str | int, ...]) -> nn.Module | None:
     """The submodule ``path`` names on ``module``, or None where it names none (another class's attribute)."""
-    current: object = module
+    current = module
     for step in path:
         try:
-            current = current[step] if isinstance(step, int) else getattr(current, step, None)
+            if isinstance(step, str):
+                found = getattr(current, step, None)
+            elif isinstance(current, _Indexed):
+                found = current[step]
+            else:  # a module without ``__getitem__``: indexing it would raise TypeError
+                return None
         except (IndexError, KeyError, TypeError):
             return None
-        if not isinstance(current, nn.Module):
+        if not isinstance(found, nn.Module):
             return None
+        current = found
     return current

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TypedDict
 
 import comfy.model_management
 import torch
@@ -123,7 +124,14 @@ def _storage_dtype_problem(name: str | None) -> str | None:
     return None
 
 
-def _policy(name: str) -> dict[str, ResidencyPolicy | bool]:
+class _PolicyFields(TypedDict):
+    """The fields of an ``OffloadRequest`` a policy widget sets."""
+
+    policy: ResidencyPolicy
+    auto_placement: bool
+
+
+def _policy(name: str) -> _PolicyFields:
     """A policy widget's request fields. An automatic placement's first, measuring run is strided."""
     if name not in POLICIES:
         raise ValueError(f"policy is {name!r}; use one of: {', '.join(POLICIES)}.")

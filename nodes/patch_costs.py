@@ -55,7 +55,9 @@ def patch_ms_per_unit(
     index_of = {unit: index for index, unit in enumerate(units)}
     # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
     for name, module, routes in patched_parameters(model, frozenset(units), patched_too=True):
-        unit = index_of[unit_named(name, index_of)]
+        unit_name = unit_named(name, index_of)
+        assert unit_name is not None, f"{name} lies in no unit"  # patched_parameters yields the units' modules only
+        unit = index_of[unit_name]
         for param, tensor, route in routes:
             key = f"{name}.{param}"
             if route not in ("device", "arrival") or key not in model.patches:

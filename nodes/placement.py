@@ -158,6 +158,7 @@ def _place(
     while True:
         placement = _blocks(request, model, found.model_class, sizes, budget_bytes=int(max(0, room)))
         plan = placement.plan
+        assert plan is not None, "a block placement has a plan"
         shortfall = loader_need(placement.streamed) + placement.buffer_bytes - budget
         if shortfall <= 0 or not plan.resident:
             return placement
