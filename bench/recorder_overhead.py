@@ -203,17 +203,23 @@ def import_panel(device: torch.device) -> tuple[ModuleType, ModuleType] | None:
     return importlib.import_module("block_offload.nodes.engine"), importlib.import_module("block_offload.nodes.report")
 
 
-def panel_attach(engines: ModuleType, report: ModuleType, model: torch.nn.Module) -> Attach:
-    """Starts the panel's publisher on the streamer's recorder, as the patcher does for a sampling run."""
+def panel_attach(
+    engines: ModuleType, report: ModuleType, model: torch.nn.Module
+) -> tuple[Attach, list[TimelineRecorder]]:
+    """Starts the panel's publisher on the streamer's recorder, as the patcher does for a sampling run; and the
+    recorders it attached to, in order."""
+    panel = report.install_panel(None)  # the panel as the pack sets it up, with no server to send to
+    attached: list[TimelineRecorder] = []
 
     def attach(streamer: BlockStreamer, recorder: TimelineRecorder) -> None:
         plan = OffloadPlan.build([module_bytes(b) for b in model.blocks], resident_count=0)
         request = engines.OffloadRequest(node="bench")
         engine = engines.Engine(request, engines.Placement.of_plan(plan), streamer, recorder)
-        report.engine_started(engine)
+        panel.engine_started(engine)
         report.run_started(engine, resident_weights=0)
+        attached.append(recorder)
 
-    return attach
+    return attach, attached
 
 
 def per_block_call_us(seconds: float, baseline: float) -> float:
@@ -250,9 +256,11 @@ def main() -> None:
         "recorder": (lambda: TimelineRecorder(device), None),
         "every step": (lambda: followed(TimelineRecorder(device)), None),
     }
+    attached: list[TimelineRecorder] = []
     if pack is not None:
-        variants["panel"] = (lambda: TimelineRecorder(device), panel_attach(*pack, model))
-    first_seq = pack[1]._outbox.seq if pack is not None else 0
+        attach, attached = panel_attach(*pack, model)
+        variants["panel"] = (lambda: TimelineRecorder(device), attach)
+    first_seq = pack[1].install_panel(None).outbox.seq if pack is not None else 0
     best = best_seconds_per_step(model, x, variants)
     off = best["off"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -270,11 +278,11 @@ def main() -> None:
     print(describe_calls("every step read", calls_per_step(model, x, follow=True)))
     if pack is None:
         return
-    report = pack[1]
-    sent = report._outbox.seq - first_seq
+    panel = pack[1].install_panel(None)
+    sent = panel.outbox.seq - first_seq
     print(f"recorder feeding the panel: {best['panel'] * 1e3:.3f} ms/step, "
           f"{per_block_call_us(best['panel'], off):.1f} us per block call; {sent} messages built")  # fmt: skip
-    listener = report._current
+    listener = attached[-1].listener  # the last run's publisher
     calls = 1_000_000
     start = time.perf_counter()
     for i in range(calls):

@@ -34,6 +34,8 @@ def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNa
         state=importlib.import_module("block_offload.nodes.state"),
         models=tiny_models,
     )
+    # The pack set up as ComfyUI sets it up (``comfy_entrypoint``), with no server: the panel its engines tell.
+    mods.panel = mods.report.install_panel(None)
     return mods
 
 

@@ -13,6 +13,9 @@ class BlockOffloadExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> BlockOffloadExtension:
-    report.register_routes()
+    # ComfyUI's server runs by now; imported here, so that importing the pack needs none (the in-process tests).
+    from server import PromptServer
+
+    report.install_panel(PromptServer.instance).register_routes()  # the panel's one creation
     log_version_notice()  # once: ComfyUI calls the entry point once, as it loads the pack
     return BlockOffloadExtension()

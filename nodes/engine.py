@@ -3,7 +3,8 @@ parked when ComfyUI unloads the model or hands it to the next prompt's clone.
 
 ``Engine`` is the pack's main interface between ComfyUI and ``offload/``: the patcher keeps one per
 loaded model, the panel (``nodes/report.py``) and the benchmark read it. The engine imports none of its
-readers: the panel subscribes to engines starting and stopping (``observe_engines``).
+readers: it tells the panel the extension set up (``nodes/extension.py``), an ``EngineWatcher``, as each
+engine starts and stops.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from comfy.model_patcher import ModelPatcher
@@ -33,6 +35,7 @@ from ..offload import (
 )
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
+from . import extension
 from .blocks import Units, find_blocks, inside
 from .compiler import outside_the_recording
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
@@ -123,23 +126,28 @@ class Engine:
         """``park``: the streamed blocks keep their host buffers, for the next engine to adopt."""
         self.runner.disable(park)
         _live_runners.discard(self.runner)
-        for stopped in _stopped_observers:
-            stopped(self)
+        watcher = _engine_watcher()
+        if watcher is not None:
+            watcher.engine_stopped(self)
 
 
-# Followers of every engine's life, called on the thread that starts or stops it. The panel subscribes as
-# it is imported (nodes/report.py), so the engine needs no import of it: data flows engine -> panel only.
-EngineObserver = Callable[[Engine], None]
-_started_observers: list[EngineObserver] = []
-_stopped_observers: list[EngineObserver] = []
+@runtime_checkable
+class EngineWatcher(Protocol):
+    """Follows every engine's life (the panel), called on the thread that starts or stops the engine."""
+
+    def engine_started(self, engine: Engine) -> None: ...
+
+    def engine_stopped(self, engine: Engine) -> None: ...
+
+
+def _engine_watcher() -> EngineWatcher | None:
+    """The panel, when the extension has set one up (a process that never set the pack up has none)."""
+    watcher = extension.installed()
+    return watcher if isinstance(watcher, EngineWatcher) else None
+
+
 # Every engine's runner while it streams: the host buffers they hold count against the pack's host cap.
 _live_runners: weakref.WeakSet[Runner] = weakref.WeakSet()
-
-
-def observe_engines(started: EngineObserver, stopped: EngineObserver) -> None:
-    """Has ``started`` called with every engine once it streams, and ``stopped`` once it has stopped."""
-    _started_observers.append(started)
-    _stopped_observers.append(stopped)
 
 
 def start_engine(
@@ -212,8 +220,9 @@ def start_engine(
         patches=patches,
         baked=baked,
     )
-    for started in _started_observers:
-        started(engine)
+    watcher = _engine_watcher()
+    if watcher is not None:
+        watcher.engine_started(engine)
     logging.info(f"Block Offload ({request.node}): {summary}")
     return engine
 
@@ -241,7 +250,7 @@ def _tiers_summary(runner: Runner, bandwidth: float | None, fast_disk: bool) -> 
         f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
     )
     read_ms = _least_read_ms(runner, bandwidth)
-    if read_ms is not None:
+    if read_ms is not None and bandwidth:
         read_from += (
             f", {bandwidth / 1e9:.2f} GB/s read as the page cache holds it now: {read_ms:.1f} ms per step at least"
         )
@@ -297,12 +306,12 @@ def _bake(
     if not request.dynamic_vram_twin or placement.plan is None:
         return None
     candidates = in_host | frozenset(index for index, unit in units.items() if parking.from_file(unit))
-    same = history is not None and history.patches == model.patches_uuid
-    steps = history.steps if same else 0
+    same = history if history is not None and history.patches == model.patches_uuid else None
+    steps = same.steps if same is not None else 0
     least_ms = 0.0
-    if same and history.read_bandwidth:
+    if same is not None and same.read_bandwidth:
         read = sum(module_stored_bytes(units[index], True) for index in read_each_step)
-        least_ms = read / history.read_bandwidth * 1e3
+        least_ms = read / same.read_bandwidth * 1e3
     return bake(placement, model, candidates - read_each_step, steps, least_ms)
 
 
@@ -376,7 +385,9 @@ def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
     """ComfyUI counts the modules the sequential wrapper keeps on the device. A function of the model,
     not a method of the patcher: the engine lives on the model, and a patcher it referred to could not
     be freed (nor stop the engine as it goes) until Python's cycle collector came by."""
-    model.model_loaded_weight_memory += nbytes
+    # A plain int attribute of ComfyUI's BaseModel (in the module's __dict__, where nn.Module keeps attributes
+    # that are no parameter, buffer or submodule); its annotations would read it as a tensor or module.
+    model.__dict__["model_loaded_weight_memory"] += nbytes
 
 
 def _pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:

@@ -202,7 +202,7 @@ def test_panel_empty_state_on_a_fresh_server(browser: Any) -> None:
     answer an empty run and the panel says what it is for; this CPU-only server has no CUDA device."""
     with ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}, extra_args=CLASSIC_CACHE) as fresh:
         report = fresh.get_json("/block_offload/report")
-        check_status(report)
+        check_status(report, "report")
         assert report["node"] is None and report["timeline"] is None and report["models"] == [], report
         assert not report["accelerator"] and report["memory"]["process_rss"] > 0
         assert fresh.get_json("/block_offload/timeline")["steps"] == []

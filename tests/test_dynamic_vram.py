@@ -174,7 +174,7 @@ def test_a_node_steps_aside_where_dynamic_vram_keeps_the_model_resident(
         assert run_node(comfy, node, model, budget_gb=0.0) is model
     aside = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
     assert len(aside) == 1 and f"whole model ({fp16_bytes / 2**30:.2f} GiB) fits" in aside[0], aside
-    notices = comfy.report.snapshot()["notices"]
+    notices = comfy.panel.snapshot()["notices"]
     assert len(notices) == 1 and "stepped aside" in notices[0], notices
 
     from block_offload.nodes.request import STEP_ASIDE_ENV  # ComfyUI is importable once `comfy` is set up
@@ -192,7 +192,7 @@ def test_settings_that_stream_nothing_step_aside_and_a_budget_below_the_model_st
     model = dynamic_vram.load(stored_wan["bf16"], torch.bfloat16)
     every_block = len(model.model.diffusion_model.blocks)
     assert async_offload(comfy, model, resident=every_block) is model
-    assert "settings stream no block" in comfy.report.snapshot()["notices"][0]
+    assert "settings stream no block" in comfy.panel.snapshot()["notices"][0]
     dynamic_vram.room_for_weights = 2**40  # the device has room, the node's budget does not
     budget = comfy.nodes.PartialGPUResidency.execute(
         model, vram_budget_gb=0.001, policy="strided", prefetch_blocks=1, pin_memory=True

@@ -137,7 +137,7 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
     # The panel: the three tiers in the placement strip, the plan line, a read lane in the last step.
-    status = comfy.report.snapshot()
+    status = comfy.panel.snapshot()
     assert status["placement"].count("F") == len(read) and status["plan"] == engine.summary, status["placement"]
     assert status["last_step"]["reads"] and status["last_step"]["bytes_read"] > 0, status["last_step"]
     # Reads at under half the bandwidth measured at the start (a cache turned cold): one notice, once.

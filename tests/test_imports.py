@@ -72,10 +72,12 @@ def test_nodes_modules_import_no_cycle() -> None:
 
 
 def test_the_engine_never_imports_the_panel() -> None:
-    """The panel follows engines by subscribing (``observe_engines``); the engine calls, never imports it."""
+    """The engine tells the panel the extension set up (``nodes/extension.py``, which imports nothing of the
+    pack) as it starts and stops; it calls, never imports it."""
     graph = sibling_graph(REPO / "nodes")
     assert "report" not in graph["engine"]
     assert "engine" in graph["report"]
+    assert not graph["extension"]
 
 
 def test_offload_imports_neither_comfyui_nor_the_nodes() -> None:

@@ -3,7 +3,7 @@
 Through the real server (the session's ``comfy_host``, CPU streaming allowed): the tiny Wan
 example workflow, with more steps so the run outlasts several rate-limit intervals, is queued
 while a second websocket client listens as a panel would. Every message must follow the
-schema below, none may come sooner than ``MIN_INTERVAL_S`` after the one before, the last
+schema (web/status_schema.json), none may come sooner than ``MIN_INTERVAL_S`` after the one before, the last
 says the run finished and carries its last step, and the routes must return that run.
 
 On a CUDA machine, a GPU server of its own: the messages carry the device's memory figures.
@@ -29,8 +29,16 @@ import websocket
 from conftest import DEVICES
 
 from harness.comfy_host import ComfyHost, RunResult
-from harness.panel import BLOCKS, MIN_INTERVAL_S, NODE_NAME, PLACEMENT, STATUS_EVENT, check_status, wan_prompt
-from harness.transformer_stack import transformer_stack
+from harness.panel import (
+    BLOCKS,
+    MIN_INTERVAL_S,
+    NODE_NAME,
+    PLACEMENT,
+    STATUS_EVENT,
+    check_status,
+    streaming_engine,
+    wan_prompt,
+)
 
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
@@ -139,7 +147,7 @@ def test_status_messages_respect_the_rate_limit(long_run) -> None:
 def test_routes_return_the_last_run(comfy_host: ComfyHost, long_run) -> None:
     result, received = long_run
     report = comfy_host.get_json("/block_offload/report")
-    check_status(report)
+    check_status(report, "report")
     assert report["prompt_id"] == result.prompt_id and not report["running"]
     assert report["steps_done"] == LONG_RUN_STEPS and report["last_step"]["step"] == LONG_RUN_STEPS - 1
     assert report["timeline"]["step"] == LONG_RUN_STEPS - 1 and len(report["timeline"]["spans"]) == BLOCKS
@@ -195,35 +203,25 @@ def test_gpu_figures_on_a_cuda_device(gpu_hosts: Callable[[str], ComfyHost], dev
 
 @pytest.fixture(scope="module")
 def pack(comfy: SimpleNamespace) -> SimpleNamespace:  # noqa: F811 - the fixture imported above
-    """The pack's engine, patcher and report modules, imported as ComfyUI imports them, without a server."""
+    """The pack's engine, patcher and report modules, imported as ComfyUI imports them, and its panel, set up
+    without a server."""
     return SimpleNamespace(
         offload=importlib.import_module("block_offload.offload"),
         patcher=comfy.patcher,
-        report=importlib.import_module("block_offload.nodes.report"),
+        report=comfy.report,
+        panel=comfy.panel,
         engine=importlib.import_module("block_offload.nodes.engine"),
     )
 
 
-def streaming_engine(pack: SimpleNamespace, num_blocks: int, resident: int, dim: int = 64) -> tuple[Any, Any]:
-    """A tiny transformer stack streaming on the CPU, wrapped in the engine state the patcher builds."""
-    off = pack.offload
-    model = transformer_stack(num_blocks=num_blocks, dim=dim, heads=4)
-    plan = off.OffloadPlan.build([off.module_bytes(b) for b in model.blocks], resident_count=resident)
-    recorder = off.TimelineRecorder(torch.device("cpu"))
-    runner = off.BlockStreamer(model.blocks, "cpu", plan.streamed, recorder=recorder, root=model)
-    request = pack.engine.OffloadRequest(node="panel test")
-    engine = pack.engine.Engine(request, pack.engine.Placement.of_plan(plan), runner, recorder)
-    return model, engine
-
-
 def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> None:
-    report = pack.report
+    report, panel = pack.report, pack.panel
     model, engine = streaming_engine(pack, num_blocks=8, resident=2)
     engine.runner.enable()
-    report.engine_started(engine)
+    panel.engine_started(engine)
     x = torch.randn(1, 8, 64)
     try:
-        first_seq = report._outbox.seq
+        first_seq = panel.outbox.seq
         report.run_started(engine, resident_weights=0)
         steps, start = 0, time.perf_counter()
         with torch.inference_mode():
@@ -234,16 +232,16 @@ def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> Non
         elapsed = time.perf_counter() - start
     finally:
         engine.stop()
-    sent = report._outbox.seq - first_seq
+    sent = panel.outbox.seq - first_seq
     # The start and the end are always sent (deferred to keep the interval), the rest when one is due.
     assert 2 <= sent <= elapsed / MIN_INTERVAL_S + 2, (sent, elapsed, steps)
     assert steps * 8 > 2 * (elapsed / MIN_INTERVAL_S + 2), f"too few block calls ({steps * 8}) to test the throttle"
-    timeline = report.run_timeline()
+    timeline = panel.run_timeline()
     assert timeline["steps_done"] == steps and len(timeline["steps"]) == steps
     assert timeline["placement"] == "RRSSSSSS" and not timeline["running"]
     assert all(len(step["spans"]) == 8 for step in timeline["steps"])
-    snapshot = report.snapshot()
-    check_status(snapshot)
+    snapshot = panel.snapshot()
+    check_status(snapshot, "report")
     assert snapshot["last_step"]["step"] == steps - 1
 
 
@@ -259,10 +257,9 @@ def test_a_waiting_status_never_goes_after_a_newer_one(pack: SimpleNamespace, mo
         call_later=lambda delay, callback: timers.append(callback),
     )
     server = SimpleNamespace(loop=loop, send_sync=lambda event, status: sent.append(status["n"]))
-    monkeypatch.setattr(report, "_server", lambda: server)
     now = [1000.0]
     monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
-    outbox = report._Outbox()
+    outbox = report._Outbox(server)
     assert outbox.send({"n": 1})
     assert outbox.send({"n": 2}, force=True) and sent == [1]  # waits for the interval's end
     now[0] += MIN_INTERVAL_S
@@ -279,22 +276,22 @@ def test_a_waiting_status_never_goes_after_a_newer_one(pack: SimpleNamespace, mo
 
 def test_listener_cost_per_block_call(pack: SimpleNamespace) -> None:
     """What the panel adds to every block call: one clock read and one compare, and a message when due."""
-    report = pack.report
+    report, panel = pack.report, pack.panel
     model, engine = streaming_engine(pack, num_blocks=4, resident=0)
     engine.runner.enable()
-    report.engine_started(engine)
+    panel.engine_started(engine)
     report.run_started(engine, resident_weights=0)
     with torch.inference_mode():
         model(torch.randn(1, 8, 64))  # a step for the messages to carry
     listener = engine.recorder.listener  # the panel's, which stopping the engine detaches
     engine.stop()
     calls = 200_000
-    first_seq = report._outbox.seq
+    first_seq = panel.outbox.seq
     start = time.perf_counter()
     for i in range(calls):
         listener.block_called(0, i & 3)
     per_call = (time.perf_counter() - start) / calls
-    sent = report._outbox.seq - first_seq
+    sent = panel.outbox.seq - first_seq
     start = time.perf_counter()
     for _ in range(200):
         listener.status(engine.recorder.latest())

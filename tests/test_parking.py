@@ -347,7 +347,7 @@ def test_a_node_sampling_without_its_engine_says_so(comfy: SimpleNamespace, capl
     assert offloaded.offload_engine is None
     (warning,) = [r.message for r in caplog.records if "sampling without streaming" in r.message]
     assert warning.startswith("Block Offload (Async Block Offload): ")
-    notices = comfy.report.snapshot()["notices"]
+    notices = comfy.panel.snapshot()["notices"]
     assert len(notices) == 1 and "sampling without streaming" in notices[0]
     comfy.mm.unload_all_models()
     caplog.clear()

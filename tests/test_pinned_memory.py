@@ -159,7 +159,7 @@ def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_me
     assert notice.startswith(f"The driver refused to pin {STREAMED} of {STREAMED} streamed blocks")
     plan_lines = [r.getMessage() for r in caplog.records if "from pageable memory (the driver" in r.getMessage()]
     assert len(plan_lines) == 1
-    report = comfy.report.snapshot()
+    report = comfy.panel.snapshot()
     assert report["plan"] == engine.summary and notice in report["notices"]
 
 
@@ -229,7 +229,7 @@ def test_mps_and_directml_step_aside_and_say_why(comfy: SimpleNamespace, device:
     model.load_device = torch.device(device)
     returned = async_offload(comfy, model, resident=1)
     assert returned is model
-    (notice,) = comfy.report.snapshot()["notices"]
+    (notice,) = comfy.panel.snapshot()["notices"]
     assert f"stepped aside; ComfyUI runs the model itself: on {device}, " in notice
     assert "ComfyUI's own loading" in notice
 

@@ -9,6 +9,12 @@
 //
 // Cost: a message only replaces the latest state. Drawing happens in an animation frame, only while
 // the tab is open and visible, at most once per message; a closed tab does no work at all.
+//
+// The messages' fields are declared in status_schema.json, beside this file. This file reads them by
+// name, on variables named for the message they hold: a status `status` (or `report`), its memory
+// `memory`, a step `step` (or `state.lastStep`), a models entry `model`, a span `span`, a read `read`.
+// tests/test_panel_schema.py reads the fields used on those names and checks them against the schema:
+// keep to these names.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -19,7 +25,7 @@ const REPORT_PATH = "/block_offload/report";
 const TIMELINE_PATH = "/block_offload/timeline?download=1";
 const RESIDENT = "R";
 const FROM_FILE = "F"; // streamed, read from the checkpoint file at every step (no host buffer)
-// The status schema this panel reads (nodes/report.py SCHEMA_VERSION); another one is not drawn.
+// The status schema this panel reads (status_schema.json's version); another one is not drawn.
 const SCHEMA_VERSION = 1;
 
 const COLORS = {
@@ -371,7 +377,10 @@ class PanelView {
   drawPlacement(status) {
     // One strip per streaming model (per node); the run shown when its model is no longer loaded.
     let models = status?.models ?? [];
-    if (!models.length && status?.placement) models = [{ ...status }];
+    if (!models.length && status?.placement) {
+      const { node, placement, prefetch, ring_bytes, pinned, running } = status;
+      models = [{ node, placement, prefetch, ring_bytes, pinned, running }];
+    }
     const rows = models.map((model) => {
       const resident = [...model.placement].filter((p) => p === RESIDENT).length;
       const fromFile = [...model.placement].filter((p) => p === FROM_FILE).length;
