@@ -45,6 +45,7 @@ from .dynamic_vram import (
     uses_dynamic_vram,
 )
 from .engine import Engine, call_order_of, start_engine
+from .load_protocol import LoadedBooks, Unpatch
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
@@ -143,21 +144,16 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         state = state_of(self.model)
-        parked_here, state.parked_load = state.parked_load == self.loaded_state(), None
-        if self.offload_engine is None and self.model.model_loaded_weight_memory > 0 and not parked_here:
-            # Another patcher of these weights left them loaded its way (ComfyUI keeps a
-            # detached clone's placement); start from the host so nothing streamed stays on the GPU.
-            # ComfyUI's own unpatch: blocks a detached streaming clone parked stay parked, for this engine to adopt.
+        if state.begin_load(self.patcher_id, self.loaded_state()):
+            # Start from the host, so nothing streamed stays on the GPU. ComfyUI's own unpatch, not a real unload:
+            # blocks a detached streaming clone parked stay parked, for this engine to adopt.
             super().unpatch_model(self.offload_device, unpatch_weights=True)
         # Left as the last engine parked them, the resident modules stay loaded: ComfyUI's load skips what
         # it has loaded and patched (``comfy_patched_weights``), so a queue does not copy them again.
-        # ComfyUI's partial load first unpatches the weights when this clone's patches differ from those
-        # loaded (a LoRA added, removed, another strength): that is no unload (see ``unpatch_model``).
-        self.__dict__["_block_offload_repatching"] = True
         try:
             return super().partially_load(device_to, extra_memory, force_patch_weights)
         finally:
-            self.__dict__.pop("_block_offload_repatching", None)
+            state.end_load(self.patcher_id)
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
         # ComfyUI's load calls this for every weight of every module it loads, before it moves the module.
@@ -169,10 +165,11 @@ class BlockOffloadPatcher(ModelPatcher):
                 return None
         return super().patch_weight_to_device(key, device_to, inplace_update, *args, **kwargs)
 
-    def loaded_state(self) -> tuple:
-        """ComfyUI's books on the model's weights: any load or unload by any patcher changes them."""
+    def loaded_state(self) -> LoadedBooks:
         model = self.model
-        return (model.model_loaded_weight_memory, model.model_lowvram, model.current_weight_patches_uuid, model.device)
+        return LoadedBooks(
+            model.model_loaded_weight_memory, model.model_lowvram, model.current_weight_patches_uuid, model.device
+        )
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         request = self.offload_request
@@ -224,8 +221,7 @@ class BlockOffloadPatcher(ModelPatcher):
     ) -> None:
         """ComfyUI loads all but the streamed blocks, its budget less our stream buffers; the engine streams them."""
         state = state_of(self.model)
-        state.hidden = placement.streamed
-        self.__dict__["_block_offload_streams"] = bool(placement.streamed)  # see ``pre_run``
+        state.placing(placement.streamed)
         if request.dynamic_vram_twin:
             # What ComfyUI loads computes in the recorded dtypes (its weights: ``patch_weight_to_device``); the
             # engine casts the streamed blocks itself.
@@ -236,13 +232,16 @@ class BlockOffloadPatcher(ModelPatcher):
         offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
+            state.placed(self.patcher_id, None)
             return
         if state.engine is None:
-            state.engine = start_engine(
+            engine = start_engine(
                 self, request, placement, device_to, state.parking, state.call_order, state.patch_history
             )
+            state.placed(self.patcher_id, engine)
             self._check_resident_loaded(request, offered)
-        state.owner = self.patcher_id
+        else:  # the engine ``load`` kept: this placement is the one it streams
+            state.placed(self.patcher_id, state.engine)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes
 
@@ -278,7 +277,9 @@ class BlockOffloadPatcher(ModelPatcher):
             "per layer by ComfyUI, more slowly. Keep fewer blocks resident (or a smaller budget)."
         )
         logging.warning(f"Block Offload ({request.node}): {notice}")
-        self.offload_engine.notices.append(notice)
+        engine = self.offload_engine
+        if engine is not None:  # just started by ``_place``, which checks after
+            engine.notices.append(notice)
 
     def _undo_placement(self) -> None:
         """Back to where ``load`` started: no engine, nothing on the device, weight patches undone.
@@ -290,35 +291,31 @@ class BlockOffloadPatcher(ModelPatcher):
         self.patch_model(load_weights=False)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
-        repatching = self.__dict__.pop("_block_offload_repatching", False)  # only ComfyUI's first unpatch in it
-        if unpatch_weights and repatching:
-            # The weights get other patches: the streamed blocks' host buffers hold them unpatched (their
-            # patches are applied on the device), so they park, for the next engine to adopt as they are.
+        state = state_of(self.model)
+        unpatch = state.unpatching(self.patcher_id, unpatch_weights)
+        if unpatch is Unpatch.REPATCH:
             self._stop_streaming(park=True)
-        elif unpatch_weights:
-            # A real unload (/free, eviction): nothing of ours may keep pinned or device memory.
+        elif unpatch is Unpatch.UNLOAD:
+            # Nothing of ours may keep pinned or device memory; blocks parked earlier are ordinary weights again.
             self._stop_streaming()
-            state = state_of(self.model)
             state.parking.unpark(self.model.modules())
-            state.hidden = frozenset()  # blocks parked earlier are ordinary weights again
-            state.parked_load = None
+            state.unloaded()
             unpatched = super().unpatch_model(device_to, unpatch_weights)
             back_to_file(self.model)  # a Dynamic VRAM twin keeps no copy of what ComfyUI loaded
             return unpatched
         return super().unpatch_model(device_to, unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # Without unpatch_all, ComfyUI hands these weights to a new clone (one per prompt): the engine parks,
-        # leaving the streamed blocks on their host buffers for the next engine to adopt instead of packing
-        # them again. They are valid CPU tensors, so a clone that does not stream can take them over too.
-        # Only the engine's owner hands over: another clone detached (or deleted) now is not what is loaded.
+        # A hand-over parks the engine: the streamed blocks stay on their host buffers for the next engine to adopt
+        # instead of packing them again. They are valid CPU tensors, so a clone that does not stream can take
+        # them over too.
         state = state_of(self.model)
-        hands_over = not unpatch_all and state.engine is not None and state.owner == self.patcher_id
+        hands_over = state.hands_over(self.patcher_id, unpatch_all)
         if hands_over:
             self._stop_streaming(park=True)
         detached = super().detach(unpatch_all)  # unpatch_all: a real unload (``unpatch_model`` stops the engine)
         if hands_over:
-            state.parked_load = self.loaded_state()
+            state.handed_over(self.loaded_state())
         return detached
 
     def _stop_streaming(self, park: bool = False) -> None:
@@ -330,10 +327,7 @@ class BlockOffloadPatcher(ModelPatcher):
         state.call_order = call_order_of(engine)
         state.patch_history = engine.patch_history(state.patch_history)
         engine.stop(park)
-        state.engine = None
-        if not park:
-            state.hidden = frozenset()
-        # Parked blocks stay hidden from ComfyUI's loader (see ModelState.hidden); the next load re-plans the set.
+        state.stopped(park)  # parked blocks stay hidden from ComfyUI's loader; the next load re-plans the set
 
     # -- sampling runs, for the live panel (report) ------------------------------------------
 
@@ -342,9 +336,9 @@ class BlockOffloadPatcher(ModelPatcher):
         engine = self.offload_engine
         if engine is not None:
             report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
-        elif self.__dict__.get("_block_offload_streams", True):
-            # Placed with blocks to stream (or never placed: ComfyUI loaded it without asking this patcher),
-            # yet sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
+        elif not state_of(self.model).placed_without_streaming(self.patcher_id):
+            # Placed with blocks to stream (or not by this patcher: ComfyUI loaded it without asking it), yet
+            # sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
             node = self.offload_request.node
             notice = (
                 f"{node}: this MODEL is sampling without streaming: ComfyUI loaded it without the pack's "

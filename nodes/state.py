@@ -8,33 +8,21 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..offload import ParkingLot
+from .load_protocol import LoadProtocol
 
 if TYPE_CHECKING:
-    from .engine import Engine, PatchHistory
+    from .engine import PatchHistory
     from .placement import Fallback
 
 _ATTRIBUTE = "block_offload_state"
 
 
 @dataclass
-class ModelState:
-    """What outlives one patcher: ComfyUI loads a new clone of the model for every prompt."""
+class ModelState(LoadProtocol):
+    """What outlives one patcher: ComfyUI loads a new clone of the model for every prompt. The engine, its owner,
+    the modules hidden from ComfyUI's loader and the hand-over's books are the load protocol's (``LoadProtocol``)."""
 
-    engine: Engine | None = None  # streaming now
-    # The patcher whose load started ``engine`` (``BlockOffloadPatcher.patcher_id``): ComfyUI hands the weights
-    # over by detaching that one, while any other clone may be detached (or deleted: ``ModelPatcher.__del__``
-    # detaches) at any time, between prompts or, through the cycle collector, in the middle of one.
-    owner: int | None = None
-    # Module names ComfyUI's loader must not see: streamed now, or parked by the last engine (still on the
-    # host, never loaded by ComfyUI; a partial unload between prompts must neither move nor count them).
-    hidden: frozenset[str] = frozenset()
     fallback: Fallback | None = None  # the placement that fit when the asked one ran out of memory
-    # ComfyUI's books on the model when the last engine parked (``BlockOffloadPatcher.loaded_state``): the
-    # next clone keeps the resident part loaded if nothing has loaded or unloaded these weights since.
-    # Recorded only by the engine's owner as it parks: a later detach of another clone (ComfyUI's cache
-    # dropping an old node output after a plain model loaded these weights) must not pass the plain load
-    # off as the parked one.
-    parked_load: tuple | None = None
     # The last engine's call order (its unit, its count of units, the order): the next engine of the model
     # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
     call_order: tuple[str, int, tuple[int, ...]] | None = None
