@@ -225,7 +225,9 @@ def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> Non
         report.run_started(engine, resident_weights=0)
         steps, start = 0, time.perf_counter()
         with torch.inference_mode():
-            while time.perf_counter() - start < 1.2:
+            # At least 1.2 s, and block calls enough to send twice what the throttle lets through, however
+            # slowly a busy machine runs them (a fixed 1.2 s once ran too few steps under load).
+            while (ran := time.perf_counter() - start) < 1.2 or steps * 8 <= 2 * (ran / MIN_INTERVAL_S + 2):
                 model(x)
                 steps += 1
         report.run_finished(engine)
@@ -235,7 +237,6 @@ def test_publisher_throttles_a_fast_run_in_process(pack: SimpleNamespace) -> Non
     sent = panel.outbox.seq - first_seq
     # The start and the end are always sent (deferred to keep the interval), the rest when one is due.
     assert 2 <= sent <= elapsed / MIN_INTERVAL_S + 2, (sent, elapsed, steps)
-    assert steps * 8 > 2 * (elapsed / MIN_INTERVAL_S + 2), f"too few block calls ({steps * 8}) to test the throttle"
     timeline = panel.run_timeline()
     assert timeline["steps_done"] == steps and len(timeline["steps"]) == steps
     assert timeline["placement"] == "RRSSSSSS" and not timeline["running"]
