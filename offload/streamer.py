@@ -268,7 +268,8 @@ class BlockStreamer(StreamerViews):
         copy_ahead(
             self.calls.upcoming(self.host.blocks, self.prefetch), self.calls.held(), books.regions, self.ring.load, skip
         )
-        self.files.read_ahead(self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.prefetch)
+        if self.files.reader is not None:  # no look-ahead over every block at each call without a file tier
+            self.files.read_ahead(self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.prefetch)
 
     def _deferred(self, state: StreamedBlock) -> bool:
         if self.copy_stream is None:
