@@ -33,7 +33,7 @@ from torch import nn
 
 from ..offload import GIB, OffloadPlan, place_falling_back
 from . import report
-from .blocks import inside
+from .blocks import inside, one_tree_per_load
 from .device_patches import refuse_reshaping_patches
 from .dynamic_vram import (
     back_to_file,
@@ -172,6 +172,10 @@ class BlockOffloadPatcher(ModelPatcher):
         )
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        with one_tree_per_load():  # the placement, its fallbacks and the engine's start each ask for the blocks
+            self._load(device_to, lowvram_model_memory, force_patch_weights, full_load)
+
+    def _load(self, device_to, lowvram_model_memory, force_patch_weights, full_load) -> None:
         request = self.offload_request
         refuse_cudagraphs(self, request.node)  # TorchCompileModel may come after the node
         state = state_of(self.model)
@@ -201,6 +205,7 @@ class BlockOffloadPatcher(ModelPatcher):
             self._place(request, chosen, device_to, budget, force_patch_weights)
 
         placed, failed = place_falling_back(placement.plan, place_plan, self._undo_placement)
+        assert asked.plan is not None, "the placement has a plan: the one asked for, or the fallback found for it"
         if failed:
             notice = (
                 f"Out of memory placing {len(asked.plan.resident)} resident blocks with prefetch "
@@ -208,7 +213,7 @@ class BlockOffloadPatcher(ModelPatcher):
             )
             logging.warning(f"Block Offload ({request.node}): {notice}")
             state.fallback = Fallback(request, asked.plan, placed, notice)
-        if placed != asked.plan and self.offload_engine is not None:
+        if placed != asked.plan and self.offload_engine is not None and state.fallback is not None:
             self.offload_engine.notices.append(state.fallback.notice)  # each new engine shows it; the log once
 
     def _place(

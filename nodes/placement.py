@@ -281,7 +281,7 @@ def remember_costs(
     plan = placement.plan
     if not request.auto_placement or plan is None:
         return
-    model_class = find_blocks(model.model.diffusion_model).model_class
+    model_class = type(model.model.diffusion_model).__name__  # find_blocks's, without its search of the tree
     cache = _cost_cache()
     key = cache_key(device_name(model.load_device), model_class, plan.block_bytes)
     if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
