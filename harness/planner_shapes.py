@@ -4,7 +4,7 @@ and its search-time benchmark (``bench/planner_speed.py``)."""
 
 from __future__ import annotations
 
-from block_offload.offload.planner import StackCosts
+from block_offload.offload.costs import StackCosts
 
 MB = 10**6
 #: Pinned host-to-device copies on the H100 (docs/benchmarks.md).

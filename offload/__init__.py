@@ -10,7 +10,9 @@
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
 """
 
+from .bake import BakeDecision, bake_decision
 from .cost_cache import CostCache, cache_key, cached_best_plan
+from .costs import Prediction, StackCosts, lower_bound_ms
 from .device import (
     CudaHostRegistrar,
     HostRegistrar,
@@ -29,19 +31,11 @@ from .host_memory import release_freed_host_memory
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
-from .planner import (
-    PREFETCH_CHOICES,
-    BakeDecision,
-    Prediction,
-    StackCosts,
-    bake_decision,
-    best_plan,
-    lower_bound_ms,
-    simulate,
-)
+from .planner import PREFETCH_CHOICES, best_plan
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
+from .simulator import simulate
 from .step_aside import StepAside, platform_aside, step_aside
 from .streamer import BlockStreamer
 from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder

@@ -14,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .costs import Prediction, StackCosts
 from .plan import OffloadPlan
-from .planner import Prediction, StackCosts, best_plan, predict
+from .planner import best_plan
 from .residency import ResidencyPolicy
+from .simulator import predict
 
 
 def cache_key(device_name: str, architecture: str, block_bytes: Sequence[int]) -> str:

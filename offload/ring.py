@@ -4,7 +4,7 @@ into a region of its own size, regions placed one after the other in the order b
 Sizing the buffer in bytes rather than in blocks lets the copies run as far ahead as memory allows: while
 resident blocks compute, the copy stream fills the whole ring, and small blocks take less of it than the
 largest one would. The ring only keeps the books (which block holds which bytes); ``BlockStreamer`` owns
-the memory and the events, and ``offload.planner`` replays the same books with clocks.
+the memory and the events, and the planner's simulator (``offload.simulator``) replays the same books with clocks.
 
 What to copy when is chosen by ``look_ahead`` and ``copy_ahead``, here so that the engine and the
 planner's replay of it share them.
