@@ -288,7 +288,7 @@ def main() -> None:
     for i in range(calls):
         listener.block_called(0, i % BLOCKS)
     per_call = (time.perf_counter() - start) / calls
-    latest = listener.steps[-1]
+    latest = listener.run.steps[-1]
     start = time.perf_counter()
     for _ in range(1000):
         listener.status(latest)

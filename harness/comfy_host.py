@@ -1,4 +1,6 @@
-"""Run a real ComfyUI server with this pack, and drive it over HTTP and its websocket.
+"""Run a real ComfyUI server with this pack in a child process; its ``client`` (harness/comfy_client.py)
+drives it over HTTP and its websocket, and the host forwards the calls its callers make (``host.run`` is
+``host.client.run``).
 
 Used by the demo (scripts/demo.py), the tests (tests/conftest.py) and a person
 (``python -m harness.comfy_host ui``, what scripts/ui.sh runs)::
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -25,15 +26,14 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import requests
-import websocket
+
+from .comfy_client import ComfyClient, ComfyHostError, RunResult, WsEvent
 
 REPO = Path(__file__).resolve().parent.parent
 HOST_DIR = REPO / ".host"
@@ -48,18 +48,7 @@ SERVER_ARGS_ENV = "BLOCK_OFFLOAD_SERVER_ARGS"  # more ComfyUI flags for every se
 CLASSIC_CACHE = ("--cache-classic",)
 _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _LEVEL_TAG = re.compile(r"^\[(?:DEBUG|DETAIL|INFO|WARNING|ERROR|CRITICAL)\] ", re.MULTILINE)
-
-# Events after which ComfyUI is done with a prompt (it still sends `executing` with
-# node None once the history entry is written).
-_OUTCOME_EVENTS = {
-    "execution_success": "success",
-    "execution_error": "error",
-    "execution_interrupted": "interrupted",
-}
-
-
-class ComfyHostError(RuntimeError):
-    """Anything that went wrong starting or talking to the ComfyUI server."""
+_NOT_STARTED = "The ComfyUI server is not started; use `with ComfyHost() as host:` or start()."
 
 
 class ComfyPathError(ComfyHostError):
@@ -80,41 +69,6 @@ class StartupError(ComfyHostError):
 
 class ServerExitedError(StartupError):
     """The server died while in use; carries the log's tail."""
-
-
-class PromptValidationError(ComfyHostError):
-    """POST /prompt answered 400: ComfyUI rejected the workflow before running it."""
-
-    def __init__(self, error: Any, node_errors: Mapping[str, Any]) -> None:
-        self.error = error
-        self.node_errors = dict(node_errors)
-        super().__init__("ComfyUI rejected the prompt:\n" + format_prompt_errors(error, node_errors))
-
-
-class RunTimeoutError(ComfyHostError):
-    """A prompt did not finish in time (it was interrupted)."""
-
-
-def format_prompt_errors(error: Any, node_errors: Mapping[str, Any]) -> str:
-    """ComfyUI's /prompt error and per-node validation errors as readable lines."""
-    lines: list[str] = []
-    if isinstance(error, Mapping):
-        head = str(error.get("message", "")).strip()
-        details = str(error.get("details", "")).strip()
-        lines.append(f"{head}: {details}" if details else head)
-    elif error:
-        lines.append(str(error))
-    for node_id, info in node_errors.items():
-        class_type = info.get("class_type", "?") if isinstance(info, Mapping) else "?"
-        errors = info.get("errors", []) if isinstance(info, Mapping) else [info]
-        for err in errors:
-            if isinstance(err, Mapping):
-                msg = str(err.get("message", ""))
-                details = str(err.get("details", ""))
-                lines.append(f"  node {node_id} ({class_type}): {msg}" + (f": {details}" if details else ""))
-            else:
-                lines.append(f"  node {node_id} ({class_type}): {err}")
-    return "\n".join(line for line in lines if line)
 
 
 def resolve_comfyui_path(explicit: str | os.PathLike[str] | None = None, host_dir: Path = HOST_DIR) -> Path:
@@ -173,89 +127,6 @@ def ensure_tiny_models(models_dir: Path | None = None) -> dict[str, Path]:
     return dict(tiny_models.generate(models_dir or HOST_DIR / "models"))
 
 
-@dataclass
-class WsEvent:
-    """One websocket message: ``type`` and ``data`` of a JSON message, or ``binary`` for a binary frame
-    (then ``type`` is "binary" and ``data`` is ``{"event": <int>}``, ComfyUI's binary event number)."""
-
-    type: str
-    data: Any
-    binary: bytes | None = None
-    received_at: float = 0.0
-
-
-@dataclass
-class RunResult:
-    prompt_id: str
-    status: str  # "success" | "error" | "interrupted"
-    events: list[WsEvent]
-    history: dict[str, Any]
-    wall_s: float
-    base_dir: Path
-    output_dir: Path = field(default=Path())
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "success"
-
-    def events_of(self, *types: str) -> list[WsEvent]:
-        return [e for e in self.events if e.type in types]
-
-    def event_types(self) -> list[str]:
-        return [e.type for e in self.events]
-
-    def error(self) -> dict[str, Any] | None:
-        """The ``execution_error`` message's data (exception_message, traceback, node_type...), if any."""
-        errs = self.events_of("execution_error")
-        return errs[-1].data if errs else None
-
-    def error_text(self) -> str:
-        err = self.error()
-        if err is None:
-            return ""
-        trace = "".join(err.get("traceback") or [])
-        return (
-            f"node {err.get('node_id')} ({err.get('node_type')}): "
-            f"{err.get('exception_type')}: {err.get('exception_message')}\n{trace}"
-        )
-
-    def outputs(self) -> dict[str, Any]:
-        """``history['outputs']``: node id -> the ``ui`` dict that node returned."""
-        return dict(self.history.get("outputs", {}))
-
-    def output_files(self, kind: str | None = None) -> list[Path]:
-        """Paths of the files the output nodes reported (``kind``: "latents", "images", ... or all)."""
-        folders = {"output": self.output_dir, "temp": self.base_dir / "temp", "input": self.base_dir / "input"}
-        paths: list[Path] = []
-        for node_out in self.outputs().values():
-            if not isinstance(node_out, Mapping):
-                continue
-            for key, items in node_out.items():
-                if kind is not None and key != kind or not isinstance(items, list):
-                    continue
-                for item in items:
-                    if isinstance(item, Mapping) and "filename" in item:
-                        folder = folders.get(str(item.get("type", "output")), self.output_dir)
-                        paths.append(folder / str(item.get("subfolder", "")) / str(item["filename"]))
-        return paths
-
-    def latent_files(self) -> list[Path]:
-        """The ``.latent`` files SaveLatent wrote (safetensors with a ``latent_tensor`` key)."""
-        return self.output_files("latents")
-
-    def summary(self) -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        for e in self.events:
-            counts[e.type] = counts.get(e.type, 0) + 1
-        return {
-            "prompt_id": self.prompt_id,
-            "status": self.status,
-            "wall_s": round(self.wall_s, 3),
-            "outputs": [str(p) for p in self.output_files()],
-            "events": counts,
-        }
-
-
 class ComfyHost:
     """A ComfyUI server in a child process; a context manager that stops it on exit.
 
@@ -291,7 +162,7 @@ class ComfyHost:
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
-        self._http = requests.Session()
+        self._client: ComfyClient | None = None
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -339,6 +210,13 @@ class ComfyHost:
             self.port = self.requested_port
         else:
             self.port = free_port(self.host)
+        self._client = ComfyClient(
+            self.url,
+            base_dir=self.base_dir,
+            output_dir=self.output_dir,
+            check_alive=self._check_alive,
+            log_tail=self.log_tail,
+        )
         for sub in ("custom_nodes", "models", "input", "output", "temp"):
             (self.base_dir / sub).mkdir(parents=True, exist_ok=True)
         if self.log_path is None:
@@ -381,11 +259,8 @@ class ComfyHost:
                     f"ComfyUI exited with code {code} while starting ({' '.join(self.command())}).",
                     self.log_tail(),
                 )
-            try:
-                if self._http.get(f"{self.url}/system_stats", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
+            if self.client.answers():
+                return
             if time.monotonic() > deadline:
                 raise StartupError(
                     f"ComfyUI did not answer GET /system_stats on {self.url} within {self.startup_timeout:.0f} s.",
@@ -408,7 +283,8 @@ class ComfyHost:
                 code = self._proc.returncode
         finally:
             self._close_log()
-            self._http.close()
+            if self._client is not None:
+                self._client.close()
         return code
 
     def _close_log(self) -> None:
@@ -436,151 +312,53 @@ class ComfyHost:
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    # ---------------------------------------------------------------------- HTTP
     def _check_alive(self) -> None:
+        """Raise unless the server runs: the client's check before each request, so a dead server fails fast."""
         if self._proc is None:
-            raise ComfyHostError("The ComfyUI server is not started; use `with ComfyHost() as host:` or start().")
+            raise ComfyHostError(_NOT_STARTED)
         code = self._proc.poll()
         if code is not None:
             raise ServerExitedError(f"The ComfyUI server has exited (code {code}).", self.log_tail())
 
+    # ------------------------------------------------------- the client, and its calls forwarded
+    @property
+    def client(self) -> ComfyClient:
+        """This server's client (start() makes it, for the port it picked). The host forwards the client's calls
+        that callers make on it (``host.run(...)`` is ``host.client.run(...)``)."""
+        if self._client is None:
+            raise ComfyHostError(_NOT_STARTED)
+        return self._client
+
     def get(self, path: str, timeout: float = 60.0) -> requests.Response:
-        self._check_alive()
-        return self._http.get(self.url + path, timeout=timeout)
+        return self.client.get(path, timeout)
 
     def post(self, path: str, payload: Any = None, timeout: float = 60.0) -> requests.Response:
-        self._check_alive()
-        return self._http.post(self.url + path, json=payload if payload is not None else {}, timeout=timeout)
+        return self.client.post(path, payload, timeout)
 
     def get_json(self, path: str, timeout: float = 60.0) -> Any:
-        resp = self.get(path, timeout)
-        if resp.status_code != 200:
-            raise ComfyHostError(f"GET {path} answered {resp.status_code}: {resp.text[:2000]}")
-        return resp.json()
+        return self.client.get_json(path, timeout)
 
     def system_stats(self) -> dict[str, Any]:
-        return dict(self.get_json("/system_stats"))
+        return self.client.system_stats()
 
     def object_info(self, node_class: str | None = None) -> dict[str, Any]:
-        return dict(self.get_json("/object_info" + (f"/{node_class}" if node_class else "")))
+        return self.client.object_info(node_class)
 
     def queue(
         self, prompt: Mapping[str, Any], client_id: str | None = None, extra_data: Mapping[str, Any] | None = None
     ) -> str:
-        """POST /prompt; returns the prompt id. Raises PromptValidationError with ComfyUI's node_errors on 400."""
-        payload: dict[str, Any] = {"prompt": dict(prompt)}
-        if client_id is not None:
-            payload["client_id"] = client_id
-        if extra_data:
-            payload["extra_data"] = dict(extra_data)
-        resp = self.post("/prompt", payload)
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
-        if resp.status_code == 400 and isinstance(body, dict):
-            raise PromptValidationError(body.get("error"), body.get("node_errors") or {})
-        if resp.status_code != 200 or not isinstance(body, dict) or "prompt_id" not in body:
-            raise ComfyHostError(f"POST /prompt answered {resp.status_code}: {resp.text[:2000]}")
-        return str(body["prompt_id"])
-
-    def history(self, prompt_id: str) -> dict[str, Any]:
-        """The /history entry of ``prompt_id`` ({} until the prompt has finished)."""
-        return dict(self.get_json(f"/history/{prompt_id}").get(prompt_id, {}))
+        return self.client.queue(prompt, client_id, extra_data)
 
     def interrupt(self, prompt_id: str | None = None) -> None:
-        """Interrupt the running prompt (only ``prompt_id`` if given)."""
-        self.post("/interrupt", {"prompt_id": prompt_id} if prompt_id else {}).raise_for_status()
+        self.client.interrupt(prompt_id)
 
     def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
-        """Ask ComfyUI to unload models / free memory (it does so before its next prompt or when idle)."""
-        self.post("/free", {"unload_models": unload_models, "free_memory": free_memory}).raise_for_status()
+        self.client.free(unload_models, free_memory)
 
-    # ------------------------------------------------------------------- running
     def run(
-        self,
-        prompt: Mapping[str, Any],
-        timeout: float = 600.0,
-        on_event: Callable[[WsEvent], None] | None = None,
+        self, prompt: Mapping[str, Any], timeout: float = 600.0, on_event: Callable[[WsEvent], None] | None = None
     ) -> RunResult:
-        """Queue ``prompt`` and follow it over the websocket until ComfyUI is done with it.
-
-        Every message for this run is kept in order: ComfyUI's own (execution_start,
-        executing, progress, executed, ...) and any custom type a pack sends. Messages
-        that name another prompt_id are dropped; messages without one (status, a pack's
-        custom events) are kept. ``on_event`` sees each kept message as it arrives (to
-        interrupt at a chosen moment, say). On timeout the prompt is interrupted and
-        RunTimeoutError raised.
-        """
-        self._check_alive()
-        client_id = uuid.uuid4().hex
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        ws = websocket.create_connection(f"ws://{self.host}:{self.port}/ws?clientId={client_id}", timeout=10)
-        events: list[WsEvent] = []
-        status: str | None = None
-        prompt_id = ""
-        try:
-            prompt_id = self.queue(prompt, client_id=client_id)
-            grace_end: float | None = None  # after an outcome event, wait briefly for `executing` None
-            while True:
-                now = time.monotonic()
-                if grace_end is not None and now > grace_end:
-                    break
-                if now > deadline:
-                    with contextlib.suppress(Exception):
-                        self.interrupt(prompt_id)
-                    seen = ", ".join(e.type for e in events[-15:])
-                    raise RunTimeoutError(
-                        f"prompt {prompt_id} did not finish within {timeout:.0f} s (interrupted it). "
-                        f"Last events: {seen}\n--- ComfyUI log tail ---\n{self.log_tail()}"
-                    )
-                ws.settimeout(max(0.05, min(1.0, deadline - now, (grace_end or deadline) - now)))
-                try:
-                    opcode, raw = ws.recv_data()
-                except websocket.WebSocketTimeoutException:
-                    self._check_alive()
-                    continue
-                except websocket.WebSocketConnectionClosedException as exc:
-                    self._check_alive()
-                    raise ComfyHostError(f"websocket closed while running prompt {prompt_id}") from exc
-                event = _decode(opcode, raw)
-                if event is None:
-                    continue
-                data = event.data
-                other = isinstance(data, Mapping) and "prompt_id" in data and data["prompt_id"] != prompt_id
-                if other:
-                    continue
-                events.append(event)
-                if on_event is not None:
-                    on_event(event)
-                if event.type in _OUTCOME_EVENTS:
-                    status = _OUTCOME_EVENTS[event.type]
-                    grace_end = time.monotonic() + 10.0
-                elif event.type == "executing" and isinstance(data, Mapping) and data.get("node") is None:
-                    break
-        finally:
-            ws.close()
-        history = self._wait_history(prompt_id, deadline=time.monotonic() + 15.0)
-        if status is None:
-            status_str = history.get("status", {}).get("status_str")
-            status = "success" if status_str == "success" else "error"
-        return RunResult(
-            prompt_id=prompt_id,
-            status=status,
-            events=events,
-            history=history,
-            wall_s=time.monotonic() - t0,
-            base_dir=self.base_dir,
-            output_dir=self.output_dir,
-        )
-
-    def _wait_history(self, prompt_id: str, deadline: float) -> dict[str, Any]:
-        while True:
-            entry = self.history(prompt_id)
-            if entry or time.monotonic() > deadline:
-                return entry
-            time.sleep(0.1)
+        return self.client.run(prompt, timeout, on_event)
 
 
 def _die_with_parent() -> None:
@@ -591,24 +369,6 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _decode(opcode: int, raw: bytes | str) -> WsEvent | None:
-    now = time.monotonic()
-    if opcode == websocket.ABNF.OPCODE_TEXT:
-        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-        try:
-            msg = json.loads(text)
-        except ValueError:
-            return WsEvent("text", text, received_at=now)
-        if isinstance(msg, dict) and "type" in msg:
-            return WsEvent(str(msg["type"]), msg.get("data"), received_at=now)
-        return WsEvent("text", msg, received_at=now)
-    if opcode == websocket.ABNF.OPCODE_BINARY:
-        payload = raw if isinstance(raw, bytes) else raw.encode()
-        number = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else -1
-        return WsEvent("binary", {"event": number}, binary=payload[4:], received_at=now)
-    return None
 
 
 # ------------------------------------------------------------------------ the UI

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from . import tiny_models as tm
-from .comfy_host import ComfyHost, RunResult, WsEvent
+from .comfy_client import RunResult, WsEvent
+from .comfy_host import ComfyHost
 from .workflows import SAMPLER, SCHEDULER, SEED, STEPS
 
 ASYNC, PARTIAL, SEQUENTIAL = "async", "partial", "sequential"

@@ -1,9 +1,10 @@
 """The panel's messages as ``web/status_schema.json`` declares them, the one place their fields are named.
 
-The report (``nodes/report.py``) builds every message through ``Message.build``, which refuses a field the
-schema lacks and a declared one left out (unless the schema says when it may be): a renamed or forgotten field
-fails where the message is built, not in a browser. The panel (``web/block_offload_panel.js``) reads the same
-fields by name; ``tests/test_panel_schema.py`` checks that both sides agree with the file.
+The report (``nodes/panel_messages.py``, for ``nodes/report.py``) builds every message through
+``Message.build``, which refuses a field the schema lacks and a declared one left out (unless the schema says
+when it may be): a renamed or forgotten field fails where the message is built, not in a browser. The panel
+(``web/block_offload_panel.js``) reads the same fields by name; ``tests/test_panel_schema.py`` checks that both
+sides agree with the file.
 
 The file lives in ``web/`` beside the panel that reads its fields, and is served with it.
 """

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.comfy_host import REPO, ComfyHost, ComfyHostError, RunResult, ensure_tiny_models
+from harness.comfy_client import RunResult
+from harness.comfy_host import REPO, ComfyHost, ComfyHostError, ensure_tiny_models
 
 from bench.plot import timeline_chart  # the timeline is drawn as the benchmark draws its plots
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from harness.comfy_client import PromptValidationError
 from harness.comfy_host import (
     REPO,
     ComfyHost,
     ComfyPathError,
     PortInUseError,
-    PromptValidationError,
     StartupError,
     resolve_comfyui_path,
 )
@@ -167,7 +167,7 @@ def test_failed_start_shows_the_log_tail(tmp_path: Path) -> None:
 
 def test_run_result_helpers() -> None:
     """RunResult helpers on a hand-made result (no server)."""
-    from harness.comfy_host import RunResult, WsEvent
+    from harness.comfy_client import RunResult, WsEvent
 
     base = Path("/tmp/base")
     result = RunResult(

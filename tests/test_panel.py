@@ -28,7 +28,8 @@ import torch
 import websocket
 from conftest import DEVICES
 
-from harness.comfy_host import ComfyHost, RunResult
+from harness.comfy_client import RunResult
+from harness.comfy_host import ComfyHost
 from harness.panel import (
     BLOCKS,
     MIN_INTERVAL_S,
@@ -209,6 +210,7 @@ def pack(comfy: SimpleNamespace) -> SimpleNamespace:  # noqa: F811 - the fixture
         offload=importlib.import_module("block_offload.offload"),
         patcher=comfy.patcher,
         report=comfy.report,
+        panel_outbox=importlib.import_module("block_offload.nodes.panel_outbox"),
         panel=comfy.panel,
         engine=importlib.import_module("block_offload.nodes.engine"),
     )
@@ -250,7 +252,7 @@ def test_a_waiting_status_never_goes_after_a_newer_one(pack: SimpleNamespace, mo
     """A run's first status, forced inside the interval, waits for its end; a newer status due then goes at
     once and the older one is dropped (sent after it, it went back in time, 0.2 ms later: seen in a full
     run); a timer that fires while another interval runs waits for that one's end."""
-    report = pack.report
+    panel_outbox = pack.panel_outbox
     sent: list[int] = []
     timers: list[Callable[[], None]] = []
     loop = SimpleNamespace(
@@ -259,8 +261,8 @@ def test_a_waiting_status_never_goes_after_a_newer_one(pack: SimpleNamespace, mo
     )
     server = SimpleNamespace(loop=loop, send_sync=lambda event, status: sent.append(status["n"]))
     now = [1000.0]
-    monkeypatch.setattr(report.time, "perf_counter", lambda: now[0])
-    outbox = report._Outbox(server)
+    monkeypatch.setattr(panel_outbox.time, "perf_counter", lambda: now[0])
+    outbox = panel_outbox.Outbox(server)
     assert outbox.send({"n": 1})
     assert outbox.send({"n": 2}, force=True) and sent == [1]  # waits for the interval's end
     now[0] += MIN_INTERVAL_S

@@ -221,7 +221,7 @@ def exactly(message: str, value: dict[str, Any]) -> None:
 def test_every_message_built_is_exactly_the_schemas(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """A panel of its own (not the one the in-process pack set up) follows a real engine's run; with no rate
     limit, every block call sends a status."""
-    monkeypatch.setattr(comfy.report, "MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(importlib.import_module("block_offload.nodes.panel_outbox"), "MIN_INTERVAL_S", 0.0)
     pack = SimpleNamespace(
         offload=importlib.import_module("block_offload.offload"),
         engine=importlib.import_module("block_offload.nodes.engine"),
@@ -263,7 +263,7 @@ def test_every_message_built_is_exactly_the_schemas(comfy: SimpleNamespace, monk
 
     # A step that read a block from its checkpoint file (the file tier): its reads as rows, and in full.
     read = pack.offload.ReadSpan(block=1, start=0.1, end=0.4, bytes_read=4096)
-    last = publisher.last_step
+    last = publisher.run.last_step
     with_reads = dataclasses.replace(last, step=last.step + 1, reads=(read,))
     publisher.step_resolved(with_reads)
     status = publisher.status(with_reads)

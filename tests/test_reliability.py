@@ -36,7 +36,8 @@ import torch
 from conftest import DEVICES, GPU_MODES
 
 from harness import tiny_models as tm
-from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost, PromptValidationError
+from harness.comfy_client import PromptValidationError
+from harness.comfy_host import CLASSIC_CACHE, HOST_DIR, REPO, ComfyHost
 from harness.device_limit import LIMIT_ENV
 from harness.prompts import (
     ARCHS,

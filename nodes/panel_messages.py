@@ -1,0 +1,265 @@
+"""The panel's messages, built from an engine, its run and the recorder's steps: each through the schema
+(``web/status_schema.json``, ``nodes/status_schema.py``), whose ``Message.build`` refuses a field it lacks.
+
+The panel (``nodes/report.py``) decides when a message goes and to whom; this module only says what it holds.
+A step goes to the websocket compact (``compact_step``: one row per block call) and to the routes in full
+(``full_step``); both number it from the run's first step.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from ..offload import memory_snapshot, pinned_bytes
+from ..offload.device import is_accelerator
+from ..offload.timeline import StepTimeline
+from .engine import Engine
+from .panel_run import RunRecord
+from .status_schema import (
+    FROM_FILE,
+    FULL_STEP,
+    MEMORY,
+    MODEL,
+    READ,
+    REPORT,
+    RESIDENT,
+    SPAN,
+    STATUS,
+    STEP,
+    STREAMED,
+    TIMELINE,
+    VERSION,
+)
+
+# A step's spans and reads go to the websocket as rows, their values in the schema's order of fields.
+_span_row = operator.attrgetter(*SPAN.fields)
+_read_row = operator.attrgetter(*READ.fields)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def _row(values: tuple[Any, ...]) -> list[Any]:
+    """A span or read as a row: times rounded to 0.1 us (its counts are ints, which rounding leaves as they are)."""
+    return [None if value is None else round(value, 4) for value in values]
+
+
+def compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
+    """A step for the websocket: one row per block call, its columns named by ``span_fields``, times in ms."""
+    return STEP.build(
+        step=step.step - first_step,
+        duration_ms=_rounded(step.duration_ms),
+        copy_ms=_rounded(step.copy_ms),
+        stall_ms=_rounded(step.stall_ms),
+        bytes_copied=step.bytes_copied,
+        overlap=_rounded(step.overlap),
+        bandwidth_gbps=_rounded(step.bandwidth_gbps),
+        peak_allocated=step.peak_allocated,
+        span_fields=SPAN.fields,
+        spans=[_row(_span_row(span)) for span in step.spans],
+        bytes_read=step.bytes_read,
+        read_gbps=_rounded(step.read_gbps),
+        read_fields=READ.fields,
+        reads=[_row(_read_row(read)) for read in step.reads],
+    )
+
+
+def full_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
+    """A step as the recorder describes it, numbered from the run's first step."""
+    data = step.as_dict()
+    data["step"] -= first_step
+    return FULL_STEP.build(**data)
+
+
+def placement_letters(engine: Engine) -> str:
+    """One letter per block (per module for the sequential wrapper): resident, streamed from host memory,
+    or streamed from the checkpoint file."""
+    runner = engine.runner
+    streamed, from_file = runner.streamed, runner.read_each_step
+    return "".join(
+        FROM_FILE if i in from_file else STREAMED if i in streamed else RESIDENT for i in range(runner.units)
+    )
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the panel shows of one engine, read as it starts. Only the placement changes later (the sequential
+    wrapper promotes modules after a pass): a new ``EngineFacts`` then replaces the one the routes may be reading."""
+
+    node: str
+    plan: str  # the plan line as logged (``Engine.summary``)
+    device: torch.device
+    notices: list[str]  # the engine's own list: notices added later show too
+    prefetch: int
+    ring_bytes: int | None
+    pinned: bool
+    streaming_buffers: int
+    streamed_host_bytes: int | None
+    placement: str  # ``placement_letters``
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineFacts:
+        plan = engine.plan
+        return cls(
+            node=engine.request.node,
+            plan=engine.summary,
+            device=engine.recorder.device,
+            notices=engine.notices,
+            prefetch=plan.prefetch if plan else engine.request.prefetch,
+            # A ring sized in bytes (a planned placement) copies as far ahead as it holds: its size says more.
+            ring_bytes=plan.slot_bytes if plan and plan.ring_bytes else None,
+            pinned=plan.pin_memory if plan else engine.request.pin_memory,
+            streaming_buffers=engine.placement.buffer_bytes,
+            streamed_host_bytes=plan.streamed_bytes if plan else None,
+            placement=placement_letters(engine),
+        )
+
+    def placement_fields(self) -> dict[str, Any]:
+        """How the engine places its blocks, as the status, the model list and the timeline all show it."""
+        return {
+            "placement": self.placement,
+            "prefetch": self.prefetch,
+            "ring_bytes": self.ring_bytes,
+            "pinned": self.pinned,
+        }
+
+
+class MemoryGauge:
+    """The memory figures of every status, for the life of the panel (the process and the host's RAM)."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._host_total = psutil.virtual_memory().total
+
+    def reading(
+        self, device: torch.device, resident_weights: int | None, streaming_buffers: int | None
+    ) -> dict[str, Any]:
+        """Device memory (None on the CPU) split as the panel's bar shows it, and the process's host memory."""
+        snap = memory_snapshot(device)
+        other = None
+        if snap.allocated is not None:
+            other = max(0, snap.allocated - (resident_weights or 0) - (streaming_buffers or 0))
+        return MEMORY.build(
+            allocated=snap.allocated,
+            reserved=snap.reserved,
+            peak_allocated=snap.peak_allocated,
+            free=snap.free,
+            total=snap.total,
+            resident_weights=resident_weights,
+            streaming_buffers=streaming_buffers,
+            other=other,  # activations, other models, the allocator's cache: what is left of allocated
+            process_rss=self._process.memory_info().rss,
+            pinned_host=pinned_bytes(),  # page-locked by the pack, exactly (no allocator rounding)
+            host_total=self._host_total,
+        )
+
+
+def _idle_device() -> torch.device:
+    """The device ComfyUI computes on, for the memory figures before any model streamed."""
+    try:
+        import comfy.model_management
+
+        return comfy.model_management.get_torch_device()
+    except ImportError:  # in-process use without ComfyUI on the path
+        return torch.device("cpu")
+
+
+def idle_status(memory: MemoryGauge, models: list[dict[str, Any]], seq: int) -> dict[str, Any]:
+    """The status while no engine has run: ComfyUI's device and the process's memory."""
+    device = _idle_device()
+    return STATUS.build(
+        v=VERSION,
+        running=False,
+        prompt_id=None,
+        node=None,
+        plan=None,
+        device=str(device),
+        accelerator=is_accelerator(device),
+        step=None,
+        steps_done=0,
+        block=None,
+        blocks=0,
+        placement="",
+        prefetch=None,
+        ring_bytes=None,
+        pinned=None,
+        streamed_host_bytes=None,
+        notices=[],
+        memory=memory.reading(device, None, None),
+        models=models,
+        seq=seq,  # the outbox's last: it stamps a message's own as it sends it
+        time=time.time(),
+    )
+
+
+def status_of_run(
+    facts: EngineFacts,
+    run: RunRecord,
+    last_step: StepTimeline | None,
+    memory: dict[str, Any],
+    models: list[dict[str, Any]],
+    seq: int,
+) -> dict[str, Any]:
+    """The status of an engine's run, with ``last_step`` (compact) when a step finished since the last message."""
+    first = run.first_step or 0
+    finished = {} if last_step is None else {"last_step": compact_step(last_step, first)}
+    return STATUS.build(
+        v=VERSION,
+        running=run.running,
+        prompt_id=run.prompt_id,
+        node=facts.node,
+        plan=facts.plan,
+        device=str(facts.device),
+        accelerator=is_accelerator(facts.device),
+        step=None if run.step is None else run.step - first,
+        steps_done=run.steps_done,
+        block=run.block,
+        blocks=len(facts.placement),
+        **facts.placement_fields(),
+        streamed_host_bytes=facts.streamed_host_bytes,
+        notices=list(facts.notices),
+        memory=memory,
+        models=models,
+        **finished,
+        seq=seq,  # the outbox's last: it stamps a message's own as it sends it
+        time=time.time(),
+    )
+
+
+def report_message(status: dict[str, Any], last_step: dict[str, Any] | None) -> dict[str, Any]:
+    """``GET /block_offload/report``: a status, its run's last step in full, and the process's RSS."""
+    return REPORT.build(**status, timeline=last_step, process_rss_bytes=status["memory"]["process_rss"])
+
+
+def model_entry(facts: EngineFacts, running: bool) -> dict[str, Any]:
+    """One engine's placement, in the list of every model streaming now."""
+    return MODEL.build(node=facts.node, **facts.placement_fields(), running=running)
+
+
+def timeline_of_run(facts: EngineFacts, run: RunRecord) -> dict[str, Any]:
+    """``GET /block_offload/timeline``: every step ``run`` kept, in full."""
+    first = run.first_step or 0
+    return TIMELINE.build(
+        v=VERSION,
+        node=facts.node,
+        prompt_id=run.prompt_id,
+        plan=facts.plan,
+        device=str(facts.device),
+        **facts.placement_fields(),
+        running=run.running,
+        steps_done=run.steps_done,
+        truncated=run.truncated,
+        steps=[full_step(step, first) for step in list(run.steps)],
+    )
+
+
+def no_timeline() -> dict[str, Any]:
+    """The timeline before any engine ran."""
+    return TIMELINE.build(v=VERSION, node=None, prompt_id=None, running=False, steps_done=0, steps=[])
