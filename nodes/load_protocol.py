@@ -15,6 +15,8 @@ them, each named after the ComfyUI call that triggers it. Every clone of a model
 * PARKED: no engine; the last one's blocks wait on their host buffers, still hidden, for the next engine to adopt
   (no pack, no pin again). After a re-patch, or once the next load took a hand-over.
 * HANDED_OVER: PARKED, with ComfyUI's books as the owner left them. After the owner's ``detach(unpatch_all=False)``.
+  A placement that streams nothing is handed over too, ComfyUI holding all of it: the next clone of the same
+  request keeps it loaded, as ComfyUI keeps a model it loaded, instead of loading the whole model again.
 """
 
 from __future__ import annotations
@@ -76,20 +78,33 @@ class LoadProtocol:
     parked_load: LoadedBooks | None = None
     # The patcher inside ``partially_load`` whose first ``unpatch_model`` has not come yet.
     repatching: int | None = None
+    # What the owner's placement was made for (its node's request, compared by equality): a clone of another
+    # request must place anew, not keep the weights as the owner's placement left them.
+    placed_for: object = None
 
     # -- partially_load: load_models_gpu, once per prompt, per model -----------------------------------------------
 
-    def begin_load(self, patcher: int, books: LoadedBooks) -> bool:
+    def begin_load(self, patcher: int, books: LoadedBooks, request: object) -> bool:
         """``partially_load`` begins: a hand-over is taken (HANDED_OVER → PARKED) and ``patcher``'s re-patch window
         opens. True when what ComfyUI holds loaded is not the pack's placement (a detached clone's own load, which
-        ComfyUI keeps, or a hand-over whose books changed since): the load must start from the host."""
+        ComfyUI keeps, or a hand-over whose books changed since): the load must start from the host.
+
+        A placement that streamed nothing, handed over for the same ``request``, is ``patcher``'s at once (UNPLACED,
+        owned): ComfyUI's partially_load keeps a model it holds whole without calling ``load``, so the pack would
+        not see it placed. For another request it starts from the host, or ComfyUI would keep it unplaced."""
         if self.repatching is not None and self.repatching != patcher:
             self._unexpected("partially_load", f"patcher {self.repatching}'s partially_load is still open")
         kept = self.phase is Phase.HANDED_OVER and self.parked_load == books
-        if self.phase is Phase.HANDED_OVER:
-            self._enter(Phase.PARKED, "partially_load takes the hand-over")
-            self.parked_load = None
         self.repatching = patcher
+        if self.phase is Phase.HANDED_OVER:
+            self.parked_load = None
+            if not self.hidden:  # a placement that streamed nothing
+                kept = kept and request == self.placed_for
+                if kept:
+                    self.owner = patcher
+                    self._enter(Phase.UNPLACED, "partially_load keeps the hand-over, all of it loaded")
+                    return False
+            self._enter(Phase.PARKED, "partially_load takes the hand-over")
         return self.phase is not Phase.STREAMING and books.weight_memory > 0 and not kept
 
     def unpatching(self, patcher: int, unpatch_weights: bool) -> Unpatch:
@@ -119,13 +134,15 @@ class LoadProtocol:
         their engine adopts them; those it no longer streams become ordinary weights, for ComfyUI to load)."""
         self.hidden = streamed
 
-    def placed(self, patcher: int, engine: Engine | None) -> None:
+    def placed(self, patcher: int, engine: Engine | None, request: object) -> None:
         """``load`` is done: ``engine`` streams (STREAMING; started or kept from an earlier load of the same
-        placement), or, with None, the placement streams nothing (UNPLACED). ``patcher`` owns either."""
+        placement), or, with None, the placement streams nothing (UNPLACED). ``patcher`` owns either, placed for
+        ``request``."""
         if self.engine is not None and self.engine is not engine:
             self._unexpected("load", "another engine is streaming; it is left running unseen")
         self.engine = engine
         self.owner = patcher
+        self.placed_for = request
         self.parked_load = None
         self._enter(Phase.UNPLACED if engine is None else Phase.STREAMING, "load")
 
@@ -141,13 +158,17 @@ class LoadProtocol:
 
     def hands_over(self, patcher: int, unpatch_all: bool) -> bool:
         """``detach(unpatch_all=False)``: ComfyUI hands the weights to a new clone (one per prompt) by detaching
-        the one it loaded. Only the owner of a streaming engine hands over (its engine parks, then ``handed_over``);
-        another clone detached or deleted now is not what is loaded. ``detach()`` unpatches all: an unload."""
-        return not unpatch_all and self.phase is Phase.STREAMING and self.owner == patcher
+        the one it loaded. Only the owner hands over: of a streaming engine (which parks, then ``handed_over``), or
+        of a placement that streams nothing; another clone detached or deleted now is not what is loaded.
+        ``detach()`` unpatches all: an unload."""
+        placed = self.phase is Phase.STREAMING or self.phase is Phase.UNPLACED
+        return not unpatch_all and placed and self.owner == patcher
 
     def handed_over(self, books: LoadedBooks) -> None:
-        """The owner's detach is done: PARKED → HANDED_OVER, with ComfyUI's books as it left them."""
-        if self.phase is not Phase.PARKED:
+        """The owner's detach is done: PARKED (or UNPLACED, owned: its placement streamed nothing) → HANDED_OVER,
+        with ComfyUI's books as it left them."""
+        owned_unplaced = self.phase is Phase.UNPLACED and self.owner is not None
+        if self.phase is not Phase.PARKED and not owned_unplaced:
             self._unexpected("detach", "the engine did not park")
             return
         self.parked_load = books

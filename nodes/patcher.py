@@ -144,7 +144,7 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         state = state_of(self.model)
-        if state.begin_load(self.patcher_id, self.loaded_state()):
+        if state.begin_load(self.patcher_id, self.loaded_state(), self.offload_request):
             # Start from the host, so nothing streamed stays on the GPU. ComfyUI's own unpatch, not a real unload:
             # blocks a detached streaming clone parked stay parked, for this engine to adopt.
             super().unpatch_model(self.offload_device, unpatch_weights=True)
@@ -237,16 +237,16 @@ class BlockOffloadPatcher(ModelPatcher):
         offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
         super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
         if not placement.streamed:
-            state.placed(self.patcher_id, None)
+            state.placed(self.patcher_id, None, request)
             return
         if state.engine is None:
             engine = start_engine(
                 self, request, placement, device_to, state.parking, state.call_order, state.patch_history
             )
-            state.placed(self.patcher_id, engine)
+            state.placed(self.patcher_id, engine, request)
             self._check_resident_loaded(request, offered)
         else:  # the engine ``load`` kept: this placement is the one it streams
-            state.placed(self.patcher_id, state.engine)
+            state.placed(self.patcher_id, state.engine, request)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes
 

@@ -376,6 +376,49 @@ def test_a_placement_that_streams_nothing_samples_without_an_engine_and_says_not
     assert not [r for r in caplog.records if "Block Offload" in r.getMessage()]
 
 
+def test_the_next_prompts_clone_keeps_a_placement_that_streams_nothing_loaded(
+    calls: ComfyCalls, references: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every block resident, the next prompt's clone of the same request keeps the whole model loaded, as ComfyUI
+    keeps a plain model (its partially_load returns without loading when it holds the model whole): no weight
+    loaded again. A clone of another request (the node run again with other settings) places anew and streams,
+    and a LoRA added goes on."""
+    comfy = calls.comfy
+    model = wan(comfy)
+    node = calls.named(async_offload(comfy, model, resident=5), "node")
+    assert torch.equal(sample(comfy, node), references["plain"])
+    calls.take()
+    loaded_again = count_loads(comfy, monkeypatch)
+    second = calls.named(node.clone(), "second")
+    with pytest.MonkeyPatch.context() as warned:
+        said: list[str] = []
+        warned.setattr(comfy.report, "node_not_streaming", lambda node, notice: said.append(notice))
+        comfy.mm.load_models_gpu([second])
+        assert calls.take() == [
+            ("node", HAND_OVER, "HANDED_OVER"),  # nothing parks: ComfyUI's books alone are handed over
+            ("second", FIRST_UNPATCH, "UNPLACED"),  # kept, and the second clone's
+            ("second", "partially_load", "UNPLACED"),
+        ]
+        assert loaded_again == [] and not second.model.model_lowvram
+        assert second.model.model_loaded_weight_memory == resident_part(comfy, second)  # all of it
+        assert torch.equal(sample(comfy, second), references["plain"])
+        assert said == []  # sampling without an engine is what this placement is
+    streaming = calls.named(async_offload(comfy, model, resident=1), "streaming")
+    comfy.mm.load_models_gpu([streaming])
+    assert calls.take()[-2:] == [
+        ("streaming", FIRST_UNPATCH, "PARKED"),
+        ("streaming", "partially_load", "STREAMING"),
+    ]
+    assert_streaming(comfy, streaming)
+    assert torch.equal(sample(comfy, streaming), references["plain"])
+    resident_again = calls.named(async_offload(comfy, model, resident=5), "resident again")
+    assert torch.equal(sample(comfy, resident_again), references["plain"])
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    with_lora = calls.named(comfy.sd.load_lora_for_models(resident_again, None, lora, 1.0, 0)[0], "lora")
+    assert torch.equal(sample(comfy, with_lora), references["lora"])
+    assert with_lora.offload_engine is None
+
+
 def test_a_load_out_of_memory_after_a_hand_over_is_undone_as_an_unload(
     calls: ComfyCalls, references: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -412,12 +455,12 @@ def test_an_unexpected_call_is_logged_never_taken_silently(
     state = protocol.LoadProtocol()
     running, other = SimpleNamespace(name="running"), SimpleNamespace(name="other")  # engines, as far as it sees
     with caplog.at_level(logging.WARNING):
-        state.begin_load(1, books)
-        state.begin_load(2, books)  # while patcher 1's partially_load is open
+        state.begin_load(1, books, "request")
+        state.begin_load(2, books, "request")  # while patcher 1's partially_load is open
         state.end_load(2)  # no unpatch_model in it
         state.handed_over(books)  # no engine parked
-        state.placed(1, running)
-        state.placed(2, other)  # another engine already streams
+        state.placed(1, running, "request")
+        state.placed(2, other, "request")  # another engine already streams
         state.unloaded()  # the engine not stopped
     warnings = [r.getMessage() for r in caplog.records]
     assert [w.split(": ", 2)[1] for w in warnings] == [
