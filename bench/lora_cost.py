@@ -1,5 +1,5 @@
 """What a LoRA costs per step when its patches are applied on the device as each streamed block arrives (the
-streamed blocks' ``LoadedPatch``, nodes/device_patches.py), against the same model without the LoRA, and against ComfyUI
+streamed blocks' ``LoadedPatch``, nodes/loaded_patch.py), against the same model without the LoRA, and against ComfyUI
 fully loaded, which patches once at load; side by side in one process, as ratios. Then what a strength change
 costs from queue to the end of the first step, streamed and fully loaded.
 

@@ -75,7 +75,7 @@ class AllocationLog(TorchDispatchMode):
 def logged_steps(model, run: Callable[[], object], log: AllocationLog | None = None) -> list[Step]:
     """``run()`` (sampling ``model``, a ModelPatcher) with its allocations logged per call of its diffusion model,
     into ``log`` if given (its ``scope`` may be used while it runs)."""
-    from block_offload.nodes.device_patches import LoadedPatch
+    from block_offload.nodes.loaded_patch import LoadedPatch
 
     log = log if log is not None else AllocationLog()
     methods = {name: getattr(LoadedPatch, name) for name in ("__call__", "write_in_place")}

@@ -32,7 +32,8 @@ from comfy.model_patcher import ModelPatcher, get_key_weight
 
 from ..offload import FileSlice
 from .blocks import inside
-from .device_patches import as_loaded, compute_dtype, is_plain, string_to_seed
+from .loaded_patch import as_loaded, compute_dtype, string_to_seed
+from .patch_routes import is_plain
 from .request import OffloadRequest
 
 

@@ -17,19 +17,11 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload import device_ms
 from ..offload.layout import TensorForm
-from .device_patches import (
-    as_loaded,
-    compute_dtype,
-    host_tensors,
-    is_plain,
-    overwrite_in_place,
-    patched_parameters,
-    stored_by_layer,
-    string_to_seed,
-    unit_named,
-    with_host_tensors,
-)
 from .dynamic_vram import recorded_dtype
+from .loaded_patch import as_loaded, compute_dtype, string_to_seed
+from .patch_adapters import host_tensors, unit_named, with_host_tensors
+from .patch_routes import is_plain, patched_parameters, stored_by_layer
+from .patch_shapes import overwrite_in_place
 
 #: Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), kept for the process: the
 #: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.

@@ -34,7 +34,6 @@ from torch import nn
 from ..offload import GIB, OffloadPlan, place_falling_back
 from . import report
 from .blocks import inside, one_tree_per_load
-from .device_patches import refuse_reshaping_patches
 from .dynamic_vram import (
     back_to_file,
     cast_unloaded_to_recorded_dtypes,
@@ -46,6 +45,7 @@ from .dynamic_vram import (
 )
 from .engine import Engine, call_order_of, start_engine
 from .load_protocol import LoadedBooks, Unpatch
+from .patch_shapes import refuse_reshaping_patches
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of

@@ -37,9 +37,9 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .blocks import Units, find_blocks
-from .device_patches import adapter_bytes
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
+from .patch_adapters import adapter_bytes
 from .patch_costs import patch_ms_per_unit
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest

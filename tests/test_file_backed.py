@@ -417,7 +417,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     originals are the file's views (the file-tier blocks are still patched at each call). Each output is
     bitwise ComfyUI's classic full load; a clone with the same patches adopts the baked buffers as they are,
     and a strength change packs the baked blocks from the file again, and only them."""
-    from block_offload.nodes.device_patches import LoadedPatch
+    from block_offload.nodes.loaded_patch import LoadedPatch
 
     path, dtype = stored_wan["bf16"], torch.float16
     references = {s: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, s)) for s in (1.0, 0.5)}

@@ -1,0 +1,201 @@
+"""A streamed weight patched as ComfyUI patches a loaded one (``LoadedPatch``, ``as_loaded``).
+
+A patched weight of a streamed ComfyUI op gets a ``LoadedPatch``, run on the compute stream when a fresh copy
+of its block is first used, which repeats ComfyUI's patch of a loaded weight
+(``ModelPatcher.patch_weight_to_device``) on the streamed weight: the same dtype for the arithmetic, the same
+seeded stochastic rounding to the stored dtype (or the quantized format's own ``set_weight``), written over
+the copy in the ring. The layer then has no weight function: ComfyUI's ops compute from it as from a loaded
+weight (a weight function would make them copy the weight at every call, an allocation the resident model
+never makes), and a block that stays in the ring is patched once. A streamed block so computes exactly what a
+loaded one does, in every stored dtype, where ComfyUI's lowvram path would round differently. A weight with
+only wrapper patches, or of a format with no ``set_weight``, gets weight functions instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import comfy.float
+import comfy.lora
+import comfy.model_management
+import comfy.model_patcher
+import comfy.utils
+import torch
+from comfy.model_patcher import ModelPatcher
+
+from ..offload.layout import TensorForm
+from .patch_adapters import host_tensors, with_host_tensors
+from .patch_routes import is_plain, stored_by_layer
+from .patch_shapes import overwrite_in_place
+
+# The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
+# warns at each call), only in comfy.model_patcher before.
+string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+
+
+#: Ring positions a LoadedPatch keeps its patches rebuilt for (they repeat from step to step).
+_POSITIONS_KEPT = 16
+
+
+def _lora_dtype(device: torch.device) -> torch.dtype:
+    """The dtype ComfyUI patches a loaded weight in (0.33 may choose fp16 on a GPU; 0.3.75: fp32)."""
+    chooser = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return chooser(device) if chooser is not None else torch.float32
+
+
+class LoadedPatch:
+    """A module's weight patched as ComfyUI patches a loaded weight, computed where the weight is streamed to.
+
+    ComfyUI's ops call it with their cast of the weight to the compute dtype, which may already have rounded
+    it: it patches the module's own tensor (the stored dtype, on the device) instead. The module is held
+    weakly: it holds this function, and a cycle would keep a dropped model alive until the cycle collector
+    came by."""
+
+    def __init__(
+        self, key: str, patches: dict, module: torch.nn.Module, param: str, dynamic_vram: torch.dtype | None = None
+    ) -> None:
+        self.key, self.patches, self.param = key, patches, param
+        # A Dynamic VRAM twin's weight: patched as Dynamic VRAM patches it, in this compute dtype (``as_loaded``).
+        self.dynamic_vram = dynamic_vram
+        self._module = weakref.ref(module)
+        # A CRC, once, not at every step: of the key, as a loaded weight's rounding; of the layer's name (its
+        # ``seed_key``), as Dynamic VRAM's.
+        self._seed = string_to_seed(key if dynamic_vram is None else key.rpartition(".")[0])
+        # Where the adapters are staged (``stage``, from ``AdapterStaging.bind``): the engine (weakly), the unit and
+        # the positions of this weight's tensors among the unit's companions; the patches last rebuilt around them.
+        self._runner: weakref.ref | None = None
+        self._unit = 0
+        self._positions: tuple[int, ...] = ()
+        # By the views' identity (the engine keeps one tuple per ring position): the views, the patches.
+        self._staged: dict[int, tuple[tuple[torch.Tensor, ...], list]] = {}
+        # How ``write_in_place`` left the weight described, where that differs from how it is stored.
+        self._form: TensorForm | None = None
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        return self._module()
+
+    def _live_module(self) -> torch.nn.Module:
+        """The module, when this patch runs: the module that holds it (as a weight function) or the unit it is
+        patched into is in use, so alive."""
+        module = self._module()
+        if module is None:
+            raise ReferenceError(f"Block Offload: the layer of {self.key} was freed before its patch ran")
+        return module
+
+    def adapters(self) -> list[torch.Tensor]:
+        """The host tensors this weight's patches hold, in the order ``_staged_patches`` replaces them."""
+        return list(host_tensors(self.patches[self.key]))
+
+    def stage(self, runner: object, unit: int, positions: tuple[int, ...]) -> None:
+        self._runner, self._unit, self._positions = weakref.ref(runner), unit, positions
+
+    def _staged_patches(self) -> list:
+        """The weight's patches around its adapters' copies in the ring, when the engine staged them."""
+        runner = self._runner() if self._runner is not None else None
+        views = runner.companions(self._unit) if runner is not None else None
+        if views is None:
+            return self.patches[self.key]
+        staged = self._staged.get(id(views))
+        if staged is None or staged[0] is not views:  # a ring position not seen yet: rebuilt around its views
+            if len(self._staged) >= _POSITIONS_KEPT:
+                self._staged.clear()
+            replaced = iter([views[position] for position in self._positions])
+            staged = self._staged[id(views)] = (views, with_host_tensors(self.patches[self.key], replaced))
+        return staged[1]
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
+        module = self._live_module()
+        stored = getattr(module, self.param)
+        patches = self._staged_patches()
+        dynamic = weight.dtype if self.dynamic_vram is not None else None
+        patched = as_loaded(module, self.param, stored, self.key, patches, self._seed, weight, dynamic)
+        return patched.to(weight.dtype)
+
+    def write_in_place(self) -> None:
+        """Writes the patched weight over the module's own tensor where it is now (a streamed block's region of
+        the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
+        its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
+        format's own kernel, and no weight function."""
+        module = self._live_module()
+        current = getattr(module, self.param)
+        patches = self._staged_patches()
+        # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
+        # takes it as its working copy): the copy in the ring is the engine's own, to be copied afresh anyway.
+        work = current if is_plain(current) and not stored_by_layer(module) else None
+        patched = as_loaded(module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram)
+        self._form = overwrite_in_place(current, patched, self.key)
+        self.put_back()
+
+    def put_back(self) -> None:
+        """Where the re-quantized weight's own description differs from the stored one's (0.3.75 records the
+        dtype it was quantized from), the module holds the weight under it again: the engine points the module
+        at its bytes under the stored description at each call."""
+        if self._form is not None:
+            module = self._live_module()
+            current = getattr(module, self.param)
+            module._parameters[self.param] = self._form.assemble(TensorForm.of(current, self.key).parts_of(current))
+
+    def write_to_host(self, device: torch.device) -> None:
+        """Writes the patched weight over the module's own tensor (a view of its host buffer), computed on
+        ``device`` as at each call: the block computes with the same weight, bit for bit, without patching."""
+        module = self._live_module()
+        host = getattr(module, self.param)
+        on_device = host.to(device, copy=True)
+        patches, handed = self.patches[self.key], on_device if self.dynamic_vram is None else None
+        host.copy_(as_loaded(module, self.param, on_device, self.key, patches, self._seed, handed, self.dynamic_vram))
+
+
+def compute_dtype(model: ModelPatcher) -> torch.dtype:
+    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
+    return model.model.manual_cast_dtype or model.model_dtype()
+
+
+def as_loaded(
+    module: torch.nn.Module,
+    param: str,
+    stored: torch.Tensor,
+    key: str,
+    patches: list,
+    seed: int,
+    handed: torch.Tensor | None = None,
+    dynamic_vram: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
+    ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
+    the module's ``convert_`` function, ``calculate_weight``, then its ``set_`` function (a quantized format
+    re-quantizes) or the seeded rounding to the stored dtype. ``handed``: a copy of the weight the caller owns
+    (ComfyUI's ops' cast for a weight function, the ring's copy where it arrives), patched where it lies when it
+    is in the dtype the patch is computed in, as ComfyUI patches its own copy; a weight function gets a
+    quantized result dequantized, and ComfyUI's ops then compute with it as with a loaded weight.
+
+    ``dynamic_vram``: the weight's model runs under Dynamic VRAM, which patches as it casts
+    (``ModelPatcherDynamic``'s ``LowVramPatch``): in this compute dtype (``handed``'s at a call), the
+    arithmetic included, no ``convert_`` function; then the same rounding to the stored dtype, which is what
+    the weight resident in its VRAM holds. The twin the nodes stream computes what the MODEL computes."""
+    set_func = getattr(module, f"set_{param}", None)
+    convert_func = getattr(module, f"convert_{param}", None) if dynamic_vram is None else None
+    lora_dtype = _lora_dtype(stored.device) if dynamic_vram is None else dynamic_vram
+    if (
+        handed is not None
+        and handed.dtype == lora_dtype
+        and convert_func is None
+        and (dynamic_vram is not None or handed.dtype == stored.dtype)
+    ):
+        temp = handed  # a copy the caller owns (ComfyUI's ops' cast, the ring's), in the dtype the patch needs
+    else:
+        temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    if dynamic_vram is None:
+        patched = comfy.lora.calculate_weight(patches, temp, key)
+    else:
+        temp = temp if is_plain(temp) else temp.dequantize()
+        patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=temp.dtype)
+    if set_func is None:
+        return comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
+    patched = set_func(patched, seed=seed, return_weight=True)
+    if handed is not None and hasattr(patched, "dequantize"):  # a quantized format's own tensor
+        patched = patched.dequantize()
+    return patched
