@@ -213,7 +213,8 @@ class BlockOffloadPatcher(ModelPatcher):
             )
             logging.warning(f"Block Offload ({request.node}): {notice}")
             state.fallback = Fallback(request, asked.plan, placed, notice)
-        if placed != asked.plan and self.offload_engine is not None and state.fallback is not None:
+        if placed != asked.plan and self.offload_engine is not None:
+            assert state.fallback is not None, "a plan other than the one asked for is the fallback's"
             self.offload_engine.notices.append(state.fallback.notice)  # each new engine shows it; the log once
 
     def _place(

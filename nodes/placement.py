@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,9 +154,9 @@ def _place(
         room = min(room, request.budget_bytes - outside)
     if request.resident_blocks is not None or math.isinf(room):
         count = len(sizes) if request.resident_blocks is None else request.resident_blocks
-        return _blocks(request, model, found.model_class, sizes, count=count)
+        return _blocks(request, model, sizes, count=count)
     while True:
-        placement = _blocks(request, model, found.model_class, sizes, budget_bytes=int(max(0, room)))
+        placement = _blocks(request, model, sizes, budget_bytes=int(max(0, room)))
         plan = placement.plan
         assert plan is not None, "a block placement has a plan"
         shortfall = loader_need(placement.streamed) + placement.buffer_bytes - budget
@@ -169,7 +169,6 @@ def _place(
 def _blocks(
     request: OffloadRequest,
     model: ModelPatcher,
-    model_class: str,
     sizes: list[int],
     count: int | None = None,
     budget_bytes: int | None = None,
@@ -187,7 +186,7 @@ def _blocks(
             unplanned = (
                 f"; {len(untimed)} patched weights could not be timed ({untimed[0]}, ...): planned without their cost"
             )
-        cache, key = _cost_cache(), cache_key(device_name(model.load_device), model_class, sizes)
+        cache, key = _cost_cache(), _costs_key(model, sizes)
         costs = cache.get(key)
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
@@ -281,9 +280,8 @@ def remember_costs(
     plan = placement.plan
     if not request.auto_placement or plan is None:
         return
-    model_class = type(model.model.diffusion_model).__name__  # find_blocks's, without its search of the tree
     cache = _cost_cache()
-    key = cache_key(device_name(model.load_device), model_class, plan.block_bytes)
+    key = _costs_key(model, plan.block_bytes)
     if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
         return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
     if len({span.block for span in step.spans}) < len(plan.block_bytes):
@@ -292,10 +290,21 @@ def remember_costs(
     costs = dataclasses.replace(recorded, patch_ms=placement.patch_ms).without_patches(plan.streamed)
     cache.put(key, costs)
     logging.info(
-        f"Block Offload ({request.node}): measured {model_class} on {device_name(model.load_device)}: "
+        f"Block Offload ({request.node}): measured {_model_class(model)} on {device_name(model.load_device)}: "
         f"{sum(costs.compute_ms):.1f} ms of block compute per step, {costs.bandwidth_gbps:.2f} GB/s "
         f"host to device; the next load plans the placement from them ({cache.path})"
     )
+
+
+def _model_class(model: ModelPatcher) -> str:
+    """The diffusion model's class (``find_blocks``'s ``model_class``, without its search of the module tree)."""
+    return type(model.model.diffusion_model).__name__
+
+
+def _costs_key(model: ModelPatcher, block_bytes: Sequence[int]) -> str:
+    """Where ``model``'s measured costs and kept placements are, for its blocks of ``block_bytes``: one device,
+    one model class, one stack shape."""
+    return cache_key(device_name(model.load_device), _model_class(model), block_bytes)
 
 
 def _inline(model: ModelPatcher) -> bool:
