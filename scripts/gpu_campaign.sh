@@ -13,7 +13,8 @@
 #          Partial GPU Residency auto on both (about 280 s on an H200).
 #   CALL 2 (118 s on an H200): what call 1 of 2026-11-26 could not settle, alone (host timings, tracebacks).
 #   CALL 3 (290 s on an H200): a LoRA on a Dynamic VRAM model against ComfyUI's own, beside the Flux head-to-head.
-#   CALL 4: the head-to-head for a Wan 2.1 14B-shaped model on a 16 GiB card (not run yet).
+#   CALL 4: issue 33's allocation counts on the device and the zoo in bf16, then the head-to-head for a Wan 2.1
+#          14B-shaped model on a 16 GiB card (Dynamic VRAM, classic async offload, the node on both).
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -140,9 +141,14 @@ elif [[ $call == 3 ]]; then
   part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 else
+  # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
+  # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.
+  part engine-allocates 100 "${pytest[@]}" tests/test_engine_cuda.py -k allocates & pids=($!)
+  part every-dit-on-the-device-bf16 120 "${zoo[@]}" --dtype bfloat16 || status=1
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   part wan14b-16gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
     --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \
-    --rows "fully resident" "ComfyUI" "Partial GPU Residency, auto"
+    --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 fi
 echo "- whole call: $(( SECONDS - start )) s" >> "$report"
 echo "gpu_campaign: figures in $report" >&2
