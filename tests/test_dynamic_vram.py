@@ -147,6 +147,38 @@ def test_lora_before_or_after_the_node_on_a_dynamic_model(
     comfy.mm.unload_all_models()
 
 
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_the_twin_kept_loaded_across_a_plain_prompt_streams_again(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], node: str
+) -> None:
+    """What a server with ``--cache-lru`` does on a GPU (H100, 2026-11-26): the node's output stays cached
+    while a prompt samples the plain Dynamic VRAM model. The twin is a model of its own, so ComfyUI keeps it
+    loaded, idle, as it keeps any model it has room for (a smaller card unloads it through ComfyUI's
+    ``free_memory``); the plain model runs without it, and the cached twin streams again the next time."""
+    path, dtype = stored_wan["bf16"], torch.bfloat16
+    reference = sample(comfy, dynamic_vram.load_classic(path, dtype))
+    comfy.mm.unload_all_models()
+    model = dynamic_vram.load(path, dtype)
+    twin = run_node(comfy, node, model)
+    assert torch.equal(sample(comfy, twin), reference)
+    first_run = twin.offload_engine.recorder.latest()
+    books = twin.loaded_size()
+
+    # The plain prompt's load, as its sampler asks ComfyUI (on the CPU the stand-in for Dynamic VRAM's patcher
+    # cannot compute: its casts are comfy-aimdo's, on the device).
+    comfy.mm.load_models_gpu([model])
+    loaded = [loaded.model for loaded in comfy.mm.current_loaded_models]
+    assert twin in loaded and model in loaded, "ComfyUI keeps both: two models, room for each"
+    assert twin.offload_engine.recorder.latest() is first_run, "the plain model ran through the twin's engine"
+    assert twin.loaded_size() == books, "the twin's books moved"
+
+    latent = sample(comfy, twin)
+    assert torch.equal(latent, reference), differs(latent, reference)
+    assert twin.offload_engine.recorder.latest() is not first_run, "the cached twin sampled without streaming"
+    assert twin.offload_engine.recorder.latest().spans, "nothing streamed"
+    comfy.mm.unload_all_models()
+
+
 def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
     comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
 ) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from conftest import GPU_MODES, NEEDS_CUDA
+from conftest import GPU_MODES, HOST_VERSION, NEEDS_CUDA
 
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
@@ -55,6 +55,7 @@ OTHER_NODE = {ASYNC: PARTIAL, PARTIAL: SEQUENTIAL, SEQUENTIAL: ASYNC}
 CACHES = {"default": (), "lru": ("--cache-lru", "64")}
 # One seed per sampled prompt on a server: ComfyUI would answer a repeated sampler from its cache.
 SEEDS = itertools.count(20_000)
+DYNAMIC_VRAM_HOST = not HOST_VERSION.startswith("0.3.")
 
 
 # Where the servers run: the CPU, and with CUDA each of the host's GPU loading modes (0.33: Dynamic VRAM, its
@@ -121,6 +122,11 @@ class Sequence:
     host: ComfyHost
     sampled: list[tuple[str, Graph, int, torch.Tensor]] = field(default_factory=list)
 
+    @property
+    def node_makes_a_twin(self) -> bool:
+        """On a GPU server with Dynamic VRAM (0.33's default) the node streams a twin: a model of its own."""
+        return not self.host.cpu and "--disable-dynamic-vram" not in self.host.extra_args and DYNAMIC_VRAM_HOST
+
     def sample(self, graph: Graph, after: str) -> None:
         seed = next(SEEDS)
         latents, _, result = run(self.host, graph.prompt(seed))
@@ -130,7 +136,14 @@ class Sequence:
         if graph.node is None:
             assert timeline["prompt_id"] != result.prompt_id, f"{graph} (no node) streamed, after {after}"
             live = self.host.get_json("/block_offload/report")["models"]
-            assert live == [], f"{graph} (no node) left engines streaming after {after}: {live}"
+            assert not any(model["running"] for model in live), f"{graph} (no node) ran an engine after {after}"
+            if self.node_makes_a_twin:
+                # The twin of a node output still cached (``--cache-lru``) is another model than the plain one:
+                # ComfyUI keeps it loaded, idle, while it has room (test_dynamic_vram.py, the twin kept loaded).
+                nodes_before = {NODES[g.node][2] for _, g, _, _ in self.sampled if g.node is not None}
+                assert {model["node"] for model in live} <= nodes_before, f"after {after}: {live}"
+            else:
+                assert live == [], f"{graph} (no node) left engines streaming after {after}: {live}"
             return
         self.sampled.append((after, graph, seed, latents["x"]))
         assert timeline["prompt_id"] == result.prompt_id, (
