@@ -1,7 +1,8 @@
 """Host cost of the timeline recorder, and of the live panel's listener on top of it: the same
 streamed model without either, with the recorder alone (a step's times read only when asked), with
-every step read (as a listener asks), and with the recorder feeding the panel; then the device calls
-the recorder makes per block call and per step, counted through its clock.
+every step read (as a listener asks), with nobody watching (the pack's recorder while no client is
+connected: steps sampled), and with the recorder feeding the panel; then the device calls the recorder
+makes per block call and per step, counted through its clock.
 
     python -m bench.recorder_overhead          # from the repository root
 
@@ -28,6 +29,7 @@ from harness.transformer_stack import transformer_stack
 
 from block_offload.offload import BlockStreamer, OffloadPlan, StepTimeline, TimelineRecorder, module_bytes
 from block_offload.offload.device import Clock, Marker, copy_stream, current_stream, synchronize
+from block_offload.offload.timeline import UNWATCHED_PERIOD_S
 
 BLOCKS, STEPS, WARMUP = 16, 200, 20
 
@@ -107,6 +109,14 @@ def markers_of(step: StepTimeline) -> int:
 def followed(recorder: TimelineRecorder) -> TimelineRecorder:
     """``recorder``, with a listener that reads every step."""
     recorder.listener = StepCollector()
+    return recorder
+
+
+def unwatched(recorder: TimelineRecorder, period_s: float = UNWATCHED_PERIOD_S) -> TimelineRecorder:
+    """``recorder`` as the pack runs it while no client is connected (its listener attached, nobody watching):
+    its first steps recorded, then one step per ``period_s``."""
+    followed(recorder).watched = lambda: False
+    recorder.unwatched_period_s = period_s
     return recorder
 
 
@@ -255,6 +265,7 @@ def main() -> None:
         "off": (lambda: None, None),
         "recorder": (lambda: TimelineRecorder(device), None),
         "every step": (lambda: followed(TimelineRecorder(device)), None),
+        "nobody watching": (lambda: unwatched(TimelineRecorder(device)), None),
     }
     attached: list[TimelineRecorder] = []
     if pack is not None:
@@ -270,10 +281,15 @@ def main() -> None:
           f"{per_block_call_us(best['recorder'], off):.1f} us per block call")  # fmt: skip
     print(f"recorder, every step read: {best['every step'] * 1e3:.3f} ms/step, "
           f"{per_block_call_us(best['every step'], off):.1f} us per block call")  # fmt: skip
+    print(f"recorder, nobody watching (one step per {UNWATCHED_PERIOD_S:.0f} s): "
+          f"{best['nobody watching'] * 1e3:.3f} ms/step, "
+          f"{per_block_call_us(best['nobody watching'], off):.1f} us per block call")  # fmt: skip
     asked = min(hook_seconds_per_call(TimelineRecorder(device), device) for _ in range(3))
     every = min(hook_seconds_per_call(followed(TimelineRecorder(device)), device) for _ in range(3))
+    nobody = min(hook_seconds_per_call(unwatched(TimelineRecorder(device)), device) for _ in range(3))
     print(f"the recorder's hooks alone (thread CPU time): {asked * 1e6:.1f} us per block call with times read "
-          f"when asked, {every * 1e6:.1f} us with every step read")  # fmt: skip
+          f"when asked, {every * 1e6:.1f} us with every step read, {nobody * 1e6:.2f} us with nobody watching "
+          f"({nobody / (off / BLOCKS) * 100:.2f} % of a streamed block call)")  # fmt: skip
     print(describe_calls("times read when asked", calls_per_step(model, x)))
     print(describe_calls("every step read", calls_per_step(model, x, follow=True)))
     if pack is None:

@@ -22,7 +22,7 @@ class RunRecord:
     prompt_id: str | None = None
     resident_weights: int | None = None  # the bytes ComfyUI loaded of the model as the run started
     running: bool = False
-    first_step: int | None = None  # the recorder's index of the run's first step
+    first_step: int | None = None  # the recorder's index of the run's first step, recorded or not
     step: int | None = None  # the recorder's index of the step running now
     block: int | None = None
     steps: list[StepTimeline] = field(default_factory=list)  # the steps kept, up to MAX_RUN_SPANS block calls
@@ -35,7 +35,7 @@ class RunRecord:
         """Keeps a step the recorder resolved; False for the end of an earlier run, resolved late."""
         if self.first_step is None or step.step < self.first_step:
             return False
-        self.steps_done += 1
+        self.steps_done = step.step - self.first_step + 1  # the steps between recorded ones ran too
         self.spans += len(step.spans)
         if self.spans <= MAX_RUN_SPANS:
             self.steps.append(step)

@@ -9,7 +9,8 @@
   delayed when one went less than an interval before.
 * ``GET /block_offload/report``: the same status for a panel opened mid-run, with the last step
   in full (``timeline``) and the process RSS (``process_rss_bytes``).
-* ``GET /block_offload/timeline``: every step of the current or last sampling run, to download.
+* ``GET /block_offload/timeline``: every step of the current or last sampling run, to download; while no
+  client is connected to the websocket, the steps the recorder sampled (its first three, then one every 2 s).
 
 Every field of these messages is declared once, in ``web/status_schema.json`` (``nodes/status_schema.py``):
 each message is built through it (``nodes/panel_messages.py``).
@@ -83,6 +84,7 @@ class Panel:
     def engine_started(self, engine: Engine) -> None:
         publisher = _Publisher(engine, self)
         engine.recorder.listener = publisher
+        engine.recorder.watched = self.watched
         with self._lock:
             self._current = publisher
             self._live = [ref for ref in self._live if ref() is not None] + [weakref.ref(publisher)]
@@ -120,6 +122,14 @@ class Panel:
         self.outbox.send(status, force=True)
 
     # -- what the panel reads --------------------------------------------------------------------
+
+    def watched(self) -> bool:
+        """Whether anyone can follow every step: a client on the server's websocket (every browser tab of
+        ComfyUI's frontend runs the panel, which hears each message). In-process (no server) the caller reads
+        the recorder itself. While nobody watches, the engines' recorders sample steps (``offload/timeline.py``)."""
+        if self.server is None:
+            return True
+        return bool(getattr(self.server, "sockets", True))
 
     def prompt_id(self) -> str | None:
         return getattr(self.server, "last_prompt_id", None)
@@ -190,17 +200,23 @@ class _Publisher:
     # -- the run -----------------------------------------------------------------------------
 
     def start_run(self, resident_weights: int) -> None:
-        self.run = RunRecord(prompt_id=self._panel.prompt_id(), resident_weights=resident_weights, running=True)
+        engine = self._engine()
+        first_step = engine.recorder.steps_ended if engine is not None else None  # the index the run begins at
+        self.run = RunRecord(
+            prompt_id=self._panel.prompt_id(), resident_weights=resident_weights, running=True, first_step=first_step
+        )
         self._unsent = None
         self.publish(force=True)
 
     def finish_run(self) -> None:
         engine = self._engine()
+        run = self.run
         if engine is not None:
             engine.recorder.latest()  # resolves the steps still pending on the device (calls step_resolved)
             # The sequential wrapper promotes modules after a pass.
             self.facts = dataclasses.replace(self.facts, placement=placement_letters(engine))
-        run = self.run
+            if run.first_step is not None:  # every step run counts, recorded or not (the recorder may sample)
+                run.steps_done = engine.recorder.steps_ended - run.first_step
         run.running = False
         run.block = None
         self._unsent = run.last_step  # the final message always carries the run's last step

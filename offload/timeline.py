@@ -14,12 +14,20 @@ it: the listener, which follows every step, at the next step boundary once the d
 it; ``latest()`` and ``steps``, which wait for the device. Without a listener, a step that falls out of
 the last ``keep`` is reused unread. Records and their markers are pooled: once a run has as many as
 its steps in flight need (on the CPU, after its first step), it creates none.
+
+Which steps are recorded: every one while someone watches (``watched``, the panel with a client connected);
+while nobody does, a recorder's first ``FIRST_STEPS_RECORDED`` steps, then at most one step per
+``unwatched_period_s``, enough for the planner's measured costs and the report's last step. A step not
+recorded makes no device call: a recorded block call costs 38 us of host time on an H200, 11 % of a tiny
+streamed block's (docs/benchmarks.md). Whether a step is recorded is decided when the step before it begins,
+so the copies issued ahead for it are recorded with it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -147,11 +155,24 @@ class TimelineListener(Protocol):
     def step_resolved(self, timeline: StepTimeline) -> None: ...
 
 
+#: Recorded by every recorder, watched or not: the planner's costs come from a step after the first.
+FIRST_STEPS_RECORDED = 3
+#: While nobody watches, at most one step recorded per this many seconds (after the first steps).
+UNWATCHED_PERIOD_S = 2.0
+
+
+def always_watched() -> bool:
+    """The recorder's default: every step is recorded (a caller that reads them all, the tests, a benchmark)."""
+    return True
+
+
 class TimelineRecorder:
     """Collects the spans of each step; keeps the last ``keep`` read steps.
 
-    ``listener``, when set, hears every block call and every step once it is read (a live view's feed).
-    ``clock`` makes every device call the recorder makes (by default the device's own).
+    ``listener``, when set, hears every recorded block call and every recorded step once it is read (a live
+    view's feed). ``watched`` answers, a step ahead, whether every step must be recorded; when it says no,
+    steps are sampled (``FIRST_STEPS_RECORDED``, then one per ``unwatched_period_s``). ``clock`` makes every
+    device call the recorder makes (by default the device's own).
     """
 
     def __init__(self, device: torch.device, keep: int = 1, clock: Clock | None = None) -> None:
@@ -159,6 +180,12 @@ class TimelineRecorder:
         self.device = device
         self.enabled = True
         self.listener: TimelineListener | None = None
+        self.watched: Callable[[], bool] = always_watched
+        self.unwatched_period_s = UNWATCHED_PERIOD_S
+        self._in_step = False
+        self._next_recorded = True  # whether the step after the open one is recorded (decided as it opens)
+        self._copies_recorded = True  # the open step's or the next one's: copies issued now run ahead for it
+        self._last_recorded_at = -float("inf")  # when the last recorded step began (``time.perf_counter``)
         self._keep = keep
         self._steps: deque[StepTimeline] = deque(maxlen=keep)
         self._step_index = 0
@@ -171,7 +198,7 @@ class TimelineRecorder:
 
     @property
     def steps_ended(self) -> int:
-        """How many steps have ended while recording."""
+        """How many steps have ended while the recorder was enabled, recorded or not."""
         return self._step_index
 
     @property
@@ -185,17 +212,32 @@ class TimelineRecorder:
             return
         if self._open is not None:  # a step that never ended (the recorder was off meanwhile): dropped
             self._recycle(self._open)
+            self._open = None
         self._settle()
+        recorded, now = self._next_recorded, time.perf_counter()
+        if recorded:
+            self._last_recorded_at = now
+        self._next_recorded = self._records(self._step_index + 1, now)
+        self._copies_recorded = recorded or self._next_recorded
+        self._in_step = True
+        if not recorded:
+            return
         reset_peak_memory(self.device)  # the step's own peak, not the process's
         step = self._free_steps.pop() if self._free_steps else _StepRecord(*self._new_markers())
         step.index = self._step_index
-        step.host_start = time.perf_counter()
+        step.host_start = now
         self.clock.mark(step.start, stream)
         self._open = step
 
     def end_step(self, stream: torch.Stream | None) -> None:
+        if not self.enabled or not self._in_step:
+            return
+        self._in_step = False
+        self._step_index += 1
+        self._copies_recorded = self._next_recorded  # copies issued before the next step begins are its own
         step = self._open
-        if not self.enabled or step is None:
+        if step is None:  # not recorded: its reads go with it
+            self._reads = []
             return
         self.clock.mark(step.end, stream)
         step.peak = peak_allocated(self.device)
@@ -203,8 +245,13 @@ class TimelineRecorder:
         step.reads, self._reads = self._reads, []
         self._pending.append(step)
         self._open = None
-        self._step_index += 1
         self._settle()
+
+    def _records(self, index: int, now: float) -> bool:
+        """Whether step ``index`` is recorded, asked ``now``, as the step before it begins."""
+        if index < FIRST_STEPS_RECORDED or self.watched():
+            return True
+        return now - self._last_recorded_at >= self.unwatched_period_s
 
     def read_done(self, block: int, start: float, end: float, nbytes: int) -> None:
         """A file-tier block's read ended (called on the reader's thread; times from ``time.perf_counter``)."""
@@ -212,7 +259,7 @@ class TimelineRecorder:
             self._reads.append((block, start, end, nbytes))
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
-        if not self.enabled:
+        if not self.enabled or not self._copies_recorded:
             return None
         record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
         record.nbytes = nbytes
@@ -241,6 +288,8 @@ class TimelineRecorder:
         already); nothing is marked on ``stream``: the start is read off the arrival and the copy's end."""
         if record is not None:
             record.copy = copy
+        elif copy is not None:  # copied ahead for a step that is not recorded: back to the pool, unread
+            self._free_copies.append(copy)
 
     def call_finished(self, record: CallRecord | None, stream: torch.Stream | None) -> None:
         if record is not None:

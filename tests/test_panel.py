@@ -41,6 +41,8 @@ from harness.panel import (
     wan_prompt,
 )
 
+from block_offload.offload.timeline import FIRST_STEPS_RECORDED, UNWATCHED_PERIOD_S
+
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
 # Each tiny Wan step takes ~12 ms on two idle CPU cores: 150 steps outlast several intervals.
@@ -171,6 +173,28 @@ def test_routes_return_the_last_run(comfy_host: ComfyHost, long_run) -> None:
     assert download.status_code == 200
     assert "attachment" in download.headers["Content-Disposition"]
     assert download.json()["prompt_id"] == result.prompt_id
+
+
+def test_a_prompt_nobody_follows_is_sampled_and_still_counts_every_step(comfy_host: ComfyHost, long_run) -> None:
+    """Queued over HTTP alone, as a headless script may: no client on the websocket, so nobody can follow the
+    steps, and the engine records a few (offload/timeline.py: the first steps of an engine, the step after a
+    followed one, then one per period); the run still counts every step it ran."""
+    steps = 60
+    start = time.monotonic()
+    prompt_id = comfy_host.queue(wan_prompt(steps))
+    while not comfy_host.client.history(prompt_id):
+        assert time.monotonic() - start < 300, f"prompt {prompt_id} did not finish in 300 s"
+        time.sleep(0.05)
+    wall_s = time.monotonic() - start
+    timeline = comfy_host.get_json("/block_offload/timeline")
+    assert timeline["prompt_id"] == prompt_id and not timeline["running"]
+    assert timeline["steps_done"] == steps == comfy_host.get_json("/block_offload/report")["steps_done"]
+    recorded = [step["step"] for step in timeline["steps"]]
+    most = FIRST_STEPS_RECORDED + wall_s / UNWATCHED_PERIOD_S + 1
+    assert 1 <= len(recorded) <= most < steps, f"recorded steps {recorded} of {steps} in {wall_s:.1f} s"
+    assert recorded == sorted(recorded) and recorded[-1] < steps
+    for step in timeline["steps"]:
+        assert [span["block"] for span in step["spans"]] == list(range(BLOCKS))
 
 
 @pytest.mark.parametrize("device", [device for device in DEVICES if device != "cpu"])

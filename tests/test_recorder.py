@@ -11,8 +11,9 @@ import torch
 
 from harness.transformer_stack import transformer_stack
 
-from bench.recorder_overhead import ClockCalls, CountingClock, StepCollector, markers_of
+from bench.recorder_overhead import ClockCalls, CountingClock, StepCollector, markers_of, unwatched
 from block_offload.offload import BlockStreamer, TimelineRecorder
+from block_offload.offload.timeline import FIRST_STEPS_RECORDED, always_watched
 
 CPU = torch.device("cpu")
 STREAMED = [1, 2, 4, 5]  # of 6 blocks, through 2 slots (prefetch 1): every streamed call copies, every step
@@ -78,3 +79,49 @@ def test_the_compute_start_is_the_later_of_arrival_and_copy_end() -> None:
         else:
             assert span.copy_start is None and span.stall == 0
         assert span.compute_start <= span.compute_end
+
+
+def recorded_steps(recorder: TimelineRecorder) -> list[int]:
+    recorder.latest()  # the last steps, resolved
+    assert isinstance(recorder.listener, StepCollector)
+    return [step.step for step in recorder.listener.steps]
+
+
+def test_while_nobody_watches_the_first_steps_are_recorded_and_then_none_within_the_period() -> None:
+    """A step not recorded makes no device call at all, and the copies recorded ahead of it go back to the pool."""
+    clock = CountingClock(CPU)
+    recorder = unwatched(TimelineRecorder(CPU, clock=clock), period_s=3600.0)
+    per_step = run_counted(recorder, clock, steps=10)
+    assert recorder.steps_ended == 10  # every step counts (the patch history's steps), recorded or not
+    assert recorded_steps(recorder) == list(range(FIRST_STEPS_RECORDED))
+    # Step 3 reads step 2 at its boundary; from then on the recorder touches the device for nothing.
+    assert all(step == ClockCalls() for step in per_step[FIRST_STEPS_RECORDED + 1 :]), per_step
+    assert per_step[0].created > 0 and [step.created for step in per_step[1:]] == [0] * 9, per_step
+    assert isinstance(recorder.listener, StepCollector)
+    for step in recorder.listener.steps[1:]:
+        assert sum(span.copy_start is not None for span in step.spans) == len(STREAMED)
+
+
+def test_while_nobody_watches_a_step_is_recorded_once_the_period_has_passed() -> None:
+    recorder = unwatched(TimelineRecorder(CPU), period_s=0.0)
+    run_counted(recorder, CountingClock(CPU), steps=6)
+    assert recorded_steps(recorder) == list(range(6))
+
+
+def test_when_someone_starts_watching_the_step_after_the_next_is_recorded_with_its_copies() -> None:
+    """Whether a step is recorded is decided as the step before it begins, with the copies issued ahead for it."""
+    recorder = unwatched(TimelineRecorder(CPU), period_s=3600.0)
+    model = transformer_stack(num_blocks=6)
+    streamer = BlockStreamer(model.blocks, CPU, STREAMED, prefetch=1, recorder=recorder, root=model)
+    streamer.enable()
+    x = torch.randn(1, 5, 32)
+    with torch.inference_mode():
+        for step in range(10):
+            if step == 6:
+                recorder.watched = always_watched  # a client connects between steps 5 and 6
+            model(x)
+    streamer.disable()
+    assert recorded_steps(recorder) == [0, 1, 2, 7, 8, 9]
+    assert isinstance(recorder.listener, StepCollector)
+    for step in recorder.listener.steps[3:]:
+        assert sum(span.copy_start is not None for span in step.spans) == len(STREAMED), step.step
