@@ -13,8 +13,10 @@
 #          Partial GPU Residency auto on both (about 280 s on an H200).
 #   CALL 2 (118 s on an H200): what call 1 of 2026-11-26 could not settle, alone (host timings, tracebacks).
 #   CALL 3 (290 s on an H200): a LoRA on a Dynamic VRAM model against ComfyUI's own, beside the Flux head-to-head.
-#   CALL 4: issue 33's allocation counts on the device and the zoo in bf16, then the head-to-head for a Wan 2.1
+#   CALL 4 (481 s on an H100, 2026-11-26): issue 33's allocation counts on the device and the zoo in bf16, then the head-to-head for a Wan 2.1
 #          14B-shaped model on a 16 GiB card (Dynamic VRAM, classic async offload, the node on both).
+#   CALL 5: Dynamic VRAM with the LRU cache on a server and the recorder's cost while nobody watches, then
+#          the LoRA cost rows (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -30,11 +32,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4) call="$1"; shift ;;
+    1|2|3|4|5) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 4, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 5, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -48,6 +50,8 @@ if [[ $dry == 1 ]]; then
   bench_size=(--smoke)
 else
   [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
+  # A warm machine keeps the folder unpacked by an earlier call, but not its files: unpack it again.
+  rm -rf .gpu/host-0.33.0
   # shellcheck disable=SC1091
   source .gpu/env.sh 0.33.0 || { echo "gpu_campaign: .gpu/env.sh failed" >&2; exit 2; }
   python=python3
@@ -109,6 +113,13 @@ else
   prompt_tests=(tests/test_every_prompt_streams.py -k "cuda and default")
   zoo=("$python" -m harness.zoo_on_device)
 fi
+if [[ $dry == 1 ]]; then
+  lru_tests=(tests/test_every_prompt_streams.py -k "cpu and lru and plain_then")
+  lora_cost=("$python" -m bench.lora_cost --device cpu --steps 2 --rounds 1)
+else
+  lru_tests=(tests/test_every_prompt_streams.py -k "cuda and dynamic and lru")
+  lora_cost=("$python" -m bench.lora_cost --device cuda --real --rank 64 --dtype bfloat16 --steps 3 --rounds 3)
+fi
 # Stored as float32, then bfloat16: both run, and the part fails if either does.
 zoo_both=(bash -c '"$@"; fp32=$?; "$@" --dtype bfloat16; exit $(( fp32 | $? ))' zoo "${zoo[@]}")
 
@@ -140,6 +151,16 @@ elif [[ $call == 3 ]]; then
     -k "cuda and dynamic and default and async" & pids=($!)
   part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+elif [[ $call == 5 ]]; then
+  # What call 4 (H100, 2026-11-26, c40be75) left: Dynamic VRAM with the LRU cache (the cached node's twin kept
+  # loaded across a plain prompt, then streaming again) beside the recorder's cost while nobody watches; then
+  # the per-step cost of LoRA patches applied on the device, Wan 14B- and Flux 12B-shaped blocks.
+  part comfyui-0.33-dynamic-vram-lru 220 "${pytest[@]}" --tb=short "${lru_tests[@]}" & pids=($!)
+  part engine-recorder 100 "${pytest[@]}" tests/test_engine_cuda.py -k recorder || status=1
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  part lora-cost-wan 150 "${lora_cost[@]}" --arch wan --blocks 8 $([[ $dry == 1 ]] || echo --latent 21 60 104)
+  part lora-cost-flux "$(( seconds - (SECONDS - start) ))" "${lora_cost[@]}" --arch flux --blocks 4 \
+    $([[ $dry == 1 ]] || echo --latent 128 128)
 else
   # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
   # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.
