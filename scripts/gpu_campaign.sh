@@ -17,6 +17,7 @@
 #          14B-shaped model on a 16 GiB card (Dynamic VRAM, classic async offload, the node on both).
 #   CALL 5: Dynamic VRAM with the LRU cache on a server and the recorder's cost while nobody watches, then
 #          the LoRA cost rows (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
+#   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -32,11 +33,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4|5) call="$1"; shift ;;
+    1|2|3|4|5|6) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 5, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 6, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -151,6 +152,12 @@ elif [[ $call == 3 ]]; then
     -k "cuda and dynamic and default and async" & pids=($!)
   part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+elif [[ $call == 6 ]]; then
+  # Qwen-Image 20B-shaped (40.9 GB) on a 24 GiB card against ComfyUI's classic offload: without the Dynamic VRAM
+  # rows, whose second copy of the weights would not fit the machine's 128 GiB of host memory.
+  part qwen20b-24gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
+    --models qwen20b --budgets --cards 24 --rounds 2 --steps 6 --out "$out/bench" --no-dynamic-vram \
+    --rows "fully resident" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 elif [[ $call == 5 ]]; then
   # What call 4 (H100, 2026-11-26, c40be75) left: Dynamic VRAM with the LRU cache (the cached node's twin kept
   # loaded across a plain prompt, then streaming again) beside the recorder's cost while nobody watches; then
