@@ -184,7 +184,6 @@ class TimelineRecorder:
         self.unwatched_period_s = UNWATCHED_PERIOD_S
         self._in_step = False
         self._next_recorded = True  # whether the step after the open one is recorded (decided as it opens)
-        self._copies_recorded = True  # the open step's or the next one's: copies issued now run ahead for it
         self._last_recorded_at = -float("inf")  # when the last recorded step began (``time.perf_counter``)
         self._keep = keep
         self._steps: deque[StepTimeline] = deque(maxlen=keep)
@@ -218,7 +217,6 @@ class TimelineRecorder:
         if recorded:
             self._last_recorded_at = now
         self._next_recorded = self._records(self._step_index + 1, now)
-        self._copies_recorded = recorded or self._next_recorded
         self._in_step = True
         if not recorded:
             return
@@ -234,7 +232,6 @@ class TimelineRecorder:
             return
         self._in_step = False
         self._step_index += 1
-        self._copies_recorded = self._next_recorded  # copies issued before the next step begins are its own
         step = self._open
         if step is None:  # not recorded: its reads go with it
             self._reads = []
@@ -259,7 +256,8 @@ class TimelineRecorder:
             self._reads.append((block, start, end, nbytes))
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
-        if not self.enabled or not self._copies_recorded:
+        # A copy issued now is for the open step or runs ahead for the next one: recorded if either is.
+        if not self.enabled or (self._open is None and not self._next_recorded):
             return None
         record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
         record.nbytes = nbytes
