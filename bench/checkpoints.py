@@ -21,8 +21,8 @@ from unittest import mock
 
 import torch
 
-from harness import tiny_models
-from harness.tiny_models import SpecBuilder, TensorSpec
+from harness import tiny_quantized, tiny_specs
+from harness.tiny_specs import SpecBuilder, TensorSpec
 
 #: The hidden size ComfyUI 0.3.75 fixes for Flux and Qwen-Image (24 heads of 128): their tiny smoke
 #: checkpoints are shallow, never narrow.
@@ -30,12 +30,12 @@ FIXED_HIDDEN = 3072
 
 
 def resized(layout: Callable[[], list[TensorSpec]], **sizes: object) -> Callable[[], list[TensorSpec]]:
-    """``tiny_models``' key layout of an architecture with other sizes (its module constants, by name).
+    """``tiny_specs``' key layout of an architecture with other sizes (its module constants, by name).
 
     ``mock.patch.multiple`` refuses a name the module lacks, so a renamed constant fails loudly."""
 
     def specs() -> list[TensorSpec]:
-        with mock.patch.multiple(tiny_models, **sizes):
+        with mock.patch.multiple(tiny_specs, **sizes):
             return layout()
 
     return specs
@@ -77,14 +77,14 @@ class Checkpoint:
     context_key: str  # the checkpoint's text projection: its input width is the text encoder's
     pooled_key: str | None = None  # likewise for a pooled text vector (Flux's ``y``)
     guidance: bool = False  # guidance-distilled (Flux dev): a guidance scale per step
-    #: None: the weights in the benchmark's float dtype; else a key of ``tiny_models.SAFETENSORS_QUANT`` or a
+    #: None: the weights in the benchmark's float dtype; else a key of ``tiny_quantized.SAFETENSORS_QUANT`` or a
     #: GGML quantization type name (written as GGUF, loaded by ComfyUI-GGUF).
     quant: str | None = None
     gguf_arch: str = ""  # ``general.architecture`` of the checkpoint written as GGUF (ComfyUI-GGUF checks it)
 
     @property
     def is_gguf(self) -> bool:
-        return self.quant is not None and self.quant not in tiny_models.SAFETENSORS_QUANT
+        return self.quant is not None and self.quant not in tiny_quantized.SAFETENSORS_QUANT
 
     def quantized(self, name: str, quant: str, label: str, gguf_arch: str) -> Checkpoint:
         """The same checkpoint as ``name``, its Linear weights in ``quant`` (``label`` says how in the title)."""
@@ -112,7 +112,7 @@ CHECKPOINTS = {
     WAN14B: Checkpoint(
         WAN14B,
         "Wan 2.1 T2V 14B (40 blocks, dim 5120), 480x832 x 33 frames, bf16",
-        resized(tiny_models.wan21_specs, WAN21_DIM=5120, WAN21_FFN_DIM=13824, WAN21_LAYERS=40),
+        resized(tiny_specs.wan21_specs, WAN21_DIM=5120, WAN21_FFN_DIM=13824, WAN21_LAYERS=40),
         latent=(1, 16, 9, 60, 104),  # 33 frames -> 9 latent frames, 480x832 / 8
         text_tokens=512,
         context_key="text_embedding.0.weight",
@@ -120,7 +120,7 @@ CHECKPOINTS = {
     FLUX12B: Checkpoint(
         FLUX12B,
         "Flux.1-dev 12B (19 double + 38 single blocks, hidden 3072), 1024x1024, bf16",
-        resized(tiny_models.flux_specs, FLUX_DOUBLE_BLOCKS=19, FLUX_SINGLE_BLOCKS=38, FLUX_CONTEXT_DIM=4096),
+        resized(tiny_specs.flux_specs, FLUX_DOUBLE_BLOCKS=19, FLUX_SINGLE_BLOCKS=38, FLUX_CONTEXT_DIM=4096),
         latent=(1, 16, 128, 128),
         text_tokens=512,
         context_key="txt_in.weight",
@@ -144,7 +144,7 @@ SMOKE_CHECKPOINTS = {
     WAN14B: Checkpoint(
         WAN14B,
         "Wan 2.1 architecture, tiny (smoke test: times mean nothing)",
-        resized(tiny_models.wan21_specs, WAN21_LAYERS=4),
+        resized(tiny_specs.wan21_specs, WAN21_LAYERS=4),
         latent=(1, 16, 2, 8, 8),
         text_tokens=16,
         context_key="text_embedding.0.weight",
@@ -152,7 +152,7 @@ SMOKE_CHECKPOINTS = {
     FLUX12B: Checkpoint(
         FLUX12B,
         "Flux architecture, 1 double + 1 single block (smoke test: times mean nothing)",
-        resized(tiny_models.flux_specs, FLUX_DOUBLE_BLOCKS=1, FLUX_SINGLE_BLOCKS=1),
+        resized(tiny_specs.flux_specs, FLUX_DOUBLE_BLOCKS=1, FLUX_SINGLE_BLOCKS=1),
         latent=(1, 16, 4, 4),
         text_tokens=4,
         context_key="txt_in.weight",

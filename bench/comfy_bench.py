@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 import psutil
 import torch
 
-from harness import tiny_models
+from harness import tiny_quantized
 from harness.comfy_host import HOST_DIR, REPO, resolve_comfyui_path
 from harness.pack import PACK
 
@@ -244,7 +244,7 @@ def quantized_weights(
     generator = torch.Generator(device=device).manual_seed(0)
     for key, meta in shapes.items():
         weight = random_weight(meta.shape, generator, device, dtype)
-        made = quantize(key, weight) if tiny_models._quantized(key, weight) else {key: weight}
+        made = quantize(key, weight) if tiny_quantized.quantized(key, weight) else {key: weight}
         yield from ((name, tensor.cpu()) for name, tensor in made.items())
 
 
@@ -252,7 +252,7 @@ def load_comfy_quant(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, tor
                      dtype: torch.dtype):  # fmt: skip
     """A classic ModelPatcher over what the host's own loader makes of the checkpoint in ComfyUI's per-layer
     ``comfy_quant`` format (``tiny_models``' writer of that format, layer by layer)."""
-    layer = tiny_models.SAFETENSORS_QUANT[checkpoint.quant].layer
+    layer = tiny_quantized.SAFETENSORS_QUANT[checkpoint.quant].layer
     weights = dict(quantized_weights(shapes, device, dtype, lambda key, w: layer(key.removesuffix(".weight"), w)))
     options = {"dtype": dtype, "load_device": device, "offload_device": torch.device("cpu")}
     return comfy.sd.load_diffusion_model_state_dict(weights, model_options=options, disable_dynamic=True)
@@ -593,6 +593,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
             step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
             wall = time.perf_counter()
             peak = sampled.peak if cuda else None
+            engine = getattr(patcher, "offload_engine", None)
             done = Round(
                 started,
                 (first - started) * 1000,
@@ -601,6 +602,8 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 peak,
                 psutil.Process().memory_info().rss,
                 comfy.offload.pinned_bytes(),
+                None if engine is None else engine.packing_s * 1000,
+                None if engine is None else engine.runner.packed_bytes,
             )
             where = placed(patcher)
         finally:
@@ -653,9 +656,13 @@ def measure_all(
             steps = sorted(done_round.step_ms)
             peak = done_round.peak_vram_bytes
             vram = "" if peak is None else f", peak VRAM {peak / GIB:.2f} GiB"
+            packing = done_round.packing_ms
+            packed = done_round.packed_bytes or 0
+            packing_said = "" if packing is None else f" (packing {packed / GIB:.2f} GiB: {packing / 1000:.2f} s)"
             progress(
                 f"{config.method}: median {steps[len(steps) // 2] / 1000:.3f} s/step, at most {steps[-1] / 1000:.3f}, "
-                f"load + first step {done_round.load_first_ms / 1000:.2f} s{vram}; {measured[1].placement}"
+                f"load + first step {done_round.load_first_ms / 1000:.2f} s{packing_said}{vram}; "
+                f"{measured[1].placement}"
             )
     found = []
     for config in (c for group in groups for c in group):

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from harness import tiny_models
+from harness import safetensors_writer, tiny_specs
 from harness.comfy_host import resolve_comfyui_path
 from harness.inprocess import in_process_comfy, sample
 
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_checkpoint(path: Path, dim: int, ffn: int, layers: int) -> int:
     """A Wan 2.1-shaped file of ``layers`` blocks at width ``dim``, bf16 weights N(0, 0.02); its bytes."""
-    specs = resized(tiny_models.wan21_specs, WAN21_DIM=dim, WAN21_FFN_DIM=ffn, WAN21_LAYERS=layers)()
+    specs = resized(tiny_specs.wan21_specs, WAN21_DIM=dim, WAN21_FFN_DIM=ffn, WAN21_LAYERS=layers)()
     shapes = {spec.key: spec.shape for spec in specs}
     generator = torch.Generator().manual_seed(0)
 
@@ -68,7 +68,7 @@ def write_checkpoint(path: Path, dim: int, ffn: int, layers: int) -> int:
         return (torch.randn(shapes[key], generator=generator) * 0.02).to(torch.bfloat16)
 
     layout = [(key, torch.bfloat16, shape) for key, shape in shapes.items()]
-    tiny_models.save_safetensors(path, layout, tensor_for, {})
+    safetensors_writer.save_safetensors(path, layout, tensor_for, {})
     return path.stat().st_size
 
 

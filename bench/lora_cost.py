@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from harness import tiny_models as tm
+from harness import tiny_specs
 from harness.comfy_host import resolve_comfyui_path
 
 from bench.checkpoints import resized
@@ -35,14 +36,14 @@ from bench.checkpoints import resized
 #: and of the real model (``--real``).
 ARCHS = {
     "wan": {
-        "specs": (tm.wan21_specs, tm.wan21_lora_specs),
+        "specs": (tiny_specs.wan21_specs, tiny_specs.wan21_lora_specs),
         "blocks": ("WAN21_LAYERS",),
         "cpu": {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024},
         "real": {"WAN21_DIM": 5120, "WAN21_FFN_DIM": 13824},
         "latent": (2, 16, 16),
     },
     "flux": {
-        "specs": (tm.flux_specs, tm.flux_lora_specs),
+        "specs": (tiny_specs.flux_specs, tiny_specs.flux_lora_specs),
         "blocks": ("FLUX_DOUBLE_BLOCKS", "FLUX_SINGLE_BLOCKS"),  # as many of each
         "cpu": {},
         "real": {"FLUX_CONTEXT_DIM": 4096},

@@ -58,6 +58,9 @@ class Round:
     peak_vram_bytes: int | None
     host_rss_bytes: int
     pinned_host_bytes: int  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
+    # Of ``load_first_ms``, the pack's copy into host buffers (and pinning), and its bytes; None for ComfyUI's rows.
+    packing_ms: float | None = None
+    packed_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,12 @@ class Measurement:
         return statistics.median(one.load_first_ms for one in self.rounds)
 
     @property
+    def packing_ms(self) -> float | None:
+        """Of ``load_first_ms``, the pack's copy into host buffers (None for ComfyUI's rows)."""
+        packing = [one.packing_ms for one in self.rounds if one.packing_ms is not None]
+        return statistics.median(packing) if packing else None
+
+    @property
     def wall_ms(self) -> float:
         return statistics.median(one.wall_ms for one in self.rounds)
 
@@ -133,6 +142,7 @@ class Measurement:
             "max_ms": self.max_ms,
             "steady_steps": len(self.steady_ms),
             "load_first_ms": self.load_first_ms,
+            "packing_ms": self.packing_ms,
             "wall_ms": self.wall_ms,
             "steps_per_round": self.steps_per_round,
             "peak_vram_bytes": self.peak_vram_bytes,
@@ -329,13 +339,14 @@ def markdown(run: ModelRun) -> str:
         lines += ["**Too noisy to tell 3 % apart:** " + "; ".join(noise) + ".", ""]
     lines += [
         f"| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
-        f"| {steps}-step wall s | peak VRAM GiB | host RAM GiB | pinned GiB | streamed GiB/step | overlap "
-        "| predicted s | prediction error |",
-        "| --- | --- " + "| ---: " * 14 + "|",
+        f"| of which packing s | {steps}-step wall s | peak VRAM GiB | host RAM GiB | pinned GiB | streamed GiB/step "
+        "| overlap | predicted s | prediction error |",
+        "| --- | --- " + "| ---: " * 15 + "|",
     ]
     for row, m in zip(run.rows(), run.measurements, strict=True):
         peak = None if row["peak_vram_bytes"] is None else row["peak_vram_bytes"] / GIB
         predicted = None if row["predicted_ms"] is None else row["predicted_ms"] / 1000
+        packing = None if row["packing_ms"] is None else row["packing_ms"] / 1000
         cells = [
             row["method"],
             "" if m.budget is None else m.budget.label(run.model_bytes),
@@ -345,6 +356,7 @@ def markdown(run: ModelRun) -> str:
             f"{row['x_lower_bound']:.2f}",
             _cell(row["x_comfyui"], ".2f"),
             f"{row['load_first_ms'] / 1000:.2f}",
+            _cell(packing, ".2f"),
             f"{row['wall_ms'] / 1000:.2f}",
             _cell(peak, ".2f"),
             f"{row['host_rss_bytes'] / GIB:.1f}",

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import tiny_models as tm
+from . import tiny_specs
 from .comfy_client import RunResult, WsEvent
 from .comfy_host import ComfyHost
 from .workflows import SAMPLER, SCHEDULER, SEED, STEPS
@@ -51,11 +52,14 @@ class Arch:
 
 
 ARCHS = {
-    tm.WAN21: Arch(tm.WAN21, {"width": 32, "height": 32, "length": 5, "batch_size": 1}, 6.0, tm.WAN21_LAYERS),
+    tm.WAN21: Arch(tm.WAN21, {"width": 32, "height": 32, "length": 5, "batch_size": 1}, 6.0, tiny_specs.WAN21_LAYERS),
     tm.FLUX: Arch(
-        tm.FLUX, {"width": 32, "height": 32, "batch_size": 1}, 1.0, tm.FLUX_DOUBLE_BLOCKS + tm.FLUX_SINGLE_BLOCKS
+        tm.FLUX,
+        {"width": 32, "height": 32, "batch_size": 1},
+        1.0,
+        tiny_specs.FLUX_DOUBLE_BLOCKS + tiny_specs.FLUX_SINGLE_BLOCKS,
     ),
-    tm.SD3: Arch(tm.SD3, {"width": 64, "height": 64, "batch_size": 1}, 4.0, tm.SD3_DEPTH),
+    tm.SD3: Arch(tm.SD3, {"width": 64, "height": 64, "batch_size": 1}, 4.0, tiny_specs.SD3_DEPTH),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from comfy.model_patcher import ModelPatcher
 from torch import nn
 
 from ..offload import (
-    GIB,
     BakeDecision,
     BlockStreamer,
     OffloadPlan,
@@ -41,8 +41,10 @@ from .compiler import outside_the_recording
 from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
 from .dynamic_vram import file_slice, on_fast_disk, patched_as_cast, recorded_dtype
 from .fused_reads import read_by_parents
+from .pack_progress import pack_progress
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake, block_names
+from .plan_line import least_read_ms, packing_clause, pageable_clause, pinning_notices, tiers_clause
 from .request import OffloadRequest
 
 
@@ -76,6 +78,8 @@ class Engine:
     # hold them baked into their host buffers.
     patches: Hashable = None
     baked: frozenset[int] = frozenset()
+    # What its start copied into host buffers, in seconds, packing and pinning included (a first load's cost).
+    packing_s: float = 0.0
 
     def patch_history(self, before: PatchHistory | None) -> PatchHistory | None:
         """The model's patch history once this engine stops: its steps added to those of the engines before it
@@ -109,7 +113,7 @@ class Engine:
     @property
     def read_ms(self) -> float | None:
         """The least a step can take while the file tier is read at the measured bandwidth."""
-        return _least_read_ms(self.runner, self.read_bandwidth)
+        return least_read_ms(self.runner, self.read_bandwidth)
 
     @property
     def predicted_ms(self) -> float | None:
@@ -193,7 +197,9 @@ def start_engine(
     }
     runner = _runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
     adapters.bind(runner)
-    runner.enable()
+    started = time.perf_counter()
+    runner.enable(pack_progress(lambda: runner.packed_bytes))
+    packing_s = time.perf_counter() - started
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
         if contents:  # each weight patched on the device before the ring is allocated, one at a time
@@ -204,9 +210,9 @@ def start_engine(
         raise
     _live_runners.add(runner)
     bandwidth = read_bandwidth(runner.file_slices())
-    summary = placement.summary + patching.describe() + _pageable_summary(runner)
+    summary = placement.summary + patching.describe() + packing_clause(runner, packing_s) + pageable_clause(runner)
     if request.dynamic_vram_twin:
-        summary += _tiers_summary(runner, bandwidth, fast_disk)
+        summary += tiers_clause(runner, bandwidth, fast_disk)
     if baking is not None and (baking.blocks or baking.saving_ms > 0):
         summary += baking.describe()
     engine = Engine(
@@ -214,52 +220,18 @@ def start_engine(
         placement,
         runner,
         recorder,
-        notices=([request.notice] if request.notice else []) + _pinning_notices(request, runner),
+        notices=([request.notice] if request.notice else []) + pinning_notices(request, runner),
         summary=summary,
         read_bandwidth=bandwidth,
         patches=patches,
         baked=baked,
+        packing_s=packing_s,
     )
     watcher = _engine_watcher()
     if watcher is not None:
         watcher.engine_started(engine)
     logging.info(f"Block Offload ({request.node}): {summary}")
     return engine
-
-
-def _pageable_summary(runner: Runner) -> str:
-    """The plan line's word on streamed units that wanted pinned memory and got pageable memory."""
-    reasons = {"the pinned-memory cap": runner.refused_pinning, "the driver refused to pin": runner.failed_pinning}
-    said = [f"{len(units)} from pageable memory ({reason})" for reason, units in reasons.items() if units]
-    return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
-
-
-def _tiers_summary(runner: Runner, bandwidth: float | None, fast_disk: bool) -> str:
-    """The plan line's word on where the streamed weights wait: host buffers, or their checkpoint file."""
-    read = runner.read_each_step
-    streamed = len(runner.streamed)
-    host = runner.host_bytes / GIB
-    held = f"{streamed - len(read)} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB)"
-    if fast_disk:
-        kept = f"{PINNED_LIMIT_ENV} keeps" if os.environ.get(PINNED_LIMIT_ENV) else f"set {PINNED_LIMIT_ENV} to keep"
-        held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"
-    if not read:
-        return f"; {held}, none read from the checkpoint file"
-    read_from = (
-        f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
-        f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
-    )
-    read_ms = _least_read_ms(runner, bandwidth)
-    if read_ms is not None and bandwidth:
-        read_from += (
-            f", {bandwidth / 1e9:.2f} GB/s read as the page cache holds it now: {read_ms:.1f} ms per step at least"
-        )
-    return f"; {held}, {read_from})"
-
-
-def _least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
-    """The least a step can take while the file tier is read at ``bandwidth`` (bytes/s; None: no file tier)."""
-    return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
 def _file_tier_options(
@@ -388,28 +360,3 @@ def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
     # A plain int attribute of ComfyUI's BaseModel (in the module's __dict__, where nn.Module keeps attributes
     # that are no parameter, buffer or submodule); its annotations would read it as a tensor or module.
     model.__dict__["model_loaded_weight_memory"] += nbytes
-
-
-def _pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:
-    """A notice (logged once) for each reason some streamed weights went to pageable RAM, which copies more
-    slowly: the pinned-memory cap, or the driver refusing to pin."""
-    notices = []
-    of = f"of {len(runner.streamed)} streamed {runner.unit}s"
-    refused = runner.refused_pinning
-    if refused:
-        notices.append(
-            f"Pinned memory cap reached ({(PINNED_MEMORY.limit or 0) / GIB:.2f} GiB, shared with ComfyUI and the "
-            f"other streaming models): {len(refused)} {of} ({sum(refused.values()) / GIB:.2f} GiB) stream from "
-            f"pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
-            f"{PINNED_LIMIT_ENV} sets the pack's own cap."
-        )
-    failed = runner.failed_pinning
-    if failed:
-        notices.append(
-            f"The driver refused to pin {len(failed)} {of} ({sum(failed.values()) / GIB:.2f} GiB): they stream from "
-            "pageable RAM, which copies more slowly (the error was cleared, the run goes on). Too much pinned "
-            f"memory system-wide is the usual cause: close other GPU programs, or lower {PINNED_LIMIT_ENV}."
-        )
-    for notice in notices:
-        logging.warning(f"Block Offload ({request.node}): {notice}")
-    return notices

@@ -123,6 +123,7 @@ class HostBlocks:
         self._companion_tensors = dict(companions)
         self.parking = parking
         self.blocks: dict[int, StreamedBlock] = {}
+        self.packed_bytes = 0  # copied into host buffers by ``pack`` since the last start (adopted or file-tier: none)
         self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
 
     def pack(self, index: int, block: nn.Module) -> StreamedBlock:
@@ -211,6 +212,7 @@ class HostBlocks:
         host, reserved, pageable_because = self.memory.buffer(storage.nbytes)
         pinned = self.memory.pin_memory and pageable_because is None
         storage.pack_into(host)
+        self.packed_bytes += storage.nbytes
         host_views = storage.views(host)
         originals = None
         if file_backed:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -87,7 +87,14 @@ class Runner(Protocol):
     @property
     def host_bytes(self) -> int: ...
 
-    def enable(self) -> None: ...
+    @property
+    def packed_bytes(self) -> int:
+        """The bytes ``enable`` copied into host buffers (none for units taken over as parked, or left in a file)."""
+        ...
+
+    def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Starts streaming; ``progress(done, total)`` hears each unit packed."""
+        ...
 
     def disable(self, park: bool = False) -> None: ...
 

@@ -144,8 +144,9 @@ class SequentialOffloader:
         )
         self._promotion_hook: RemovableHandle | None = None
 
-    def enable(self) -> None:
-        self.streamer.enable()
+    def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """``progress``: see ``BlockStreamer.enable``."""
+        self.streamer.enable(progress)
         if self.vram_limit_bytes > 0:
             self._promotion_hook = self.root.register_forward_hook(eager(self._promote_after_first_pass))
 
@@ -169,6 +170,7 @@ class SequentialOffloader:
     failed_pinning = _streamers("failed_pinning")
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
+    packed_bytes = _streamers("packed_bytes")
     staging_bytes = _streamers("staging_bytes")
     companion_bytes = _streamers("companion_bytes")
     last_order = _streamers("last_order")

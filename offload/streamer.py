@@ -165,12 +165,21 @@ class BlockStreamer(StreamerViews):
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def enable(self) -> None:
-        """Moves the streamed blocks into host buffers and installs the hooks."""
+    def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Moves the streamed blocks into host buffers and installs the hooks; ``progress(done, total)`` hears
+        each block packed (a first load packs gigabytes)."""
         if self.enabled:
             return
-        for index in sorted(self.streamed):
-            self.host.pack(index, self.blocks[index])
+        order = sorted(self.streamed)
+        self.host.packed_bytes = 0  # this start's copies
+        try:
+            for done, index in enumerate(order, 1):
+                self.host.pack(index, self.blocks[index])
+                if progress is not None:
+                    progress(done, len(order))  # a host's interrupt may raise here
+        except BaseException:
+            self.host.let_go(park=False)  # the blocks packed so far, on memory of their own again
+            raise
         self.files.start()
         self._handles = hook_calls(self.blocks, self.holders, self._call_begins, self._call_ends, self._after_call)
         if self.root is not None:

@@ -63,6 +63,10 @@ class StreamerViews:
         return len(self.blocks)
 
     @property
+    def packed_bytes(self) -> int:
+        return self.host.packed_bytes
+
+    @property
     def host_bytes(self) -> int:
         """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
         return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes

@@ -16,7 +16,8 @@
 #   CALL 4 (481 s on an H100, 2026-11-26): issue 33's allocation counts on the device and the zoo in bf16, then the head-to-head for a Wan 2.1
 #          14B-shaped model on a 16 GiB card (Dynamic VRAM, classic async offload, the node on both).
 #   CALL 5: Dynamic VRAM with the LRU cache on a server and the recorder's cost while nobody watches, then
-#          the LoRA cost rows (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
+#          four ways to pin a first load's weights (bench/pinning.py) and the LoRA cost rows
+#          (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
 #   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
@@ -92,7 +93,7 @@ part() {  # part NAME CAP_SECONDS COMMAND...: runs it under the smaller of its c
     echo "#### $name: exit $rc in $(( SECONDS - t0 )) s$([[ $rc == 124 ]] && echo ' (its time cap)')"
     echo
     echo '```'
-    grep -E "passed|failed|skipped|PASSED|FAILED|ERROR|Error|error:|GB/s|^\| |holds|misses|noisy| s  |^device|ms/step|ms$|architecture|recorder:" "$out/$name.log" | tail -n 80
+    grep -E "passed|failed|skipped|PASSED|FAILED|ERROR|Error|error:|GB/s|^\| |holds|misses|noisy| s  |^device|ms/step|ms$|architecture|recorder:|refused by the driver" "$out/$name.log" | tail -n 80
     echo '```'
     echo
   } >> "$report"
@@ -117,9 +118,11 @@ fi
 if [[ $dry == 1 ]]; then
   lru_tests=(tests/test_every_prompt_streams.py -k "cpu and lru and plain_then")
   lora_cost=("$python" -m bench.lora_cost --device cpu --steps 2 --rounds 1)
+  pinning=("$python" -m bench.pinning --dry-run --gib 0.25 --block-mib 32 --rounds 1)
 else
   lru_tests=(tests/test_every_prompt_streams.py -k "cuda and dynamic and lru")
   lora_cost=("$python" -m bench.lora_cost --device cuda --real --rank 64 --dtype bfloat16 --steps 3 --rounds 3)
+  pinning=("$python" -m bench.pinning --gib 4 --rounds 3)
 fi
 # Stored as float32, then bfloat16: both run, and the part fails if either does.
 zoo_both=(bash -c '"$@"; fp32=$?; "$@" --dtype bfloat16; exit $(( fp32 | $? ))' zoo "${zoo[@]}")
@@ -161,10 +164,12 @@ elif [[ $call == 6 ]]; then
 elif [[ $call == 5 ]]; then
   # What call 4 (H100, 2026-11-26, c40be75) left: Dynamic VRAM with the LRU cache (the cached node's twin kept
   # loaded across a plain prompt, then streaming again) beside the recorder's cost while nobody watches; then
-  # the per-step cost of LoRA patches applied on the device, Wan 14B- and Flux 12B-shaped blocks.
+  # how a first load's weights are best pinned (what its packing costs, against ComfyUI's registration in place),
+  # and the per-step cost of LoRA patches applied on the device, Wan 14B- and Flux 12B-shaped blocks.
   part comfyui-0.33-dynamic-vram-lru 220 "${pytest[@]}" --tb=short "${lru_tests[@]}" & pids=($!)
   part engine-recorder 100 "${pytest[@]}" tests/test_engine_cuda.py -k recorder || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  part pinning 60 "${pinning[@]}"
   part lora-cost-wan 150 "${lora_cost[@]}" --arch wan --blocks 8 $([[ $dry == 1 ]] || echo --latent 21 60 104)
   part lora-cost-flux "$(( seconds - (SECONDS - start) ))" "${lora_cost[@]}" --arch flux --blocks 4 \
     $([[ $dry == 1 ]] || echo --latent 128 128)

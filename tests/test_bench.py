@@ -19,7 +19,7 @@ import torch
 from conftest import HOST_VERSION
 from PIL import Image
 
-from harness import tiny_models
+from harness import tiny_quantized
 from harness.comfy_host import HOST_DIR
 
 from bench.checkpoints import CHECKPOINTS, FLUX12B_FP8, FLUX12B_Q8_0, SMOKE_CHECKPOINTS
@@ -162,6 +162,16 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
         steady = [ms for one in row["rounds"] for ms in one["step_ms"]]
         assert row["min_ms"] == min(steady) and row["max_ms"] == max(steady) and row["min_ms"] > 0
         assert row["load_first_ms"] > 0 and row["wall_ms"] > row["load_first_ms"] and row["host_rss_bytes"] > 0
+        # Each load of the pack's rows says what it copied into host buffers and how long that took, of its
+        # load and first step; ComfyUI's rows have no such copy.
+        packs = not method.startswith((COMFYUI, RESIDENT))
+        for one in row["rounds"]:
+            packing, packed = one["packing_ms"], one["packed_bytes"]
+            if packs:
+                assert 0 < packing < one["load_first_ms"] and packed > 0, (method, one)
+            else:
+                assert packing is None and packed is None, (method, one)
+        assert (row["packing_ms"] is not None) == packs, method
     # Interleaved: every row of a group ran its first round before any row of that group ran its second.
     for group in ({RESIDENT, f"{ALL_STREAMED}, prefetch 1", RESIDENT + AGAIN},
                   {f"{COMFYUI}, async offload off", "Partial GPU Residency, strided", AUTO}):  # fmt: skip
@@ -215,7 +225,7 @@ def stored_bytes(name: str, keys: str) -> tuple[int, int]:
         if not spec.key.startswith(keys):
             continue
         values = math.prod(spec.shape)
-        quantized = tiny_models._quantized(spec.key, torch.empty(spec.shape, device="meta"))
+        quantized = tiny_quantized.quantized(spec.key, torch.empty(spec.shape, device="meta"))
         if not quantized:
             total, count = total + 4 * values, count + 1
         elif checkpoint.is_gguf:
@@ -478,3 +488,25 @@ def test_the_search_benchmark_times_and_counts_every_budget() -> None:
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| wan14b")]
     assert [row[2].strip() for row in rows] == ["25%", "50%", "75%"], done.stdout
     assert all(int(row[4]) > 0 and "2400.0 ms predicted" in row[5] for row in rows), done.stdout
+
+
+def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench import pinning
+
+    weights = pinning.block_parts(1 << 20, parts=6)
+    assert len(weights) == 6 and sum(w.numel() for w in weights) <= 1 << 20
+    for weight in weights:
+        weight.random_(0, 256)
+    buffer = pinning.packed(weights, torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8))
+    assert torch.equal(buffer, torch.cat(weights))
+    ways = pinning.main(["--dry-run", "--gib", "0.0625", "--block-mib", "16", "--parts", "8", "--rounds", "2"])
+    assert set(ways) == {"register first", "copy first", "in place", "torch's pinned allocator"}
+    out = capsys.readouterr().out
+    assert "4 blocks of 16 MiB in 8 weights (0.06 GiB), cpu, medians of 2 rounds" in out, out
+    assert all(f"{way}: " in out for way in ways) and "0 of 32 weights refused" in out, out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as refused:
+            pinning.main([])
+        assert refused.value.code == 2 and "--dry-run" in capsys.readouterr().err

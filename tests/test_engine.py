@@ -132,6 +132,35 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     streamer.disable()
 
 
+def test_enable_tells_its_progress_and_an_exception_there_packs_nothing_for_good() -> None:
+    """``enable(progress)`` hears each streamed block as it is packed; a host's interrupt raised from it leaves
+    the streamer off with every block on memory of its own, as it was, and a later ``enable`` streams bitwise."""
+    model = transformer_stack()
+    x = torch.randn(1, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    before = snapshot(model)
+    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model)
+    heard: list[tuple[int, int]] = []
+
+    def interrupted(done: int, total: int) -> None:
+        heard.append((done, total))
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        streamer.enable(interrupted)
+    assert heard == [(1, 3), (2, 3)] and not streamer.enabled and not streamer.host.blocks
+    assert_same_tensors(model, before, CPU)
+    heard.clear()
+    streamer.enable(lambda done, total: heard.append((done, total)))
+    assert heard == [(1, 3), (2, 3), (3, 3)] and streamer.packed_bytes == sum(
+        streamer.host.blocks[i].storage.nbytes for i in (1, 2, 3)
+    )
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x))
+    streamer.disable()
+    assert_same_tensors(model, before, CPU)
+
+
 def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
     model = transformer_stack()
     x = torch.randn(2, 7, 32)

@@ -20,6 +20,7 @@ from conftest import HOST_VERSION
 from safetensors.torch import load_file, save_file
 
 from harness import tiny_models as tm
+from harness import tiny_specs
 from harness.dynamic_vram import COMPUTE, DynamicVram
 from harness.host_memory import peak_during
 from harness.inprocess import count_packs, offloaded, sample
@@ -43,8 +44,8 @@ STAGING_SLOTS = 2
 def deep_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny Wan 2.1 with its blocks repeated to ``BLOCKS``, stored in fp32 and in bf16."""
     state_dict = load_file(comfy.models["wan21"])
-    for index in range(tm.WAN21_LAYERS, BLOCKS):
-        source = f"blocks.{index % tm.WAN21_LAYERS}."
+    for index in range(tiny_specs.WAN21_LAYERS, BLOCKS):
+        source = f"blocks.{index % tiny_specs.WAN21_LAYERS}."
         for key in [key for key in state_dict if key.startswith(source)]:
             state_dict[f"blocks.{index}.{key.removeprefix(source)}"] = state_dict[key].clone()
     folder = tmp_path_factory.mktemp("deep_wan")

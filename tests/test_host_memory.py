@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import tiny_models as tm
+from harness import tiny_specs
 from harness.comfy_host import HOST_DIR, ComfyHost
 from harness.host_memory import peak_during, wait_until
 from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, prefix, run, sampler_of
@@ -39,7 +40,7 @@ LORA_SIZES = {**EXPERT_SIZES, "LORA_RANK": 16}
 MIB = 2**20
 
 
-def written(name: str, folder: str, specs: Callable[[], list[tm.TensorSpec]]) -> str:
+def written(name: str, folder: str, specs: Callable[[], list[tiny_specs.TensorSpec]]) -> str:
     """Writes the fp32 file once into the host's models folder; returns its name for the loader."""
     artifact = tm.Artifact(name, specs, torch.float32)
     path = Path(HOST_DIR, "models", folder, f"block_offload_tiny_{name}.safetensors")
@@ -50,12 +51,12 @@ def written(name: str, folder: str, specs: Callable[[], list[tm.TensorSpec]]) ->
 
 def expert_file(name: str) -> str:
     """An expert checkpoint (ComfyUI's loader detects it as Wan 2.1/2.2)."""
-    return written(name, "diffusion_models", resized(tm.wan21_specs, **EXPERT_SIZES))
+    return written(name, "diffusion_models", resized(tiny_specs.wan21_specs, **EXPERT_SIZES))
 
 
 def streamed_bytes() -> int:
     """An expert's block bytes: all of them stream with ``resident_blocks`` 0."""
-    specs = resized(tm.wan21_specs, **EXPERT_SIZES)()
+    specs = resized(tiny_specs.wan21_specs, **EXPERT_SIZES)()
     return sum(4 * torch.Size(spec.shape).numel() for spec in specs if spec.key.startswith("blocks."))
 
 
@@ -124,7 +125,7 @@ def peak_growths(host: ComfyHost, expert: str, lora: str, offload: bool) -> dict
 
 def test_lora_changes_through_the_node_cost_no_more_host_memory_than_plain_comfyui(comfy_host: ComfyHost) -> None:
     expert = expert_file(EXPERTS[0])
-    lora = written("wan22_lora", "loras", resized(tm.wan21_lora_specs, **LORA_SIZES))
+    lora = written("wan22_lora", "loras", resized(tiny_specs.wan21_lora_specs, **LORA_SIZES))
     streamed = streamed_bytes()
     plain = peak_growths(comfy_host, expert, lora, offload=False)
     through_node = peak_growths(comfy_host, expert, lora, offload=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -50,7 +51,10 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
         r.getMessage() for r in caplog.records if r.getMessage().startswith("Block Offload (Async Block Offload)")
     ]
     assert len(plan_lines) == 1 and "2/5 blocks resident (0-1, leading), 3 streamed" in plan_lines[0]
-    assert plan_lines[0].endswith("; weights from ComfyUI's classic loader"), plan_lines[0]
+    # Where the weights come from, then what the first load copied (the streamed blocks, 3 of 5 tiny ones).
+    clauses = r"; weights from ComfyUI's classic loader; packed (\d+\.\d\d) GiB into host buffers in "
+    packed = re.search(clauses, plan_lines[0])
+    assert packed and float(packed[1]) == round(patched.offload_engine.runner.packed_bytes / 2**30, 2), plan_lines[0]
     assert patched.model.model_lowvram
     comfy.mm.unload_all_models()
     assert patched.offload_engine is None and patched.loaded_size() == 0

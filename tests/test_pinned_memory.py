@@ -13,6 +13,7 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -101,6 +102,47 @@ def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: Simpl
     comfy.mm.unload_all_models()
     assert comfy.mm.TOTAL_PINNED_MEMORY == 0 and comfy.pinned.COMFY_TABLE_KEY not in comfy.mm.PINNED_MEMORY
     assert cudart.pinned == 0 and not cudart.cleared
+
+
+def test_a_first_load_shows_its_packing_and_cancel_there_leaves_nothing_pinned(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Packing the streamed blocks shows a ComfyUI progress bar over them (0.33 sends the first and last updates
+    and drops some between). Cancel pressed while it shows (the server's hook raises then) fails the load with
+    every block on memory of its own and nothing left pinned; the next prompt packs again and streams bitwise,
+    and a later clone taking the host buffers over packs nothing and shows no bar."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    updates: list[tuple[int, int]] = []
+    cancel_at = [1]
+
+    def server_hook(value: int, total: int, preview: object, **_: object) -> None:
+        updates.append((value, total))
+        if value == cancel_at[0]:
+            comfy.mm.interrupt_current_processing()
+            comfy.mm.throw_exception_if_processing_interrupted()  # as ComfyUI's server hook does
+
+    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", server_hook)
+    patched = async_offload(comfy, model, resident=1)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        sample(comfy, patched)
+    assert updates == [(1, STREAMED)]
+    assert patched.offload_engine is None
+    assert cudart.pinned == comfy.pinned.PINNED_MEMORY.used == comfy.mm.TOTAL_PINNED_MEMORY == 0
+    for index in range(1, 1 + STREAMED):
+        assert all(w.device.type == "cpu" for w in patched.model.diffusion_model.blocks[index].state_dict().values())
+    cancel_at[0], updates[:] = 0, []
+    with caplog.at_level(logging.INFO):
+        assert torch.equal(sample(comfy, patched), reference)
+    values = [value for value, total in updates if total == STREAMED]
+    assert len(values) == len(updates) and values[0] == 1 and values[-1] == STREAMED and values == sorted(set(values))
+    assert cudart.pinned == STREAMED * streamed_block_bytes(patched)
+    (line,) = [r.getMessage() for r in caplog.records if "blocks resident" in r.getMessage()]
+    assert re.search(r"; packed \d+\.\d\d GiB into host buffers in \d+\.\d\d s", line), line
+    updates.clear()
+    assert torch.equal(sample(comfy, async_offload(comfy, model, resident=1)), reference)
+    assert updates == []  # the next clone took the parked host buffers over
+    comfy.mm.unload_all_models()
 
 
 def test_comfyuis_own_pins_and_available_ram_leave_the_pack_less(
@@ -219,7 +261,7 @@ def test_disable_pinned_memory_pins_nothing_and_the_plan_line_says_why(
     engine = patched.offload_engine
     assert cudart.pinned == 0 and not cudart.flags and engine.notices == []
     assert "from pinned memory" not in engine.summary
-    assert engine.summary.endswith("streamed from pageable memory: ComfyUI runs with --disable-pinned-memory")
+    assert "streamed from pageable memory: ComfyUI runs with --disable-pinned-memory; packed " in engine.summary
     assert not [r for r in caplog.records if "Pinned memory cap" in r.getMessage()]
 
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import planner_shapes
+from harness import planner_shapes, tiny_specs
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
 from harness.inprocess import async_offload, flux, sample, wan
@@ -502,9 +502,9 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
     assert log.index(measuring) < log.index(measured) < log.index(planned)
     entries = json.loads(cache.read_text())["entries"]
     (key,) = entries
-    assert key.startswith(f"cpu | WanModel | {tm.WAN21_LAYERS} blocks")
+    assert key.startswith(f"cpu | WanModel | {tiny_specs.WAN21_LAYERS} blocks")
     costs = StackCosts.from_dict(entries[key]["costs"])
-    assert costs.calls == tuple(range(tm.WAN21_LAYERS)) and costs.bandwidth_gbps > 0
+    assert costs.calls == tuple(range(tiny_specs.WAN21_LAYERS)) and costs.bandwidth_gbps > 0
     # The second load's placement is kept beside them: a restarted ComfyUI places at once.
     kept = list(entries[key]["plans"].values())
     assert kept and all(tuple(plan["block_bytes"]) == costs.block_bytes for plan in kept), kept

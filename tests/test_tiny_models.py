@@ -24,6 +24,7 @@ import torch
 from conftest import HOST_VERSION
 
 from harness import tiny_models as tm
+from harness import tiny_quantized, tiny_specs
 from harness.inprocess import sample
 
 SEED = 42
@@ -344,8 +345,10 @@ def test_quantized_wan_is_what_comfyui_makes(comfy: SimpleNamespace, models: dic
 
     layout, options = QUANTIZED_LAYOUTS[name]
     source = tm.build_state_dict(tm.ARTIFACTS[tm.WAN21])
-    quantized = [key for key, tensor in source.items() if key.startswith("blocks.") and tm._quantized(key, tensor)]
-    assert len(quantized) == 10 * tm.WAN21_LAYERS  # q, k, v, o of both attentions and the two FFN layers
+    quantized = [
+        key for key, tensor in source.items() if key.startswith("blocks.") and tiny_quantized.quantized(key, tensor)
+    ]
+    assert len(quantized) == 10 * tiny_specs.WAN21_LAYERS  # q, k, v, o of both attentions and the two FFN layers
     model = comfy.sd.load_diffusion_model(str(models[name]))
     try:
         assert type(model.model.model_config).__name__ == ARCHS[tm.WAN21].config_class
