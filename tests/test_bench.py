@@ -23,7 +23,9 @@ from harness import tiny_quantized
 from harness.comfy_host import HOST_DIR
 
 from bench.checkpoints import CHECKPOINTS, FLUX12B_FP8, FLUX12B_Q8_0, SMOKE_CHECKPOINTS
-from bench.comfy_bench import GGUF_PACK, Config, Placed, build_model, measure_all, q8_0
+from bench.comfy_models import GGUF_PACK, build_model, q8_0
+from bench.configs import Config
+from bench.measure import Placed, measure_all
 from bench.plot import line_chart
 from bench.results import (
     AGAIN,

@@ -1,0 +1,239 @@
+"""How ``bench/comfy_bench.py`` measures a row: one round loads the configuration and runs its steps, timed on the
+device, with its peaks (VRAM sampled while it runs, RSS, pinned bytes) and what it placed; the rows of a group
+take their rounds in turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+import psutil
+import torch
+
+from bench.comfy_models import Comfy, forward
+from bench.configs import Config, interleaved
+from bench.results import (
+    AUTO,
+    CARD,
+    GIB,
+    Budget,
+    Measurement,
+    Round,
+)
+from bench.timing import ms_of_each_call
+from block_offload.offload.device import synchronize
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a loaded patcher placed: a summary, a key equal for equal placements, bytes streamed per step,
+    overlap, the planner's prediction, and whether it was an automatic placement's measuring run."""
+
+    placement: str
+    placement_key: str
+    streamed_bytes: int
+    overlap: float | None
+    predicted_ms: float | None
+    measuring: bool
+    copied_bytes: int | None = None  # the pack's engine, its last step (its recorder)
+
+
+def placed(patcher) -> Placed:
+    engine = getattr(patcher, "offload_engine", None)
+    if engine is None:
+        loaded = patcher.loaded_size()
+        cast = patcher.model_size() - loaded
+        summary = f"{loaded / GIB:.2f} GiB loaded, {cast / GIB:.2f} GiB cast on demand"
+        return Placed(summary, "", cast, None, None, False)
+    step = engine.recorder.latest()
+    plan = engine.plan
+    streamed = plan.streamed_bytes if plan is not None else (step.bytes_copied if step else 0)
+    key = "" if plan is None else f"resident {sorted(plan.resident)}, prefetch {plan.prefetch}, pin {plan.pin_memory}"
+    placement = engine.placement
+    overlap = step.overlap if step is not None else None
+    copied = step.bytes_copied if step is not None else None
+    return Placed(placement.summary, key, streamed, overlap, engine.predicted_ms, placement.measuring, copied)
+
+
+@contextlib.contextmanager
+def card(mm: ModuleType, device: torch.device, budget: Budget | None) -> Iterator[int]:
+    """For a card budget, a filler allocation that leaves ``budget.nbytes`` of device memory free while the
+    row loads and runs (ComfyUI and comfy-aimdo ask the driver what is free), and ComfyUI's
+    ``get_total_memory`` answering the device's memory less the filler, as a card that size would (its
+    ``maximum_vram_for_weights``, which the nodes' step-aside rule reads, counts the total); yields the
+    filler's bytes."""
+    if budget is None or budget.kind != CARD:
+        yield 0
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < budget.nbytes:
+        raise ValueError(f"a {budget.nbytes / GIB:g} GiB card: only {free / GIB:.1f} GiB of the device are free")
+    filler = torch.empty(free - budget.nbytes, dtype=torch.uint8, device=device)
+    filled, total_memory = filler.numel(), mm.get_total_memory
+
+    def card_total(dev=None, torch_total_too=False):
+        total = total_memory(dev, torch_total_too)
+        return (total[0] - filled, total[1]) if torch_total_too else total - filled
+
+    mm.get_total_memory = card_total
+    try:
+        yield filled
+    finally:
+        mm.get_total_memory = total_memory
+        del filler
+        torch.cuda.empty_cache()
+
+
+class DevicePeak:
+    """The most device memory the process used while it was open, as the driver counts it
+    (``cudaMemGetInfo``, sampled every millisecond on a thread), above what was used when it opened: the same
+    measure for every row, whoever allocates (torch's allocator, comfy-aimdo's own mappings, cuBLAS)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._used() - self._base)
+
+    def __enter__(self) -> DevicePeak:
+        self._base = self._used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._used() - self._base)
+
+
+def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_bytes: int) -> tuple[Round, Placed]:
+    """Loads ``config``, runs ``steps`` steps on it and unloads it: one round."""
+    device = next(iter(inputs.values())).device
+    comfy.mm.NUM_STREAMS = config.comfy_streams  # read by ComfyUI's loader and its casts at call time
+    cuda = device.type == "cuda"
+    with card(comfy.mm, device, config.budget), DevicePeak(device) if cuda else contextlib.nullcontext() as sampled:
+        started = time.perf_counter()
+        patcher = config.prepare()
+        try:
+            if config.budget is not None and config.budget.kind == CARD:
+                comfy.mm.load_models_gpu([patcher], memory_required=need_bytes, minimum_memory_required=need_bytes)
+            else:
+                patcher.partially_load(device, 1e32 if config.budget is None else config.budget.nbytes)
+            forward(patcher, inputs)
+            synchronize(device)
+            first = time.perf_counter()
+            step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
+            wall = time.perf_counter()
+            peak = sampled.peak if cuda else None
+            engine = getattr(patcher, "offload_engine", None)
+            done = Round(
+                started,
+                (first - started) * 1000,
+                tuple(step_ms),
+                (wall - started) * 1000,
+                peak,
+                psutil.Process().memory_info().rss,
+                comfy.offload.pinned_bytes(),
+                None if engine is None else engine.packing_s * 1000,
+                None if engine is None else engine.runner.packed_bytes,
+            )
+            where = placed(patcher)
+        finally:
+            comfy.mm.unload_all_models()
+            patcher.detach(unpatch_all=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    return done, where
+
+
+def measure_all(
+    groups: list[list[Config]],
+    rounds: int,
+    measure: Callable[[Config], tuple[Round, Placed]],
+    out_of_memory: list[str],
+) -> list[Measurement]:
+    """Every configuration over ``rounds`` interleaved rounds, in the groups' order. An automatic placement
+    measures its costs on its first load: that load is a row of its own, before the rounds. A configuration
+    out of device memory is dropped (and named in ``out_of_memory``) rather than cost the others."""
+    done: dict[Config, list[Round]] = {}
+    where: dict[Config, Placed] = {}
+    first_runs: dict[Config, Measurement] = {}
+    failed: set[Config] = set()
+
+    def attempt(config: Config) -> tuple[Round, Placed] | None:
+        try:
+            return measure(config)
+        except torch.OutOfMemoryError:
+            budget = "" if config.budget is None else f" at {config.budget.nbytes / GIB:.2f} GiB ({config.budget.kind})"
+            progress(f"{config.method}{budget}: out of device memory")
+            out_of_memory.append(config.method + budget)
+            failed.add(config)
+            return None
+
+    # The costs are kept per device and model, whatever the budget: the first automatic row measures them.
+    auto = next((c for group in groups for c in group if c.method == AUTO), None)
+    measured = None if auto is None else attempt(auto)
+    if measured is not None and measured[1].measuring:
+        first_runs[auto] = _measurement(f"{AUTO} (first run: strided, measuring)", auto, [measured[0]], measured[1])
+    for config in interleaved(groups, rounds):
+        if config in failed:
+            continue
+        measured = attempt(config)
+        if measured is not None:
+            done.setdefault(config, []).append(measured[0])
+            where[config] = measured[1]
+            # Each round's figures as measured, so a run stopped by its time limit still leaves them in its log.
+            done_round = measured[0]
+            steps = sorted(done_round.step_ms)
+            peak = done_round.peak_vram_bytes
+            vram = "" if peak is None else f", peak VRAM {peak / GIB:.2f} GiB"
+            packing = done_round.packing_ms
+            packed = done_round.packed_bytes or 0
+            packing_said = "" if packing is None else f" (packing {packed / GIB:.2f} GiB: {packing / 1000:.2f} s)"
+            progress(
+                f"{config.method}: median {steps[len(steps) // 2] / 1000:.3f} s/step, at most {steps[-1] / 1000:.3f}, "
+                f"load + first step {done_round.load_first_ms / 1000:.2f} s{packing_said}{vram}; "
+                f"{measured[1].placement}"
+            )
+    found = []
+    for config in (c for group in groups for c in group):
+        if config in first_runs:
+            found.append(first_runs[config])
+        if config in done:
+            found.append(_measurement(config.method, config, done[config], where[config]))
+    return found
+
+
+def _measurement(method: str, config: Config, rounds: list[Round], where: Placed) -> Measurement:
+    return Measurement(
+        method,
+        config.budget,
+        tuple(rounds),
+        where.streamed_bytes,
+        where.overlap,
+        where.predicted_ms,
+        where.placement,
+        where.placement_key,
+        where.measuring,
+        where.copied_bytes,
+    )
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
