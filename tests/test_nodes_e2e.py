@@ -43,6 +43,7 @@ from harness.prompts import (
     plan_lines,
     run,
 )
+from harness.workflows import STEPS
 
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
@@ -145,3 +146,23 @@ def test_lossy_storage_dtype_leaves_the_input_model_unchanged(comfy_host: ComfyH
     rounded = not torch.equal(latents["fp8"], before)
     assert rounded, "fp8 storage should change the streamed model's result"
     assert torch.equal(after, before), differs(after, before)
+
+
+def test_a_first_load_shows_its_packing_on_the_sampler_before_its_steps(comfy_host: ComfyHost) -> None:
+    """The browser's view of a first load: ComfyUI's progress messages for the KSampler (the node whose
+    ``load_models_gpu`` starts the engine) count the streamed blocks as they are packed, up to all of them, before
+    they count its steps; the plan line says what was packed."""
+    evict_cached_models(comfy_host)  # a fresh loader output: its first load packs
+    arch = ARCHS[tm.WAN21]
+    builder = PromptBuilder(arch, f"tests/e2e/{uuid.uuid4().hex[:8]}/packing")
+    builder.sample("x", builder.offload(builder.model, ASYNC))
+    _, log, result = run(comfy_host, builder)
+    (sampler,) = [node for node, spec in builder.prompt.items() if spec["class_type"] == "KSampler"]
+    bars = [(e.data["value"], e.data["max"]) for e in result.events_of("progress") if e.data.get("node") == sampler]
+    streamed = arch.blocks - 1  # Async Block Offload keeps one resident
+    packing = [bar for bar in bars if bar[1] == streamed]
+    assert streamed != STEPS and packing[0] == (1, streamed) and packing[-1] == (streamed, streamed), bars
+    steps = [i for i, bar in enumerate(bars) if bar[1] == STEPS]
+    assert steps and bars.index(packing[-1]) < steps[0], bars
+    (line,) = plan_lines(log, ASYNC)
+    assert re.search(r"; packed \d+\.\d\d GiB into host buffers in \d+\.\d\d s", line), line
