@@ -31,7 +31,7 @@ import torch
 
 import harness  # noqa: F401 (makes the pack importable as block_offload)
 
-from block_offload.offload.device import CudaHostRegistrar
+from block_offload.offload.page_lock import CudaHostRegistrar
 
 MIB = 2**20
 SMALL_PART = 4096  # bytes of a bias or a norm weight

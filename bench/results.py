@@ -57,7 +57,7 @@ class Round:
     wall_ms: float  # the load and every step
     peak_vram_bytes: int | None
     host_rss_bytes: int
-    pinned_host_bytes: int  # page-locked by the pack (offload.device.pinned_bytes); 0 for ComfyUI's rows
+    pinned_host_bytes: int  # page-locked by the pack (offload.page_lock.pinned_bytes); 0 for ComfyUI's rows
     # Of ``load_first_ms``, the pack's copy into host buffers (and pinning), and its bytes; None for ComfyUI's rows.
     packing_ms: float | None = None
     packed_bytes: int | None = None

@@ -13,21 +13,11 @@
 from .bake import BakeDecision, bake_decision
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms
-from .device import (
-    CudaHostRegistrar,
-    HostRegistrar,
-    MemorySnapshot,
-    can_pin_memory,
-    device_ms,
-    device_name,
-    memory_snapshot,
-    pinned_bytes,
-    unsupported_torch,
-    use_host_registrar,
-)
+from .device import MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
 from .discovery import FoundBlocks, NoBlocksError, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
 from .host_memory import release_freed_host_memory
+from .page_lock import CudaHostRegistrar, HostRegistrar, can_pin_memory, pinned_bytes, use_host_registrar
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back

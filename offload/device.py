@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 
@@ -114,140 +113,6 @@ def device_name(device: torch.device) -> str:
     if is_accelerator(device) and backend is not None and hasattr(backend, "get_device_name"):
         return str(backend.get_device_name(device))
     return device.type
-
-
-class HostRegistrar(Protocol):
-    """Page-locks ordinary host memory in place, and unlocks it (``CudaHostRegistrar``; a test may inject another)."""
-
-    def register(self, pointer: int, nbytes: int) -> bool: ...
-
-    def unregister(self, pointer: int) -> bool: ...
-
-
-# cudaHostRegisterPortable: the pages are pinned for every CUDA context, as ComfyUI registers its own (0.33
-# deep-clones a model for each GPU; pages registered with flag 0 are pinned for the registering context only).
-_REGISTER_PORTABLE = 1
-
-
-def discard_async_error() -> None:
-    """Clears the error a failed registration leaves behind: CUDA reports it at the next kernel launch (as a
-    misleading out-of-memory) unless a launch and a synchronize consume it first. ComfyUI does the same
-    after each failed pin (``discard_cuda_async_error``)."""
-    try:
-        torch.ones(1, dtype=torch.uint8, device="cuda").add_(1)
-        torch.cuda.synchronize()
-    except RuntimeError:
-        pass  # the error being dropped: the failed call already said so
-
-
-def _cudart() -> Any:
-    """CUDA's runtime API as torch binds it (looked up at each call: tests put a recreated one in its place)."""
-    cudart: Callable[[], Any] = torch.cuda.cudart
-    return cudart()
-
-
-class CudaHostRegistrar:
-    """``cudaHostRegister`` / ``cudaHostUnregister``, each failure's sticky error cleared by ``discard_error``."""
-
-    def __init__(self, discard_error: Callable[[], None] | None = None) -> None:
-        self.discard_error = discard_error  # None: ``discard_async_error``
-
-    def register(self, pointer: int, nbytes: int) -> bool:
-        return self._succeeded(_cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE))
-
-    def unregister(self, pointer: int) -> bool:
-        return self._succeeded(_cudart().cudaHostUnregister(pointer))
-
-    def _succeeded(self, status: int) -> bool:
-        if status == 0:
-            return True
-        (self.discard_error or discard_async_error)()
-        return False
-
-
-_registrar: HostRegistrar | None = None
-
-
-def use_host_registrar(registrar: HostRegistrar | None) -> None:
-    """Pins through ``registrar`` from now on (a host's own error handling; None: back to the default)."""
-    global _registrar
-    _registrar = registrar
-
-
-def host_registrar() -> HostRegistrar | None:
-    """What pins host buffers in place: CUDA's registration; None where torch's pinned allocator is used."""
-    if _registrar is None and torch.cuda.is_available():
-        use_host_registrar(CudaHostRegistrar())
-    return _registrar
-
-
-def can_pin_memory() -> bool:
-    """Page-locked host memory needs a driver; without an accelerator there is nothing to pin for."""
-    return host_registrar() is not None or accelerator_available()
-
-
-def pinned_allocation_bytes(nbytes: int) -> int:
-    """The page-locked bytes a buffer of ``nbytes`` takes: exactly ``nbytes`` when registered in place;
-    torch's caching host allocator (other accelerators) rounds every request up to a power of two."""
-    if host_registrar() is not None or nbytes <= 1:
-        return nbytes
-    return 1 << (nbytes - 1).bit_length()
-
-
-# Bytes of host memory the engine has page-locked itself and not yet given back (see pinned_host_buffer).
-_registered_bytes = 0
-# Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
-_REGISTRATIONS: dict[int, weakref.finalize[..., Any]] = {}
-
-
-def pinned_bytes() -> int:
-    """Host bytes page-locked by ``pinned_host_buffer`` and still alive: what this process really pins for
-    the engine (torch's caching host allocator, used by others, is not in it)."""
-    return _registered_bytes
-
-
-def pinned_host_buffer(nbytes: int) -> torch.Tensor | None:
-    """Exactly ``nbytes`` of page-locked host memory, or None when the driver refuses it.
-
-    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
-    every request up to a power of two (a 702 MB block pins 1 GiB) and keeps freed blocks pinned until
-    its cache is emptied. On CUDA the buffer is ordinary memory registered with the driver instead, as
-    ComfyUI pins its weights, and unregistered just before it is freed: when the last tensor viewing it
-    goes, torch finalizes the storage's weak references before it releases the memory.
-    """
-    global _registered_bytes
-    registrar = host_registrar()
-    if registrar is None:  # other accelerators: torch's way
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:
-            return None
-    host = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes == 0:
-        return host
-    pointer = host.data_ptr()
-    if not registrar.register(pointer, nbytes):
-        return None
-    _registered_bytes += nbytes
-    _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
-    return host
-
-
-def unpin_host_buffer(host: torch.Tensor) -> bool:
-    """Unlocks a buffer ``pinned_host_buffer`` registered, now; its memory stays valid, pageable. False if
-    there is nothing to unregister (torch's pinned allocator cannot give back part of a buffer)."""
-    registration = _REGISTRATIONS.get(host.data_ptr())
-    if registration is None or not registration.alive:
-        return False
-    registration()
-    return True
-
-
-def _unregister(registrar: HostRegistrar, pointer: int, nbytes: int) -> None:
-    global _registered_bytes
-    _REGISTRATIONS.pop(pointer, None)
-    registrar.unregister(pointer)
-    _registered_bytes -= nbytes
 
 
 def synchronize(device: torch.device) -> None:

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from .companions import PackedCompanions
-from .device import pinned_allocation_bytes, unpin_host_buffer
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf, aligned
+from .page_lock import pinned_allocation_bytes, unpin_host_buffer
 from .parking import ParkedBuffer, ParkingLot, leave, signature
 from .pinning import HostMemory, PinnedShare
 from .reader import BlockRead

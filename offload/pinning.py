@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .device import pinned_allocation_bytes, pinned_host_buffer
+from .page_lock import pinned_allocation_bytes, pinned_host_buffer
 
 #: Answers whether ``nbytes`` more may be pinned now, beyond the cap (a host's check of available RAM).
 Admission = Callable[[int], bool]

@@ -45,13 +45,14 @@ import torch
 from torch import nn
 
 from .calls import OpenCall, StepCalls
-from .device import can_pin_memory, current_stream, synchronize
+from .device import current_stream, synchronize
 from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
 from .hooks import hook_calls, hook_step
 from .host_blocks import HostBlocks, StreamedBlock
 from .layout import DtypeOf
+from .page_lock import can_pin_memory
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .ring import copy_ahead

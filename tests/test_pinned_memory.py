@@ -22,7 +22,7 @@ import torch
 
 from harness.inprocess import async_offload, sample, wan
 
-from block_offload.offload import PinnedMemoryBudget, cost_cache, device_ring, planner, use_host_registrar
+from block_offload.offload import PinnedMemoryBudget, cost_cache, device_ring, page_lock, planner, use_host_registrar
 from block_offload.offload import device as device_module
 from block_offload.offload import streamer as streamer_module
 
@@ -70,7 +70,7 @@ def cudart(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     if hasattr(comfy.mm, "discard_cuda_async_error"):  # 0.33: ComfyUI's own clearing
         monkeypatch.setattr(comfy.mm, "discard_cuda_async_error", lambda: cleared.append(1))
     else:  # 0.3.75 has none: the engine's
-        monkeypatch.setattr(device_module, "discard_async_error", lambda: cleared.append(1))
+        monkeypatch.setattr(page_lock, "discard_async_error", lambda: cleared.append(1))
     monkeypatch.setattr(comfy.pinned, "_ram_admits", lambda nbytes: True)
     use_host_registrar(comfy.pinned.comfyui_registrar())
     fake.cleared = cleared
