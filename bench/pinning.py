@@ -7,21 +7,26 @@ ComfyUI's classic loader leaves: each block's weights as tensors of their own, a
 block, half of them large, half a few KiB like biases and norms). Each way is timed from those tensors to pinned
 bytes ready to copy, then one copy of every block to the device from what it made:
 
-* register first (the pack's pinned buffers): a fresh buffer registered (``cudaHostRegister``), the block
-  copied in;
-* copy first: a fresh buffer, the block copied in (the first touch of its fresh pages then runs on the copy's
-  threads, not inside the driver's registration), then registered;
+* register first (the pack's pinned buffers before 2026-11-27): a fresh buffer registered (``cudaHostRegister``),
+  the block copied in;
+* copy first (the pack's way since then, ``offload.page_lock.filled_host_buffer``): a fresh buffer, the block
+  copied in (the first touch of its fresh pages then runs on the copy's threads, not inside the driver's
+  registration), then registered;
 * in place (ComfyUI's classic loader, ``pin_memory``): each weight registered where it lies, nothing copied;
   a weight whose pages another weight shares is refused, and counted;
 * torch's pinned allocator: a fresh pinned buffer (``cudaHostAlloc``), the block copied in.
 
 The first load's cost on a GPU is what this decides (docs/benchmarks.md, "the whole first load"). With
-``--dry-run`` nothing is registered and there is no device copy: the code runs, the figures are the CPU's copies.
+``--dry-run`` there is no device: what a registration does to the pages, faulting every one of them in for
+writing on the calling thread, is done by ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14 on; elsewhere nothing),
+nothing is pinned and nothing is copied to a device. The order's cost on the pages shows; the driver's does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import statistics
 import sys
 import time
@@ -31,10 +36,11 @@ import torch
 
 import harness  # noqa: F401 (makes the pack importable as block_offload)
 
-from block_offload.offload.page_lock import CudaHostRegistrar
+from block_offload.offload.page_lock import CudaHostRegistrar, HostRegistrar
 
 MIB = 2**20
 SMALL_PART = 4096  # bytes of a bias or a norm weight
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 
 #: What one way made from one block: its pinned tensors (one buffer, or the weights themselves) and the
 #: registrations to undo, as pointers.
@@ -59,44 +65,63 @@ def packed(weights: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
-class Ways:
-    """The four ways (see the module docstring); ``registrar`` None: the dry run, nothing registered."""
+class PageToucher:
+    """The dry run's registrar: what ``cudaHostRegister`` does to a range's pages (the kernel faults each one
+    in for writing, on the calling thread), by ``madvise(MADV_POPULATE_WRITE)``; nothing is pinned. Where
+    the kernel has no such advice (not Linux, or before 5.14) it does nothing."""
 
-    def __init__(self, registrar: CudaHostRegistrar | None) -> None:
+    def __init__(self) -> None:
+        self.madvise = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None) if sys.platform == "linux" else None
+
+    def register(self, pointer: int, nbytes: int) -> bool:
+        if self.madvise is not None:
+            start = pointer - pointer % mmap.PAGESIZE  # madvise takes whole pages
+            if self.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes + pointer - start), MADV_POPULATE_WRITE):
+                self.madvise = None  # an older kernel: the dry run's figures are the copies alone
+        return True
+
+    def unregister(self, pointer: int) -> bool:
+        return True
+
+
+class Ways:
+    """The four ways (see the module docstring), registering through ``registrar``; ``pins``: whether it
+    really pins (torch's pinned allocator is then used too)."""
+
+    def __init__(self, registrar: HostRegistrar, pins: bool) -> None:
         self.registrar = registrar
+        self.pins = pins
         self.refused = 0  # weights the driver refused to register in place
 
-    def _register(self, tensor: torch.Tensor) -> bool:
-        return self.registrar is None or self.registrar.register(tensor.data_ptr(), tensor.numel())
+    def _registered(self, tensor: torch.Tensor) -> list[int]:
+        """``tensor`` registered: its pointer to unregister; none if refused."""
+        return [tensor.data_ptr()] if self.registrar.register(tensor.data_ptr(), tensor.numel()) else []
 
     def register_first(self, weights: list[torch.Tensor]) -> Made:
         buffer = torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8)
-        registered = [buffer.data_ptr()] if self._register(buffer) and self.registrar else []
+        registered = self._registered(buffer)
         return [packed(weights, buffer)], registered
 
     def copy_first(self, weights: list[torch.Tensor]) -> Made:
         buffer = packed(weights, torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8))
-        registered = [buffer.data_ptr()] if self._register(buffer) and self.registrar else []
-        return [buffer], registered
+        return [buffer], self._registered(buffer)
 
     def in_place(self, weights: list[torch.Tensor]) -> Made:
         registered = []
         for weight in weights:
-            if not self._register(weight):
-                self.refused += 1
-            elif self.registrar is not None:
-                registered.append(weight.data_ptr())
+            pointer = self._registered(weight)
+            self.refused += not pointer
+            registered += pointer
         return list(weights), registered
 
     def torch_allocator(self, weights: list[torch.Tensor]) -> Made:
-        pinned = self.registrar is not None  # the CPU build of torch has no pinned allocator
-        buffer = torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8, pin_memory=pinned)
+        # The CPU build of torch has no pinned allocator.
+        buffer = torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8, pin_memory=self.pins)
         return [packed(weights, buffer)], []
 
     def undo(self, made: Made) -> None:
-        if self.registrar is not None:
-            for pointer in made[1]:
-                self.registrar.unregister(pointer)
+        for pointer in made[1]:
+            self.registrar.unregister(pointer)
 
 
 def to_device_gbps(made: list[Made], device: torch.device) -> float | None:
@@ -123,7 +148,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--block-mib", type=float, default=330.0, help="one block (Wan 2.1 14B's: 330 MiB in bf16)")
     parser.add_argument("--parts", type=int, default=26, help="weights per block (Wan's: 26)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dry-run", action="store_true", help="on the CPU: the copies alone")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="on the CPU: the copies, and the pages' first touch as a registration makes it",
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
@@ -134,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     count = max(1, round(args.gib * 1024 / args.block_mib))
     source = [block_parts(block_bytes, args.parts) for _ in range(count)]
     total = sum(w.numel() for weights in source for w in weights)
-    ways = Ways(CudaHostRegistrar() if cuda else None)
+    ways = Ways(CudaHostRegistrar() if cuda else PageToucher(), pins=cuda)
     named: dict[str, Callable[[list[torch.Tensor]], Made]] = {
         "register first": ways.register_first,
         "copy first": ways.copy_first,

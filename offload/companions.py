@@ -52,10 +52,11 @@ class PackedCompanions:
 
     @classmethod
     def pack(
-        cls, tensors: Sequence[torch.Tensor], buffer: Callable[[int], tuple[torch.Tensor, int, str | None]]
+        cls,
+        tensors: Sequence[torch.Tensor],
+        buffer: Callable[[int, Callable[[torch.Tensor], None]], tuple[torch.Tensor, int, str | None]],
     ) -> PackedCompanions:
         """``tensors`` packed into a host buffer from ``buffer`` (``HostMemory.buffer``)."""
         layout = CompanionLayout.of(tensors)
-        host, reserved, _ = buffer(layout.nbytes)
-        layout.pack_into(host, tensors)
+        host, reserved, _ = buffer(layout.nbytes, lambda host: layout.pack_into(host, tensors))
         return cls(layout, host, reserved)

@@ -209,9 +209,8 @@ class HostBlocks:
         if self.storage_dtype is not None:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
         origin = layout.device or self.device
-        host, reserved, pageable_because = self.memory.buffer(storage.nbytes)
+        host, reserved, pageable_because = self.memory.buffer(storage.nbytes, storage.pack_into)
         pinned = self.memory.pin_memory and pageable_because is None
-        storage.pack_into(host)
         self.packed_bytes += storage.nbytes
         host_views = storage.views(host)
         originals = None

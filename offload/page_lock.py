@@ -92,47 +92,71 @@ def pinned_allocation_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
-# Bytes of host memory the engine has page-locked itself and not yet given back (see pinned_host_buffer).
+# Bytes of host memory the engine has page-locked itself and not yet given back (see filled_host_buffer).
 _registered_bytes = 0
 # Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
 _REGISTRATIONS: dict[int, weakref.finalize[..., Any]] = {}
 
 
 def pinned_bytes() -> int:
-    """Host bytes page-locked by ``pinned_host_buffer`` and still alive: what this process really pins for
+    """Host bytes page-locked by ``filled_host_buffer`` and still alive: what this process really pins for
     the engine (torch's caching host allocator, used by others, is not in it)."""
     return _registered_bytes
 
 
 def pinned_host_buffer(nbytes: int) -> torch.Tensor | None:
-    """Exactly ``nbytes`` of page-locked host memory, or None when the driver refuses it.
+    """Exactly ``nbytes`` of page-locked host memory, or None when the driver refuses it
+    (``filled_host_buffer`` with nothing to write)."""
+    host, pinned = filled_host_buffer(nbytes, None, pin=True)
+    return host if pinned else None
+
+
+def filled_host_buffer(
+    nbytes: int, fill: Callable[[torch.Tensor], None] | None, *, pin: bool
+) -> tuple[torch.Tensor, bool]:
+    """A host buffer of exactly ``nbytes`` holding what ``fill`` writes into it, page-locked where ``pin`` asks
+    and the driver allows; and whether it is. A refused registration leaves it pageable, already filled.
 
     ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which rounds
     every request up to a power of two (a 702 MB block pins 1 GiB) and keeps freed blocks pinned until
     its cache is emptied. On CUDA the buffer is ordinary memory registered with the driver instead, as
     ComfyUI pins its weights, and unregistered just before it is freed: when the last tensor viewing it
     goes, torch finalizes the storage's weak references before it releases the memory.
+    It is filled first and registered after: fresh pages are first touched (faulted in and zeroed by the
+    kernel) by whoever touches them first, and ``cudaHostRegister`` touches them on one thread, where the
+    fill's copies spread them over torch's threads (``bench/pinning.py`` times both orders).
     """
-    global _registered_bytes
     registrar = host_registrar()
-    if registrar is None:  # other accelerators: torch's way
+    if pin and registrar is None:  # other accelerators: torch's way, filled once pinned
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except RuntimeError:
-            return None
-    host = torch.empty(nbytes, dtype=torch.uint8)
+            host, pin = torch.empty(nbytes, dtype=torch.uint8), False
+    else:
+        host = torch.empty(nbytes, dtype=torch.uint8)
+    if fill is not None:
+        fill(host)
+    if not pin or registrar is None:
+        return host, pin
+    return host, _register(registrar, host)
+
+
+def _register(registrar: HostRegistrar, host: torch.Tensor) -> bool:
+    """Page-locks ``host`` (a whole storage) in place until its storage is freed or ``unpin_host_buffer``."""
+    global _registered_bytes
+    nbytes = host.numel()
     if nbytes == 0:
-        return host
+        return True
     pointer = host.data_ptr()
     if not registrar.register(pointer, nbytes):
-        return None
+        return False
     _registered_bytes += nbytes
     _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
-    return host
+    return True
 
 
 def unpin_host_buffer(host: torch.Tensor) -> bool:
-    """Unlocks a buffer ``pinned_host_buffer`` registered, now; its memory stays valid, pageable. False if
+    """Unlocks a buffer ``filled_host_buffer`` registered, now; its memory stays valid, pageable. False if
     there is nothing to unregister (torch's pinned allocator cannot give back part of a buffer)."""
     registration = _REGISTRATIONS.get(host.data_ptr())
     if registration is None or not registration.alive:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .page_lock import pinned_allocation_bytes, pinned_host_buffer
+from .page_lock import filled_host_buffer, pinned_allocation_bytes
 
 #: Answers whether ``nbytes`` more may be pinned now, beyond the cap (a host's check of available RAM).
 Admission = Callable[[int], bool]
@@ -151,17 +151,20 @@ class HostMemory:
         self.pin_memory = pin_memory
         self.share = share
 
-    def buffer(self, nbytes: int) -> tuple[torch.Tensor, int, str | None]:
-        """The buffer, the bytes reserved in the pin budget, and why it is pageable although pinning was asked
-        ("cap": the budget refused; "driver": the driver refused to register it)."""
+    def buffer(
+        self, nbytes: int, fill: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[torch.Tensor, int, str | None]:
+        """The buffer, holding what ``fill`` writes into it; the bytes reserved in the pin budget; and why it is
+        pageable although pinning was asked ("cap": the budget refused; "driver": the driver refused to
+        register it). It is filled once, whichever it turns out to be."""
         reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
-        pinned = self.pin_memory and (self.share is None or self.share.reserve(reserved))
-        host = pinned_host_buffer(nbytes) if pinned else None
-        if host is not None:
+        pin = self.pin_memory and (self.share is None or self.share.reserve(reserved))
+        host, pinned = filled_host_buffer(nbytes, fill, pin=pin)
+        if pinned:
             return host, reserved, None
-        self.release(reserved if pinned else 0)  # the driver refused: pageable memory
-        why = ("driver" if pinned else "cap") if self.pin_memory else None
-        return torch.empty(nbytes, dtype=torch.uint8), 0, why
+        self.release(reserved if pin else 0)  # the driver refused: pageable memory
+        why = ("driver" if pin else "cap") if self.pin_memory else None
+        return host, 0, why
 
     def release(self, reserved: int) -> None:
         """Gives ``reserved`` bytes of the pin budget back (a buffer from ``buffer`` is dropped)."""

@@ -12,8 +12,10 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
+import zlib
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -40,9 +42,11 @@ class FakeCudart:
         self.flags: set[int] = set()
         self.fail = False
         self.failures = 0
+        self.held_at_registration: dict[int, int] = {}  # by pointer: a checksum of the bytes there when asked
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
         self.flags.add(flags)
+        self.held_at_registration[pointer] = zlib.crc32(ctypes.string_at(pointer, nbytes))
         if self.fail:
             self.failures += 1
             return 2  # cudaErrorMemoryAllocation
@@ -91,6 +95,14 @@ def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: Simpl
     assert torch.equal(sample(comfy, patched), reference)
     pinned = STREAMED * streamed_block_bytes(patched)
     assert cudart.pinned == pinned and cudart.flags == {1}  # portable registrations, as ComfyUI's
+    # Each host buffer already held its block when registered: filled first, so the copy's threads, not the
+    # driver's one, first touch its fresh pages.
+    buffers = {
+        state.host.data_ptr(): state.host.numel() for state in patched.offload_engine.runner.host.blocks.values()
+    }
+    for pointer, nbytes in buffers.items():
+        held = zlib.crc32(ctypes.string_at(pointer, nbytes))
+        assert cudart.held_at_registration[pointer] == held != zlib.crc32(bytes(nbytes))
     assert comfy.mm.TOTAL_PINNED_MEMORY == pinned == comfy.pinned.PINNED_MEMORY.used
     assert comfy.mm.PINNED_MEMORY[comfy.pinned.COMFY_TABLE_KEY] == pinned
     # ComfyUI pins and unpins a tensor of its own: 0.3.75 resets its total when its table empties.
@@ -192,6 +204,8 @@ def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_me
         assert torch.equal(sample(comfy, patched), reference)
     engine = patched.offload_engine
     assert cudart.failures == STREAMED and len(cudart.cleared) == STREAMED  # each failure's error cleared
+    # The refused buffers were filled before they were offered, and are kept as they are: one copy each.
+    assert engine.runner.packed_bytes == STREAMED * streamed_block_bytes(patched)
     assert len(engine.runner.failed_pinning) == STREAMED and not engine.runner.refused_pinning
     assert comfy.pinned.PINNED_MEMORY.used == 0 and comfy.mm.TOTAL_PINNED_MEMORY == 0
     assert engine.summary.endswith(
