@@ -3,29 +3,33 @@
     .venv/bin/python -m bench.comfy_bench [--models wan14b flux12b qwen20b] [--budgets 0.25 0.5 0.75]
                                          [--cards 8 12 16 24] [--rounds 2] [--steps 20] [--out docs/results]
 
-Each model is built the way ComfyUI builds one from a checkpoint: ``bench/checkpoints.py`` gives every key
-and shape of the real file (Wan 2.1 T2V 14B, Flux.1-dev 12B, Qwen-Image 20B) as meta tensors, the host's
-own ``comfy.model_detection.model_config_from_unet`` picks the config and classes from them, and the
-model it builds gets random bf16 weights N(0, 0.02) in host memory (nothing is downloaded), wrapped in
-ComfyUI's ``ModelPatcher``.
+Each model is a checkpoint file, loaded as users load theirs: ``bench/checkpoints.py`` gives every key and shape
+of the real file (Wan 2.1 T2V 14B, Flux.1-dev 12B, Qwen-Image 20B), the benchmark writes a safetensors file of
+that layout with random bf16 weights N(0, 0.02) (nothing is downloaded; each tensor drawn on the device, written
+one at a time), and every row loads it with the host's own Load Diffusion Model (``comfy.sd.
+load_diffusion_model``): the classic model as with ``--disable-dynamic-vram`` (every weight read into host
+memory), and, on ComfyUI 0.33 with CUDA, the Dynamic VRAM model as ComfyUI runs by default (its weights views of
+the file's mapping, read from it as they are needed; the nodes' twin of it is built from the same file). The
+file is in the page cache (it was just written): the reads are warm. It is deleted after the model's rows.
 
 ``flux12b_fp8`` and ``flux12b_q8_0`` are the same Flux with every Linear weight quantized (the rule of
-``harness/tiny_models.py``), each tensor drawn on the device and quantized there: fp8 e4m3 in ComfyUI's
-per-layer ``comfy_quant`` format (its scale and config entries beside each weight), handed as a state dict
-to the host's ``comfy.sd.load_diffusion_model_state_dict`` (ComfyUI 0.33 loads it as ``QuantizedTensor``);
-and GGUF Q8_0, written to a temporary file (the non-quantized tensors in F32) and loaded by city96's
-ComfyUI-GGUF's ``Unet Loader (GGUF)`` (``GGMLTensor``), the pack loaded as ComfyUI loads a custom node
-(from the host's ``custom_nodes`` or this repo's test host's). A host that cannot load one (0.3.75 has no
-per-layer ``comfy_quant``; no ComfyUI-GGUF) skips it and writes why. Budgets, bytes streamed and the lower
-bound count the weights as stored (``offload.module_bytes``): quantized data and scales.
+``harness/tiny_models.py``), each tensor quantized on the device: fp8 e4m3 in ComfyUI's per-layer
+``comfy_quant`` format (its scale and config entries beside each weight; ComfyUI 0.33 loads it as
+``QuantizedTensor``); and GGUF Q8_0 (the non-quantized tensors in F32), loaded by city96's ComfyUI-GGUF's
+``Unet Loader (GGUF)`` (``GGMLTensor``), the pack loaded as ComfyUI loads a custom node (from the host's
+``custom_nodes`` or this repo's test host's). A host that cannot load one (0.3.75 has no per-layer
+``comfy_quant``; no ComfyUI-GGUF) skips it and writes why. Budgets, bytes streamed and the lower bound count the
+weights as stored (``offload.module_bytes``): quantized data and scales.
 
 Every configuration is loaded, then runs the diffusion model's forward (``apply_model``) on fixed inputs
 for ``--steps`` steps, as one generation would; that is a round. Rows of one budget take their rounds in
 turn (A B C A B C ...), so a drift of the machine touches them alike, and the group's first row is
 measured a second time at the end of each round, as a control. Per row: load plus the first step, the
-median of every later step with its min and max, the wall time of a round, peak VRAM, process RSS and
-the bytes the pack pinned. Two rows that placed the same blocks the same way must agree within 2 %, or
-the run says it is too noisy (``too_noisy`` in the JSON, a line above the table).
+median of every later step with its min and max, the wall time of a round, peak VRAM, peak host memory over
+the load and the steps (anonymous, sampled: what the process allocated; and the resident set's high-water mark:
+also the file's mapped pages and the driver's pinned allocations) and the bytes the pack pinned. Two rows that
+placed the same blocks the same way must agree within 2 %, or the run says it is too noisy (``too_noisy`` in the
+JSON, a line above the table).
 
 Budgets: ``--budgets``, shares of the model's bytes handed to ComfyUI's loader
 (``partially_load(device, budget)``, as ``load_models_gpu`` passes its ``lowvram_model_memory``); and
@@ -64,7 +68,7 @@ import torch
 from harness.comfy_host import REPO
 
 from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS, Checkpoint
-from bench.comfy_models import Comfy, cannot_load, dynamic_twin, import_comfy, load_model, make_inputs
+from bench.comfy_models import Comfy, cannot_load, import_comfy, load_file, load_model, make_inputs
 from bench.configs import Bases, configs
 from bench.measure import measure_all, measure_round, progress
 from bench.plot import line_chart
@@ -88,22 +92,44 @@ COMMIT_ENV = "BLOCK_OFFLOAD_COMMIT"  # the commit a copy of the checkout was mad
 
 def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device, bandwidth: float,
               folder: Path):  # fmt: skip
-    """Every configuration on ``checkpoint``'s model (a GGUF one written into ``folder`` first)."""
+    """Every configuration on ``checkpoint``'s model, written as its file into ``folder``, every row loaded from
+    that file; the file deleted after."""
     dtype = torch.float32 if args.smoke else torch.bfloat16
     started = time.perf_counter()
     shapes = checkpoint.shapes(dtype)
-    classic = load_model(comfy, checkpoint, shapes, device, dtype, folder)
-    notes = {}
+    path, classic = load_model(comfy, checkpoint, shapes, device, dtype, folder)
+    try:
+        notes = {"checkpoint": f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, every row loaded from it"}
+        why_not = no_dynamic_vram_rows(comfy, checkpoint, args)
+        if why_not is not None:
+            notes["Dynamic VRAM rows"] = f"skipped: {why_not}"
+        # ComfyUI's default on NVIDIA: the same file mapped, its weights read from it as they are needed.
+        dynamic = None if why_not is not None else load_file(comfy, path, device, dtype, dynamic=True)
+        return measure_model(comfy, checkpoint, args, device, bandwidth, classic, dynamic, notes, started)
+    finally:
+        path.unlink()
+
+
+def no_dynamic_vram_rows(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace) -> str | None:
+    """Why the run has no Dynamic VRAM rows, or None."""
     if args.no_dynamic_vram:
-        notes["Dynamic VRAM rows"] = "skipped: --no-dynamic-vram"
-    elif comfy.no_dynamic_vram:
-        notes["Dynamic VRAM rows"] = f"skipped: {comfy.no_dynamic_vram}"
-    elif checkpoint.is_gguf:
-        notes["Dynamic VRAM rows"] = "skipped: ComfyUI-GGUF's loader makes its own classic patcher (GGUFModelPatcher)"
-    dynamic = None if "Dynamic VRAM rows" in notes else dynamic_twin(comfy, classic, dtype)
+        return "--no-dynamic-vram"
+    if comfy.no_dynamic_vram:
+        return comfy.no_dynamic_vram
+    if checkpoint.is_gguf:
+        return "ComfyUI-GGUF's loader makes its own classic patcher (GGUFModelPatcher)"
+    return None
+
+
+def measure_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device,
+                  bandwidth: float, classic, dynamic, notes: dict[str, str], started: float) -> ModelRun:  # fmt: skip
+    """Every configuration on the ``classic`` model and its ``dynamic`` load (None: no Dynamic VRAM rows)."""
+    shapes = checkpoint.shapes(torch.float32 if args.smoke else torch.bfloat16)
     # As stored (quantized data and scales), as the pack's plan counts them: budgets and lower bounds in these.
     model_bytes = comfy.offload.module_bytes(classic.model.diffusion_model)
-    progress(f"{checkpoint.name}: built in {time.perf_counter() - started:.0f} s, {model_bytes / GIB:.2f} GiB")
+    progress(
+        f"{checkpoint.name}: written and loaded in {time.perf_counter() - started:.0f} s, {model_bytes / GIB:.2f} GiB"
+    )
     inputs = make_inputs(checkpoint, shapes, device)
     blocks = comfy.find_blocks(classic.model.diffusion_model).blocks
     block_bytes = [comfy.offload.module_bytes(block) for _, block in blocks]
@@ -183,8 +209,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-dynamic-vram",
         action="store_true",
-        help="no Dynamic VRAM rows: their model is a second copy of the weights in host memory (about 3x the "
-        "model's bytes with the classic one; too much for a 20B model on a 128 GiB machine)",
+        help="no Dynamic VRAM rows (a run that must fit a time limit)",
+    )
+    parser.add_argument(
+        "--files",
+        type=Path,
+        default=None,
+        help="where the checkpoint files are written (default: a temporary folder; /dev/shm spares a slow disk)",
     )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument(
@@ -216,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.smoke else torch.device("cuda")
     if args.smoke:
         torch.set_num_threads(1)  # tiny shapes: threads only add contention on a shared machine
-    with tempfile.TemporaryDirectory(prefix="comfy_bench_user_") as user_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="comfy_bench_user_") as user_dir,
+        tempfile.TemporaryDirectory(prefix="comfy_bench_files_", dir=args.files) as files,
+    ):
         comfy = import_comfy(args.smoke, Path(user_dir))
         bandwidth = h2d_bandwidth_gbps(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
         for name in args.models:
@@ -227,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 data, table = write_skipped(name, checkpoint.title, reason, run_meta(device, args), args.out)
                 print(f"wrote {data}, {table}")
                 continue
-            run = run_model(comfy, checkpoint, args, device, bandwidth, Path(user_dir))
+            run = run_model(comfy, checkpoint, args, device, bandwidth, Path(files))
             data, table = write(run, args.out)
             chart = line_chart(
                 series(run),

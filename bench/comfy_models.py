@@ -1,6 +1,7 @@
 """ComfyUI in the benchmark's process (``import_comfy``, Dynamic VRAM turned on as its ``main.py`` does), and the
-models the benchmark runs, built as ComfyUI builds them from a checkpoint: bf16, fp8 in ComfyUI's per-layer
-format, GGUF Q8_0 through ComfyUI-GGUF, and a Dynamic VRAM twin; with their inputs (``bench/comfy_bench.py``).
+models the benchmark runs, each written as a checkpoint file and loaded from it as users load it: bf16 and fp8
+(ComfyUI's per-layer format) safetensors by ComfyUI's own Load Diffusion Model, classic and with Dynamic VRAM,
+GGUF Q8_0 by ComfyUI-GGUF; with their inputs (``bench/comfy_bench.py``).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import asyncio
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness import tiny_quantized
+from harness import safetensors_writer, tiny_quantized
 from harness.comfy_host import HOST_DIR, resolve_comfyui_path
 from harness.pack import PACK
 
@@ -100,39 +103,45 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
     )
 
 
-def build_model(comfy: Comfy, shapes: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A ModelPatcher over the model the host's detection makes of ``shapes``, weights random N(0, 0.02) in
-    host memory.
+def write_checkpoint(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device,
+                     dtype: torch.dtype, folder: Path) -> Path:  # fmt: skip
+    """The checkpoint as a safetensors file in ``folder``, as users download one (``quantized_weights``: random,
+    its Linear weights in ``checkpoint.quant`` where that names one of ComfyUI's per-layer formats), written one
+    layer at a time: no copy of the model in host memory."""
+    path = folder / f"{checkpoint.name}.safetensors"
+    quantize = None
+    if checkpoint.quant is not None:
+        quant = tiny_quantized.SAFETENSORS_QUANT[checkpoint.quant]
+        if quant.config_in_metadata or quant.markers:
+            raise ValueError(f"{checkpoint.quant}: the benchmark writes ComfyUI's per-layer formats only")
+        quantize = layer_quantizer(quant)
+    # What each key is written as (a quantized layer: its data, scale and config), shapes from the meta device.
+    written_from, layout = {}, []
+    for key, meta in shapes.items():
+        for name, tensor in as_written(key, torch.empty(meta.shape, dtype=dtype, device="meta"), quantize).items():
+            written_from[name] = key
+            layout.append((name, tensor.dtype, tuple(tensor.shape)))
+    drawn: dict[str, torch.Tensor] = {}
 
-    The model is created with uninitialised weights (ComfyUI's ops skip initialisation) and each weight is
-    drawn on ``device``, where random numbers are fast, then copied into place: no second host copy.
-    """
-    config = comfy.detection.model_config_from_unet(shapes, "")
-    if config is None:
-        raise RuntimeError("this ComfyUI does not recognise the checkpoint's keys")
-    config.set_inference_dtype(dtype, None)
-    with layers_with_weights():
-        model = config.get_model(shapes, "")
-    built = {key: tuple(value.shape) for key, value in model.diffusion_model.state_dict().items()}
-    # The keys as ComfyUI's loader hands them to the model (load_model_weights: Flux's norm "scale" -> "weight").
-    wanted = {key: tuple(value.shape) for key, value in config.process_unet_state_dict(dict(shapes)).items()}
-    if built != wanted:
-        # What load_state_dict would report as missing, unexpected or mis-shaped: the host built another model.
-        differ = sorted(key for key in built.keys() | wanted.keys() if built.get(key) != wanted.get(key))
-        raise RuntimeError(f"the host built a model unlike the checkpoint: {differ[:5]} ({len(differ)} keys)")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(random_weight(param.shape, generator, device, param.dtype))
-    model.eval()
-    # Offloading is to host memory, whatever ComfyUI's VRAM state would pick for a model this size.
-    return comfy.patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
+    def tensor_for(name: str) -> torch.Tensor:
+        if name not in drawn:
+            key = written_from[name]
+            drawn.update(quantized_weights({key: shapes[key]}, device, dtype, quantize))
+        return drawn.pop(name)
+
+    safetensors_writer.save_safetensors(path, layout, tensor_for, {})
+    return path
+
+
+def layer_quantizer(quant: tiny_quantized.SafetensorsQuant) -> Callable[[str, torch.Tensor], dict]:
+    """``quantized_weights``' ``quantize`` for a per-layer format: a weight's key to its layer's tensors."""
+    return lambda key, weight: quant.layer(key.removesuffix(".weight"), weight)
 
 
 @contextlib.contextmanager
-def layers_with_weights() -> Iterator[None]:
-    """With Dynamic VRAM on, ComfyUI 0.33's layers are built without weights until a state dict is loaded (so
-    Windows does not commit their memory twice); the classic model here is built with its weights, to draw into."""
+def dynamic_vram_off() -> Iterator[None]:
+    """ComfyUI as started with ``--disable-dynamic-vram`` while the block lasts, in a process where the benchmark
+    turned Dynamic VRAM on: the file read into memory of the process, layers built with their weights."""
     memory = sys.modules.get("comfy.memory_management")
     enabled = getattr(memory, "aimdo_enabled", False)
     if enabled:
@@ -142,6 +151,37 @@ def layers_with_weights() -> Iterator[None]:
     finally:
         if enabled:
             memory.aimdo_enabled = True
+
+
+def load_file(comfy: Comfy, path: Path, device: torch.device, dtype: torch.dtype, dynamic: bool):
+    """ComfyUI's Load Diffusion Model on ``path``: with ``dynamic``, as ComfyUI 0.33 runs by default on NVIDIA
+    (a ``ModelPatcherDynamic`` whose weights are views of the file's mapping, read as they are needed); else as
+    with ``--disable-dynamic-vram`` (the classic ``ModelPatcher``, every weight copied into host memory).
+    Offloading is to host memory, whatever ComfyUI's VRAM state would pick for a model this size."""
+    options = {"dtype": dtype, "load_device": device, "offload_device": torch.device("cpu")}
+    if dynamic:
+        return comfy.sd.load_diffusion_model(str(path), model_options=options)
+    extra = (
+        {"disable_dynamic": True}
+        if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model).parameters
+        else {}
+    )
+    with dynamic_vram_off():
+        model = comfy.sd.load_diffusion_model(str(path), model_options=options, **extra)
+    model.model.eval()
+    return model
+
+
+def check_built(comfy: Comfy, model, shapes: dict[str, torch.Tensor]) -> None:
+    """Raises if the host built a model other than the checkpoint's: ComfyUI's loader only logs the keys it
+    found missing or unexpected, and would run on uninitialised weights."""
+    config = comfy.detection.model_config_from_unet(shapes, "")
+    built = {key: tuple(value.shape) for key, value in model.model.diffusion_model.state_dict().items()}
+    # The keys as ComfyUI's loader hands them to the model (load_model_weights: Flux's norm "scale" -> "weight").
+    wanted = {key: tuple(value.shape) for key, value in config.process_unet_state_dict(dict(shapes)).items()}
+    if built != wanted:
+        differ = sorted(key for key in built.keys() | wanted.keys() if built.get(key) != wanted.get(key))
+        raise RuntimeError(f"the host built a model unlike the checkpoint: {differ[:5]} ({len(differ)} keys)")
 
 
 def random_weight(
@@ -155,26 +195,23 @@ def quantized_weights(
     shapes: dict[str, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
-    quantize: Callable[[str, torch.Tensor], dict],
+    quantize: Callable[[str, torch.Tensor], dict] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors, random, in host memory one at a time: each drawn in ``dtype`` on ``device``
-    and, where ``tiny_models``' rule quantizes it, replaced by what ``quantize(key, weight)`` makes of it
-    there (quantized data, scales, configs by key)."""
-    generator = torch.Generator(device=device).manual_seed(0)
+    (seeded by its key: the same tensor in any order) and, where ``tiny_models``' rule quantizes it, replaced by
+    what ``quantize(key, weight)`` makes of it there (quantized data, scales, configs by key)."""
     for key, meta in shapes.items():
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(key.encode()))
         weight = random_weight(meta.shape, generator, device, dtype)
-        made = quantize(key, weight) if tiny_quantized.quantized(key, weight) else {key: weight}
-        yield from ((name, tensor.cpu()) for name, tensor in made.items())
+        yield from ((name, tensor.cpu()) for name, tensor in as_written(key, weight, quantize).items())
 
 
-def load_comfy_quant(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device,
-                     dtype: torch.dtype):  # fmt: skip
-    """A classic ModelPatcher over what the host's own loader makes of the checkpoint in ComfyUI's per-layer
-    ``comfy_quant`` format (``tiny_models``' writer of that format, layer by layer)."""
-    layer = tiny_quantized.SAFETENSORS_QUANT[checkpoint.quant].layer
-    weights = dict(quantized_weights(shapes, device, dtype, lambda key, w: layer(key.removesuffix(".weight"), w)))
-    options = {"dtype": dtype, "load_device": device, "offload_device": torch.device("cpu")}
-    return comfy.sd.load_diffusion_model_state_dict(weights, model_options=options, disable_dynamic=True)
+def as_written(key: str, weight: torch.Tensor, quantize: Callable[[str, torch.Tensor], dict] | None) -> dict:
+    """``weight`` as the checkpoint holds it: what ``quantize`` makes of it where ``tiny_models``' rule
+    quantizes it, else itself."""
+    if quantize is not None and tiny_quantized.quantized(key, weight):
+        return quantize(key, weight)
+    return {key: weight}
 
 
 def q8_0(weight: torch.Tensor) -> torch.Tensor:
@@ -211,7 +248,7 @@ def import_gguf_loader() -> type:
 
 
 def load_gguf(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device, folder: Path):
-    """ComfyUI-GGUF's Unet Loader (GGUF) on the checkpoint written as GGUF into ``folder`` (its
+    """The file, and ComfyUI-GGUF's Unet Loader (GGUF) on the checkpoint written as GGUF into ``folder`` (its
     architecture, the Linear weights in Q8_0, the one GGML type written here, the rest in F32, as its
     convert.py writes them)."""
     import folder_paths
@@ -228,17 +265,20 @@ def load_gguf(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: t
     writer.write_tensors_to_file()
     writer.close()
     folder_paths.add_model_folder_path("diffusion_models", str(folder))
-    return loader().load_unet(path.name)[0]
+    return path, loader().load_unet(path.name)[0]
 
 
 def load_model(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device,
-               dtype: torch.dtype, folder: Path):  # fmt: skip
-    """The classic ModelPatcher the benchmark measures, as the host (and ComfyUI-GGUF) load the checkpoint."""
-    if checkpoint.quant is None:
-        return build_model(comfy, shapes, device, dtype)
+               dtype: torch.dtype, folder: Path) -> tuple[Path, Any]:  # fmt: skip
+    """The checkpoint written as its file into ``folder``, and the classic ModelPatcher the benchmark measures:
+    the host's Load Diffusion Model (with ``--disable-dynamic-vram``) on it, or ComfyUI-GGUF's."""
     if checkpoint.is_gguf:
         return load_gguf(checkpoint, shapes, device, folder)
-    return load_comfy_quant(comfy, checkpoint, shapes, device, dtype)
+    path = write_checkpoint(checkpoint, shapes, device, dtype, folder)
+    classic = load_file(comfy, path, device, dtype, dynamic=False)
+    if checkpoint.quant is None:
+        check_built(comfy, classic, shapes)
+    return path, classic
 
 
 def cannot_load(checkpoint: Checkpoint) -> str | None:
@@ -253,21 +293,6 @@ def cannot_load(checkpoint: Checkpoint) -> str | None:
     elif checkpoint.quant is not None and not hasattr(comfy.utils, "detect_layer_quantization"):
         return "this ComfyUI reads no per-layer comfy_quant entries (0.3.75 reads only a file's _quantization_metadata)"
     return None
-
-
-def dynamic_twin(comfy: Comfy, classic, dtype: torch.dtype):
-    """The same weights loaded by ComfyUI 0.33's own loader with Dynamic VRAM on (a ``ModelPatcherDynamic``;
-    the weights are assigned, not copied again).
-
-    A node on it builds its twin by running the loader's recipe again (``cached_patcher_init``: with Dynamic
-    VRAM's loader, the weights views of the checkpoint file); here there is no file, and a clone of
-    ``classic``, the same weights in host memory, stands in for that build: these rows have no file tier
-    (every streamed block keeps a host buffer), and no read from disk is in their figures.
-    """
-    weights = {key: value.detach().clone() for key, value in classic.model.diffusion_model.state_dict().items()}
-    dynamic = comfy.sd.load_diffusion_model_state_dict(weights, model_options={"dtype": dtype})
-    dynamic.cached_patcher_init = (lambda disable_dynamic=False: classic.clone(), ())
-    return dynamic
 
 
 def make_inputs(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device: torch.device, seed: int = 1):

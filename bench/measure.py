@@ -1,12 +1,13 @@
 """How ``bench/comfy_bench.py`` measures a row: one round loads the configuration and runs its steps, timed on the
-device, with its peaks (VRAM sampled while it runs, RSS, pinned bytes) and what it placed; the rows of a group
-take their rounds in turn.
+device, with its peaks (VRAM and anonymous host memory sampled while it runs, the resident set's high-water mark,
+pinned bytes) and what it placed; the rows of a group take their rounds in turn.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -14,8 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
-import psutil
 import torch
+
+from harness.host_memory import peak_during
 
 from bench.comfy_models import Comfy, forward
 from bench.configs import Config, interleaved
@@ -29,6 +31,9 @@ from bench.results import (
 )
 from bench.timing import ms_of_each_call
 from block_offload.offload.device import synchronize
+
+# Host memory is sampled less often than the device: a sample reads /proc, and the steps must not feel it.
+HOST_SAMPLE_INTERVAL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,12 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
     device = next(iter(inputs.values())).device
     comfy.mm.NUM_STREAMS = config.comfy_streams  # read by ComfyUI's loader and its casts at call time
     cuda = device.type == "cuda"
-    with card(comfy.mm, device, config.budget), DevicePeak(device) if cuda else contextlib.nullcontext() as sampled:
+    with (
+        card(comfy.mm, device, config.budget),
+        DevicePeak(device) if cuda else contextlib.nullcontext() as sampled,
+        contextlib.ExitStack() as loaded_and_stepped,
+    ):
+        host = loaded_and_stepped.enter_context(peak_during(os.getpid(), HOST_SAMPLE_INTERVAL_S))
         started = time.perf_counter()
         patcher = config.prepare()
         try:
@@ -139,6 +149,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
             first = time.perf_counter()
             step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
             wall = time.perf_counter()
+            loaded_and_stepped.close()  # the host's peak over the load and the steps, not the unload
             peak = sampled.peak if cuda else None
             engine = getattr(patcher, "offload_engine", None)
             done = Round(
@@ -147,7 +158,8 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 tuple(step_ms),
                 (wall - started) * 1000,
                 peak,
-                psutil.Process().memory_info().rss,
+                host.anon_peak,
+                host.rss_peak,
                 comfy.offload.pinned_bytes(),
                 None if engine is None else engine.packing_s * 1000,
                 None if engine is None else engine.runner.packed_bytes,

@@ -56,7 +56,11 @@ class Round:
     step_ms: tuple[float, ...]  # every step after the first, each timed on its own
     wall_ms: float  # the load and every step
     peak_vram_bytes: int | None
-    host_rss_bytes: int
+    # Host memory at its peak over the round: anonymous (RssAnon, sampled: what the process allocated, the
+    # pack's pinned buffers included) and resident (VmHWM, exact: also the checkpoint's mapped pages and what
+    # the driver allocated pinned, as Dynamic VRAM's staging buffers).
+    host_anon_peak_bytes: int
+    host_rss_peak_bytes: int
     pinned_host_bytes: int  # page-locked by the pack (offload.page_lock.pinned_bytes); 0 for ComfyUI's rows
     # Of ``load_first_ms``, the pack's copy into host buffers (and pinning), and its bytes; None for ComfyUI's rows.
     packing_ms: float | None = None
@@ -120,8 +124,12 @@ class Measurement:
         return max(peaks) if peaks else None
 
     @property
-    def host_rss_bytes(self) -> int:
-        return max(one.host_rss_bytes for one in self.rounds)
+    def host_anon_peak_bytes(self) -> int:
+        return max(one.host_anon_peak_bytes for one in self.rounds)
+
+    @property
+    def host_rss_peak_bytes(self) -> int:
+        return max(one.host_rss_peak_bytes for one in self.rounds)
 
     @property
     def pinned_host_bytes(self) -> int:
@@ -146,7 +154,8 @@ class Measurement:
             "wall_ms": self.wall_ms,
             "steps_per_round": self.steps_per_round,
             "peak_vram_bytes": self.peak_vram_bytes,
-            "host_rss_bytes": self.host_rss_bytes,
+            "host_anon_peak_bytes": self.host_anon_peak_bytes,
+            "host_rss_peak_bytes": self.host_rss_peak_bytes,
             "pinned_host_bytes": self.pinned_host_bytes,
             "streamed_bytes": self.streamed_bytes,
             "copied_bytes": self.copied_bytes,
@@ -339,8 +348,8 @@ def markdown(run: ModelRun) -> str:
         lines += ["**Too noisy to tell 3 % apart:** " + "; ".join(noise) + ".", ""]
     lines += [
         f"| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
-        f"| of which packing s | {steps}-step wall s | peak VRAM GiB | host RAM GiB | pinned GiB | streamed GiB/step "
-        "| overlap | predicted s | prediction error |",
+        f"| of which packing s | {steps}-step wall s | peak VRAM GiB | peak host RAM GiB, anon / resident | pinned GiB "
+        "| streamed GiB/step | overlap | predicted s | prediction error |",
         "| --- | --- " + "| ---: " * 15 + "|",
     ]
     for row, m in zip(run.rows(), run.measurements, strict=True):
@@ -359,7 +368,7 @@ def markdown(run: ModelRun) -> str:
             _cell(packing, ".2f"),
             f"{row['wall_ms'] / 1000:.2f}",
             _cell(peak, ".2f"),
-            f"{row['host_rss_bytes'] / GIB:.1f}",
+            f"{row['host_anon_peak_bytes'] / GIB:.1f} / {row['host_rss_peak_bytes'] / GIB:.1f}",
             f"{row['pinned_host_bytes'] / GIB:.2f}",
             f"{row['streamed_bytes'] / GIB:.2f}",
             _cell(row["overlap"], ".0%"),

@@ -48,8 +48,9 @@ class Peak:
 
 
 @contextmanager
-def peak_during(pid: int) -> Iterator[Peak]:
-    """Measures process ``pid``'s memory peak over the ``with`` block (filled in when it exits)."""
+def peak_during(pid: int, interval_s: float = SAMPLE_INTERVAL_S) -> Iterator[Peak]:
+    """Measures process ``pid``'s memory peak over the ``with`` block (filled in when it exits), ``RssAnon``
+    sampled every ``interval_s``."""
     peak = Peak()
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS now
     peak.rss_before = status_bytes(pid, "VmRSS")
@@ -59,7 +60,7 @@ def peak_during(pid: int) -> Iterator[Peak]:
     def sample() -> None:
         while not stop.is_set():
             peak.anon_peak = max(peak.anon_peak, status_bytes(pid, "RssAnon"))
-            time.sleep(SAMPLE_INTERVAL_S)
+            time.sleep(interval_s)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
