@@ -59,12 +59,6 @@ else
   python=python3
   export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
   bench_size=()
-  # The benchmark writes each checkpoint (up to 41 GB) as a file: into memory where /dev/shm has room, so a slow
-  # disk does not cost the call its minutes (the reads are from memory either way: the page cache holds a file
-  # just written).
-  if (( $(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 || echo 0) >= 48 )); then
-    bench_size=(--files /dev/shm)
-  fi
 fi
 export PYTHONUNBUFFERED=1
 
@@ -163,9 +157,13 @@ elif [[ $call == 3 ]]; then
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 elif [[ $call == 6 ]]; then
   # Qwen-Image 20B-shaped (40.9 GB) on a 24 GiB card against ComfyUI's classic offload: without the Dynamic VRAM
-  # rows, which would not fit the call's minutes beside the 41 GB file's writing.
+  # rows, which would not fit the call's minutes beside the 41 GB file's writing. The file goes into memory where
+  # /dev/shm has room, so a slow disk does not cost the call its minutes (the classic rows read it once, into the
+  # model; Dynamic VRAM's reader, which would read it at every step, is not run on /dev/shm).
+  files=()
+  (( $(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 || echo 0) >= 48 )) && files=(--files /dev/shm)
   part qwen20b-24gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
-    --models qwen20b --budgets --cards 24 --rounds 2 --steps 6 --out "$out/bench" --no-dynamic-vram \
+    "${files[@]}" --models qwen20b --budgets --cards 24 --rounds 2 --steps 6 --out "$out/bench" --no-dynamic-vram \
     --rows "fully resident" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 elif [[ $call == 5 ]]; then
   # What call 4 (H100, 2026-11-26, c40be75) left: Dynamic VRAM with the LRU cache (the cached node's twin kept
