@@ -19,6 +19,9 @@
 #          four ways to pin a first load's weights (bench/pinning.py) and the LoRA cost rows
 #          (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
 #   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
+#   CALL 7: the Wan 2.1 14B head-to-head of call 4 again, alone, every row loaded from the checkpoint file the
+#          benchmark writes (since 2026-11-27): ComfyUI's Dynamic VRAM reading its own file, and host RAM
+#          measured alike for every row. The first to run on the next GPU.
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -34,11 +37,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4|5|6) call="$1"; shift ;;
+    1|2|3|4|5|6|7) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 6, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 7, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -177,6 +180,12 @@ elif [[ $call == 5 ]]; then
   part lora-cost-wan 150 "${lora_cost[@]}" --arch wan --blocks 8 $([[ $dry == 1 ]] || echo --latent 21 60 104)
   part lora-cost-flux "$(( seconds - (SECONDS - start) ))" "${lora_cost[@]}" --arch flux --blocks 4 \
     $([[ $dry == 1 ]] || echo --latent 128 128)
+elif [[ $call == 7 ]]; then
+  # The decisive comparison as users meet it: ComfyUI 0.33's default (Dynamic VRAM, reading the file it maps) and
+  # its classic offload against the node on each, every model loaded from the checkpoint file.
+  part wan14b-16gib-from-file "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
+    --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \
+    --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 else
   # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
   # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.
