@@ -148,6 +148,18 @@ class DeviceRing:
         _, memory = self.allocated()
         return _cached_views(state.device_views, start, lambda: state.layout.views(memory[start:]))
 
+    def transform(self, index: int, transform: Callable[[bool], None]) -> None:
+        """Runs a host's ``transform`` of block ``index`` where it is in the ring, telling it whether this is the
+        first call since the copy (the region holds the bytes as packed). One that raises leaves the region to
+        be copied afresh: half transformed, it must not be called again."""
+        state = self.host.blocks[index]
+        try:
+            transform(state.fresh)
+        except BaseException:
+            self.drop(index)
+            raise
+        state.fresh = False
+
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """Block ``index``'s companions as device views while it is in the ring; None when it has none or is
         elsewhere."""

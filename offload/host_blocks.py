@@ -64,6 +64,24 @@ class StreamedBlock:
         assert self.originals is not None, "only a block read from its file, from a file or cast to a storage dtype"
         self.layout.point_at(self.layout.assemble(self.originals))
 
+    def restore(self, device: torch.device) -> None:
+        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
+        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
+        twice while another model waits for the memory. A pinned one is copied, not to leave the model
+        page-locked."""
+        sources = self.originals if self.originals is not None else self.storage.part_views(self.host)
+        adopt_host = (
+            self.originals is None
+            and not self.pinned
+            and self.host.device == device
+            and all(source.dtype == part.dtype for part, source in zip(self.layout.parts, sources, strict=True))
+        )
+        restored = tuple(
+            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
+            for part, source in zip(self.layout.parts, sources, strict=True)
+        )
+        self.layout.point_at(self.layout.assemble(restored))
+
     @property
     def region_bytes(self) -> int:
         """The ring bytes the block takes: its own, then its companions'."""
@@ -163,7 +181,7 @@ class HostBlocks:
                 state.point_at_originals()  # the file's views, as they were
                 self.unpin(state)
             else:
-                self.restore(state, state.origin_device)
+                state.restore(state.origin_device)
                 self.unpin(state)
 
     def unpin_some(self, nbytes: int) -> int:
@@ -354,21 +372,3 @@ class HostBlocks:
         """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
         if state.pinned:
             self.memory.release(state.pinned_bytes)
-
-    def restore(self, state: StreamedBlock, device: torch.device) -> None:
-        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
-        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
-        twice while another model waits for the memory. A pinned one is copied, not to leave the model
-        page-locked."""
-        sources = state.originals if state.originals is not None else state.storage.part_views(state.host)
-        adopt_host = (
-            state.originals is None
-            and not state.pinned
-            and state.host.device == device
-            and all(source.dtype == part.dtype for part, source in zip(state.layout.parts, sources, strict=True))
-        )
-        restored = tuple(
-            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
-            for part, source in zip(state.layout.parts, sources, strict=True)
-        )
-        state.layout.point_at(state.layout.assemble(restored))

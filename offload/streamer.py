@@ -60,6 +60,23 @@ from .timeline import TimelineRecorder
 from .views import StreamerViews
 
 
+def check_arguments(
+    count: int, streamed: frozenset[int], read_each_step: frozenset[int], prefetch: int, files: bool, staging_slots: int
+) -> None:
+    """Raises, before anything is touched, for streamed indices outside ``count`` blocks, blocks to read from their
+    file each step that are not streamed or have no file to read (``files``) or no slot, a negative prefetch."""
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
+    bad = sorted(i for i in streamed if not 0 <= i < count)
+    if bad:
+        raise ValueError(f"streamed block indices {bad} are outside 0..{count - 1}")
+    extra = sorted(read_each_step - streamed)
+    if extra:
+        raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
+    if read_each_step and (not files or staging_slots < 1):
+        raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
+
+
 class BlockStreamer(StreamerViews):
     """Streams ``blocks[i]`` for every ``i`` in ``streamed``; other blocks are left alone.
 
@@ -113,19 +130,11 @@ class BlockStreamer(StreamerViews):
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
     ) -> None:
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.streamed = frozenset(streamed)
-        bad = sorted(i for i in self.streamed if not 0 <= i < len(self.blocks))
-        if bad:
-            raise ValueError(f"streamed block indices {bad} are outside 0..{len(self.blocks) - 1}")
-        extra = sorted(frozenset(read_each_step) - self.streamed)
-        if extra:
-            raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
-        if frozenset(read_each_step) and (file_slice is None or staging_slots < 1):
-            raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
+        check_arguments(len(self.blocks), self.streamed, frozenset(read_each_step), prefetch,
+                        file_slice is not None, staging_slots)  # fmt: skip
         self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
         self.persistent_allocations = persistent_allocations
@@ -230,7 +239,7 @@ class BlockStreamer(StreamerViews):
                 self.ring.drop(index)
                 self.files.forget(index)
                 with self.persistent_allocations():
-                    self.host.restore(state, self.device)
+                    state.restore(self.device)
                 self.host.unpin(state)
         self.streamed = frozenset(self.host.blocks)
         self.ring.recount()
@@ -334,16 +343,8 @@ class BlockStreamer(StreamerViews):
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
         if state is not None and index in self.transforms:  # part of the call's compute, as timed
-            self._transform(index, state)
+            self.ring.transform(index, self.transforms[index])
         self._prefetch(defer_pageable=True)
-
-    def _transform(self, index: int, state: StreamedBlock) -> None:
-        try:
-            self.transforms[index](state.fresh)
-        except BaseException:
-            self.ring.drop(index)  # half transformed: the next call copies it afresh
-            raise
-        state.fresh = False
 
     def _call_ends(self, index: int) -> None:
         for call in self.calls.closed(index):

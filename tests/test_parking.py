@@ -17,7 +17,7 @@ from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader
-from block_offload.offload.host_blocks import HostBlocks
+from block_offload.offload.host_blocks import StreamedBlock
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -80,13 +80,13 @@ def test_stopping_frees_each_host_buffer_before_the_next_block_is_restored(monke
         streamer.host.blocks[index].pinned = True  # by index: a loop variable would keep the last block's buffer
     buffers = {index: weakref.ref(streamer.host.blocks[index].host.untyped_storage()) for index in STREAMED}
     alive_at_restore = []
-    restore = HostBlocks.restore
+    restore = StreamedBlock.restore
 
-    def counting(self, state, device):
+    def counting(self, device):
         alive_at_restore.append(sorted(index for index, buffer in buffers.items() if buffer() is not None))
-        return restore(self, state, device)
+        return restore(self, device)
 
-    monkeypatch.setattr(HostBlocks, "restore", counting)
+    monkeypatch.setattr(StreamedBlock, "restore", counting)
     streamer.disable()
     assert alive_at_restore == [list(STREAMED[k:]) for k in range(len(STREAMED))]
     assert all(buffer() is None for buffer in buffers.values())
