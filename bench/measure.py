@@ -126,6 +126,14 @@ class DevicePeak:
         self.peak = max(self.peak, self._used() - self._base)
 
 
+def pinned_host_bytes(comfy: Comfy) -> int:
+    """Page-locked host memory now, counted alike for every row: ComfyUI's books (``TOTAL_PINNED_MEMORY``: its
+    classic loader's pins, Dynamic VRAM's registered host buffers, and the pack's, which it enters there), or
+    on a host without them the pack's own count."""
+    books = getattr(comfy.mm, "TOTAL_PINNED_MEMORY", None)
+    return comfy.offload.pinned_bytes() if books is None else int(books)
+
+
 def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_bytes: int) -> tuple[Round, Placed]:
     """Loads ``config``, runs ``steps`` steps on it and unloads it: one round."""
     device = next(iter(inputs.values())).device
@@ -160,7 +168,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 peak,
                 host.anon_peak,
                 host.rss_peak,
-                comfy.offload.pinned_bytes(),
+                pinned_host_bytes(comfy),
                 None if engine is None else engine.packing_s * 1000,
                 None if engine is None else engine.runner.packed_bytes,
             )

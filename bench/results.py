@@ -61,7 +61,9 @@ class Round:
     # the driver allocated pinned, as Dynamic VRAM's staging buffers).
     host_anon_peak_bytes: int
     host_rss_peak_bytes: int
-    pinned_host_bytes: int  # page-locked by the pack (offload.page_lock.pinned_bytes); 0 for ComfyUI's rows
+    pinned_host_bytes: (
+        int  # page-locked after the steps, ComfyUI's and the pack's alike (``measure.pinned_host_bytes``)
+    )
     # Of ``load_first_ms``, the pack's copy into host buffers (and pinning), and its bytes; None for ComfyUI's rows.
     packing_ms: float | None = None
     packed_bytes: int | None = None
