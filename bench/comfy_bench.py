@@ -84,7 +84,7 @@ from bench.results import (
     write,
     write_skipped,
 )
-from bench.timing import h2d_bandwidth_gbps
+from bench.timing import file_read_gbps, h2d_bandwidth_gbps
 
 NO_CUDA_EXIT = 2
 COMMIT_ENV = "BLOCK_OFFLOAD_COMMIT"  # the commit a copy of the checkout was made from, where its .git is not
@@ -99,13 +99,17 @@ def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, de
     shapes = checkpoint.shapes(dtype)
     path, classic = load_model(comfy, checkpoint, shapes, device, dtype, folder)
     try:
-        notes = {"checkpoint": f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, every row loaded from it"}
+        read_gbps = file_read_gbps(path)  # warm: the file was just written, and read by the classic load
+        read = "" if read_gbps is None else f", read at {read_gbps:.1f} GB/s as the file tier reads it"
+        notes = {"checkpoint": f"{path.name}, {path.stat().st_size / 1e9:.2f} GB, every row loaded from it{read}"}
         why_not = no_dynamic_vram_rows(comfy, checkpoint, args)
         if why_not is not None:
             notes["Dynamic VRAM rows"] = f"skipped: {why_not}"
         # ComfyUI's default on NVIDIA: the same file mapped, its weights read from it as they are needed.
         dynamic = None if why_not is not None else load_file(comfy, path, device, dtype, dynamic=True)
-        return measure_model(comfy, checkpoint, args, device, bandwidth, classic, dynamic, notes, started)
+        run = measure_model(comfy, checkpoint, args, device, bandwidth, classic, dynamic, notes, started)
+        run.read_gbps = read_gbps
+        return run
     finally:
         path.unlink()
 

@@ -48,6 +48,7 @@ class Placed:
     predicted_ms: float | None
     measuring: bool
     copied_bytes: int | None = None  # the pack's engine, its last step (its recorder)
+    file_bytes: int = 0  # of ``streamed_bytes``, read from the checkpoint file at every step (the pack's file tier)
 
 
 def placed(patcher) -> Placed:
@@ -64,7 +65,10 @@ def placed(patcher) -> Placed:
     placement = engine.placement
     overlap = step.overlap if step is not None else None
     copied = step.bytes_copied if step is not None else None
-    return Placed(placement.summary, key, streamed, overlap, engine.predicted_ms, placement.measuring, copied)
+    file_bytes = engine.runner.file_tier_bytes
+    return Placed(
+        placement.summary, key, streamed, overlap, engine.predicted_ms, placement.measuring, copied, file_bytes
+    )
 
 
 @contextlib.contextmanager
@@ -252,6 +256,7 @@ def _measurement(method: str, config: Config, rounds: list[Round], where: Placed
         where.placement_key,
         where.measuring,
         where.copied_bytes,
+        where.file_bytes,
     )
 
 

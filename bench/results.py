@@ -85,6 +85,7 @@ class Measurement:
     placement_key: str = ""
     measuring: bool = False  # an automatic placement's first run, placed by its policy to measure the costs
     copied_bytes: int | None = None  # what the pack's engine copied in the last step (its recorder); None: ComfyUI
+    file_bytes: int = 0  # of ``streamed_bytes``, read from the checkpoint file at every step (the pack's file tier)
 
     @property
     def steady_ms(self) -> list[float]:
@@ -161,6 +162,7 @@ class Measurement:
             "pinned_host_bytes": self.pinned_host_bytes,
             "streamed_bytes": self.streamed_bytes,
             "copied_bytes": self.copied_bytes,
+            "file_bytes": self.file_bytes,
             "overlap": self.overlap,
             "predicted_ms": self.predicted_ms,
             "placement": self.placement,
@@ -189,6 +191,7 @@ class ModelRun:
     bandwidth_gbps: float  # pinned host-to-device, measured in the same process
     measurements: list[Measurement]
     meta: dict[str, str] = field(default_factory=dict)  # device, driver, torch, commit, command, date
+    read_gbps: float | None = None  # reading the checkpoint file as the file tier does, warm; None: not measured
 
     @property
     def resident_ms(self) -> float:
@@ -201,9 +204,11 @@ class ModelRun:
     def budgets(self) -> list[Budget]:
         return sorted({m.budget for m in self.measurements if m.budget is not None})
 
-    def lower_bound_ms(self, streamed_bytes: int) -> float:
-        """No method streaming ``streamed_bytes`` per step beats the resident step or those copies alone."""
-        return max(self.resident_ms, streamed_bytes / (self.bandwidth_gbps * 1e6))
+    def lower_bound_ms(self, streamed_bytes: int, file_bytes: int = 0) -> float:
+        """No method streaming ``streamed_bytes`` per step, ``file_bytes`` of them read from the checkpoint file,
+        beats the resident step, those copies alone, or those reads alone."""
+        reads = file_bytes / (self.read_gbps * 1e6) if file_bytes and self.read_gbps else 0.0
+        return max(self.resident_ms, streamed_bytes / (self.bandwidth_gbps * 1e6), reads)
 
     def budget_bound_ms(self, budget: Budget) -> float:
         """At a budget, at least what does not fit must be copied every step."""
@@ -237,6 +242,7 @@ class ModelRun:
         rows = []
         for m in self.measurements:
             bound = self.lower_bound_ms(m.streamed_bytes) if m.budget is None else self.budget_bound_ms(m.budget)
+            bound = max(bound, self.lower_bound_ms(0, m.file_bytes))  # a file tier: its reads
             comfyui = self.at(m.budget, comfyui=True) if m.budget is not None else []
             best_comfyui = min((c.ms_per_step for c in comfyui), default=None)
             rows.append(
@@ -314,6 +320,7 @@ class ModelRun:
             "title": self.title,
             "model_bytes": self.model_bytes,
             "bandwidth_gbps": self.bandwidth_gbps,
+            "read_gbps": self.read_gbps,
             "resident_ms": self.resident_ms,
             "too_noisy": self.too_noisy,
             "noise": self.noise_lines(),
@@ -342,7 +349,8 @@ def markdown(run: ModelRun) -> str:
         f"### {run.title}",
         "",
         f"{run.model_bytes / GIB:.1f} GiB of weights; pinned host-to-device bandwidth {run.bandwidth_gbps:.1f} GB/s; "
-        f"fully resident {run.resident_ms / 1000:.3f} s per step.",
+        + ("" if run.read_gbps is None else f"the checkpoint file read at {run.read_gbps:.1f} GB/s; ")
+        + f"fully resident {run.resident_ms / 1000:.3f} s per step.",
         "",
     ]
     noise = run.noise_lines()
@@ -372,7 +380,8 @@ def markdown(run: ModelRun) -> str:
             _cell(peak, ".2f"),
             f"{row['host_anon_peak_bytes'] / GIB:.1f} / {row['host_rss_peak_bytes'] / GIB:.1f}",
             f"{row['pinned_host_bytes'] / GIB:.2f}",
-            f"{row['streamed_bytes'] / GIB:.2f}",
+            f"{row['streamed_bytes'] / GIB:.2f}"
+            + (f", {row['file_bytes'] / GIB:.2f} from the file" if row["file_bytes"] else ""),
             _cell(row["overlap"], ".0%"),
             _cell(predicted, ".3f"),
             _cell(row["prediction_error"], "+.1%"),

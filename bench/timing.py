@@ -1,5 +1,5 @@
-"""Timing helpers the benchmarks share: milliseconds per call, each call's milliseconds, and pinned
-host-to-device bandwidth.
+"""Timing helpers the benchmarks share: milliseconds per call, each call's milliseconds, pinned
+host-to-device bandwidth, and a checkpoint file's read bandwidth.
 
 Times come from the engine's ``Clock``: device events on an accelerator, the host clock on the CPU
 (smoke runs only: the figures mean nothing there).
@@ -7,13 +7,16 @@ Times come from the engine's ``Clock``: device events on an accelerator, the hos
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 import harness  # noqa: F401 - makes the pack importable as block_offload
 
 from block_offload.offload.device import Clock, synchronize
+from block_offload.offload.file_source import FileSlice, read_bandwidth
 from block_offload.offload.page_lock import pinned_host_buffer
 
 
@@ -55,3 +58,17 @@ def h2d_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
     ms = ms_per_call(lambda: target.copy_(host, non_blocking=pinned), device, steps=3, warmup=1)
     return nbytes / (ms / 1000.0) / 1e9
+
+
+def file_read_gbps(path: Path, nbytes: int = 1 << 30, chunk: int = 64 << 20) -> float | None:
+    """Reading up to ``nbytes`` of ``path`` as the pack's file tier reads a checkpoint (``read_bandwidth``:
+    positional reads of its slices), as the page cache holds the file now, in GB/s; None for an empty file."""
+    size = min(nbytes, path.stat().st_size)
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        unused = torch.empty(0, dtype=torch.uint8)  # the mapping, read from only where there is no positional read
+        slices = [FileSlice(handle, at, min(chunk, size - at), unused) for at in range(0, size, chunk)]
+        bandwidth = read_bandwidth(slices, limit=size)
+    finally:
+        os.close(handle)
+    return None if bandwidth is None else bandwidth / 1e9

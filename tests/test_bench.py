@@ -217,6 +217,8 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
     # Four steady steps per row are fewer than a median needs: the run says it is too noisy, and why.
     assert data["too_noisy"] and any("fewer than 7 steady steps" in line for line in data["noise"])
     assert "card budgets" in data["meta"] and "Dynamic VRAM rows" in data["meta"]
+    # Every row loaded the file the run wrote, whose reading it measured as the file tier reads.
+    assert "wan14b.safetensors" in data["meta"]["checkpoint"] and data["read_gbps"] > 0
     table = (tmp_path / "wan14b.md").read_text()
     assert table.count("\n| ") == 2 + len(expected) and "**Too noisy to tell 3 % apart:**" in table
     assert "Targets:" in table and "Measured on: device cpu" in table
@@ -364,6 +366,27 @@ def test_ratios_targets_and_statistics_from_known_figures(tmp_path: Path) -> Non
     chart = line_chart(lines, tmp_path / "chart.png", title="t", x_label="x", y_label="y")
     with Image.open(chart) as image:
         assert image.size == (1280, 600) and image.getpixel((5, 5)) == (255, 255, 255)
+
+
+def test_a_row_reading_its_file_at_every_step_is_bounded_by_those_reads_too() -> None:
+    """A node on a Dynamic VRAM model whose streamed blocks are partly read from the checkpoint file at every step
+    (the file tier) cannot beat those reads: its lower bound is the largest of the resident step, the copies
+    and the reads at the file's measured bandwidth; a row without reads keeps its bound."""
+    run = made_up_run()
+    run.read_gbps = 2.0
+    half = Budget(SHARE, 50 * GIB)
+    twin = Measurement(
+        "Partial GPU Residency, auto on a Dynamic VRAM model", half, (made_up_round(0, *[20000] * 7),),
+        int(50 * GIB), file_bytes=int(30 * GIB),
+    )  # fmt: skip
+    run.measurements.append(twin)
+    rows = {row["method"]: row for row in run.rows()}
+    reads_ms = 30 * GIB / 2e9 * 1000  # 16106 ms, above the copies' 5369 ms
+    assert rows[twin.method]["lower_bound_ms"] == pytest.approx(reads_ms)
+    assert rows[twin.method]["x_lower_bound"] == pytest.approx(20000 / reads_ms)
+    assert rows[AUTO]["lower_bound_ms"] == pytest.approx(50 * GIB / 10e9 * 1000)
+    table = markdown(run)
+    assert "the checkpoint file read at 2.0 GB/s" in table and "| 50.00, 30.00 from the file |" in table
 
 
 def test_two_measurements_of_one_placement_more_than_2_percent_apart_make_the_run_too_noisy() -> None:
