@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TypedDict
 
-import comfy.model_management
-import torch
 from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
 from ..offload import (
     GIB,
     NoBlocksError,
-    ResidencyPolicy,
     StepAside,
     platform_aside,
     step_aside,
@@ -22,121 +18,28 @@ from ..offload import (
 from . import report
 from .blocks import find_blocks, module_by_module_notice
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
+from .node_inputs import (
+    AUTO_POLICY,
+    MAX_GIB,
+    MAX_RESIDENT_BLOCKS,
+    MODEL_INPUT,
+    OUTPUT,
+    PIN_INPUT,
+    POLICIES,
+    STORAGE_DTYPES,
+    count_problem,
+    gib_problem,
+    policy_fields,
+    prefetch_input,
+    prefetch_problem,
+    problems,
+    refuse,
+    storage_dtype_problem,
+)
 from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed
 
 CATEGORY = "offload"
-# The placing nodes' default policy: the planner picks the resident blocks and the prefetch depth.
-AUTO_POLICY = "auto"
-POLICIES = [AUTO_POLICY, *(p.value for p in ResidencyPolicy)]
-# The widgets' ranges. A node that validates an input itself is not range-checked by ComfyUI, so
-# ``validate_inputs`` checks them against these too (API clients can send any value).
-MAX_PREFETCH = 8
-MAX_RESIDENT_BLOCKS = 1000
-MAX_GIB = 1024.0
-STORAGE_DTYPES: dict[str, torch.dtype | None] = {
-    "as loaded": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-
-MODEL_INPUT = io.Model.Input("model", tooltip="The diffusion model to stream. The model you connect stays unchanged.")
-OUTPUT = io.Model.Output(tooltip="A copy of the model that streams its blocks when it runs.")
-
-
-def _prefetch_input(what: str) -> io.Int.Input:
-    return io.Int.Input(
-        f"prefetch_{what}",
-        default=1,
-        min=0,
-        max=MAX_PREFETCH,
-        tooltip=f"How many {what} ahead are copied while the current one computes. Each costs one more "
-        f"buffer the size of the largest {what[:-1]}. 0 copies on demand (synchronous, for comparison).",
-    )
-
-
-PIN_INPUT = io.Boolean.Input(
-    "pin_memory",
-    default=True,
-    tooltip="Keep streamed weights in page-locked RAM so copies run asynchronously at full bus speed. "
-    "Turn off only if the system is short of RAM.",
-)
-
-
-def _problems(*problems: str | None) -> bool | str:
-    """``validate_inputs``' answer: True, or every problem found, each saying what to do.
-
-    An input fed by another node's output has no value yet when ComfyUI validates the prompt, and
-    is left out of the call: the ``validate_inputs`` parameters default to None, the checks skip it,
-    and ``execute`` (the engine's own checks) catches a bad value when the node runs."""
-    found = [problem for problem in problems if problem]
-    return " ".join(found) if found else True
-
-
-def _refuse(answer: bool | str) -> None:
-    """In ``execute``: what ``validate_inputs`` could not see (a value fed by another node) is checked now."""
-    if answer is not True:
-        raise ValueError(answer)
-
-
-def _count_problem(name: str, value: int | None, high: int, advice: str) -> str | None:
-    if value is None or 0 <= value <= high:
-        return None
-    return f"{name} is {value}; {advice}"
-
-
-def _prefetch_problem(name: str, value: int | None) -> str | None:
-    return _count_problem(name, value, MAX_PREFETCH, f"use 0 (copy on demand) to {MAX_PREFETCH}.")
-
-
-def _gib_problem(name: str, value: float | None, zero_means: str) -> str | None:
-    """A GiB amount: within the widget's range, and no more than the device ComfyUI runs models on has."""
-    if value is None:
-        return None
-    if not 0 <= value <= MAX_GIB:
-        return f"{name} is {value}; use 0 ({zero_means}) or a positive number of GiB up to {MAX_GIB:.0f}."
-    device = comfy.model_management.get_torch_device()
-    if value == 0 or not streaming_allowed(device):  # the node passes the model through on the CPU
-        return None
-    total = comfy.model_management.get_total_memory(device)
-    if value * GIB > total:
-        return (
-            f"{name} is {value:.1f} GiB but the device ({device}) has {total / GIB:.1f} GiB; "
-            f"use less, or 0 ({zero_means})."
-        )
-    return None
-
-
-def _storage_dtype_problem(name: str | None) -> str | None:
-    if name is None:
-        return None
-    if name not in STORAGE_DTYPES:
-        return f"storage_dtype is {name!r}; use one of: {', '.join(STORAGE_DTYPES)}."
-    dtype = STORAGE_DTYPES[name]
-    device = comfy.model_management.get_torch_device()
-    if dtype is not None and not comfy.model_management.supports_cast(device, dtype):
-        return (
-            f"storage_dtype is {name} but ComfyUI cannot cast {name} weights on this device ({device}); "
-            "use fp16, bf16 or as loaded."
-        )
-    return None
-
-
-class _PolicyFields(TypedDict):
-    """The fields of an ``OffloadRequest`` a policy widget sets."""
-
-    policy: ResidencyPolicy
-    auto_placement: bool
-
-
-def _policy(name: str) -> _PolicyFields:
-    """A policy widget's request fields. An automatic placement's first, measuring run is strided."""
-    if name not in POLICIES:
-        raise ValueError(f"policy is {name!r}; use one of: {', '.join(POLICIES)}.")
-    auto = name == AUTO_POLICY
-    return {"policy": ResidencyPolicy.STRIDED if auto else ResidencyPolicy(name), "auto_placement": auto}
 
 
 def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
@@ -204,7 +107,7 @@ class AsyncBlockOffload(io.ComfyNode):
                     tooltip="How many blocks stay on the GPU (which ones: policy). The rest stream. More resident "
                     "blocks: faster, more VRAM.",
                 ),
-                _prefetch_input("blocks"),
+                prefetch_input("blocks"),
                 PIN_INPUT,
                 io.Combo.Input(
                     "policy",
@@ -222,14 +125,14 @@ class AsyncBlockOffload(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, resident_blocks: int | None = None, prefetch_blocks: int | None = None) -> bool | str:
-        return _problems(
-            _count_problem(
+        return problems(
+            count_problem(
                 "resident_blocks",
                 resident_blocks,
                 MAX_RESIDENT_BLOCKS,
                 "use 0 (every block streams) up to the model's number of blocks.",
             ),
-            _prefetch_problem("prefetch_blocks", prefetch_blocks),
+            prefetch_problem("prefetch_blocks", prefetch_blocks),
         )
 
     @classmethod
@@ -241,13 +144,13 @@ class AsyncBlockOffload(io.ComfyNode):
         pin_memory: bool,
         policy: str = AUTO_POLICY,
     ):
-        _refuse(cls.validate_inputs(resident_blocks, prefetch_blocks))
+        refuse(cls.validate_inputs(resident_blocks, prefetch_blocks))
         request = OffloadRequest(
             "Async Block Offload",
             resident_blocks=resident_blocks,
             prefetch=prefetch_blocks,
             pin_memory=pin_memory,
-            **_policy(policy),
+            **policy_fields(policy),
         )
         return _prepare(model, request)
 
@@ -283,7 +186,7 @@ class PartialGPUResidency(io.ComfyNode):
                     "a prefetch depth, or a ring of every byte the resident blocks leave, copying as far ahead "
                     "as it holds (prefetch_blocks then applies to the other policies only).",
                 ),
-                _prefetch_input("blocks"),
+                prefetch_input("blocks"),
                 PIN_INPUT,
             ],
             outputs=[OUTPUT],
@@ -291,20 +194,20 @@ class PartialGPUResidency(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, vram_budget_gb: float | None = None, prefetch_blocks: int | None = None) -> bool | str:
-        return _problems(
-            _gib_problem("vram_budget_gb", vram_budget_gb, "automatic"),
-            _prefetch_problem("prefetch_blocks", prefetch_blocks),
+        return problems(
+            gib_problem("vram_budget_gb", vram_budget_gb, "automatic"),
+            prefetch_problem("prefetch_blocks", prefetch_blocks),
         )
 
     @classmethod
     def execute(cls, model: ModelPatcher, vram_budget_gb: float, policy: str, prefetch_blocks: int, pin_memory: bool):
-        _refuse(cls.validate_inputs(vram_budget_gb, prefetch_blocks))
+        refuse(cls.validate_inputs(vram_budget_gb, prefetch_blocks))
         request = OffloadRequest(
             "Partial GPU Residency",
             budget_bytes=int(vram_budget_gb * GIB),
             prefetch=prefetch_blocks,
             pin_memory=pin_memory,
-            **_policy(policy),
+            **policy_fields(policy),
         )
         return _prepare(model, request)
 
@@ -337,7 +240,7 @@ class SequentialOffloadWrapper(io.ComfyNode):
                     tooltip="After the first step, the most frequently used modules are kept on the GPU "
                     "up to this many GiB. 0 keeps none.",
                 ),
-                _prefetch_input("modules"),
+                prefetch_input("modules"),
                 PIN_INPUT,
             ],
             outputs=[OUTPUT],
@@ -347,17 +250,17 @@ class SequentialOffloadWrapper(io.ComfyNode):
     def validate_inputs(
         cls, storage_dtype: str | None = None, vram_limit_gb: float | None = None, prefetch_modules: int | None = None
     ) -> bool | str:
-        return _problems(
-            _storage_dtype_problem(storage_dtype),
-            _gib_problem("vram_limit_gb", vram_limit_gb, "keep no module on the device"),
-            _prefetch_problem("prefetch_modules", prefetch_modules),
+        return problems(
+            storage_dtype_problem(storage_dtype),
+            gib_problem("vram_limit_gb", vram_limit_gb, "keep no module on the device"),
+            prefetch_problem("prefetch_modules", prefetch_modules),
         )
 
     @classmethod
     def execute(
         cls, model: ModelPatcher, storage_dtype: str, vram_limit_gb: float, prefetch_modules: int, pin_memory: bool
     ):
-        _refuse(cls.validate_inputs(storage_dtype, vram_limit_gb, prefetch_modules))
+        refuse(cls.validate_inputs(storage_dtype, vram_limit_gb, prefetch_modules))
         request = OffloadRequest(
             "Sequential Offload Wrapper",
             sequential=True,
