@@ -11,10 +11,11 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from .device import copy_stream, current_stream, free_device_bytes, is_accelerator
-from .host_blocks import HostBlocks, StreamedBlock
+from .host_blocks import HostBlocks
 from .layout import TensorForm, aligned
 from .reader import FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
+from .streamed_block import StreamedBlock
 from .timeline import TimelineRecorder
 
 #: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step

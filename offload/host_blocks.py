@@ -4,89 +4,25 @@ companions packed beside them, and what becomes of them when streaming stops: re
 or parked (``offload/parking.py``) for the next streamer of the same modules to take over as they are.
 
 ``BlockStreamer`` owns one and runs the device side (ring, copies, hooks) from the ``StreamedBlock`` records it
-keeps; each record also carries the device side's few per-block fields (events, cached views).
+keeps (``offload/streamed_block.py``).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .companions import PackedCompanions
 from .file_source import FileSlice
-from .layout import BlockLayout, DtypeOf, aligned
+from .layout import BlockLayout, DtypeOf
 from .page_lock import pinned_allocation_bytes, unpin_host_buffer
 from .parking import ParkedBuffer, ParkingLot, leave, signature
 from .pinning import HostMemory, PinnedShare
 from .reader import BlockRead
-from .timeline import CopyRecord
-
-
-@dataclass
-class StreamedBlock:
-    """The host side of a streamed block: its packed tensors and where they came from."""
-
-    layout: BlockLayout
-    storage: BlockLayout
-    host: torch.Tensor
-    host_views: tuple[torch.Tensor, ...]
-    origin_device: torch.device
-    # Kept with a lossy storage dtype (restoring from the rounded copy would change the model), and for a
-    # block whose weights are views of their file (they cost no memory, and restoring copies nothing).
-    originals: tuple[torch.Tensor, ...] | None = None
-    pinned: bool = False
-    pinned_bytes: int = 0  # reserved in the pin budget (an allocator may round the buffer up)
-    # Why a block that wanted pinned memory has pageable memory: the budget refused it ("cap") or the
-    # driver refused to register it ("driver").
-    pageable_because: str | None = None
-    # The device side: events made once, with the ring; the copy that filled its region, until its call.
-    ready: torch.Event | None = None
-    released: torch.Event | None = None
-    released_once: bool = False
-    copy: CopyRecord | None = None
-    device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
-    # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
-    read: BlockRead | None = None
-    file_backed: bool = False  # ``originals`` are views of the file
-    # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
-    companions: PackedCompanions | None = None
-    # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
-    content: Hashable = None
-    # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
-    fresh: bool = False
-
-    def point_at_originals(self) -> None:
-        """Points the block's tensors back at its originals: its file's views, or the copy a storage dtype kept."""
-        assert self.originals is not None, "only a block read from its file, from a file or cast to a storage dtype"
-        self.layout.point_at(self.layout.assemble(self.originals))
-
-    def restore(self, device: torch.device) -> None:
-        """Points the block's tensors at their own memory on ``device`` again. A pageable host buffer already on
-        ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
-        twice while another model waits for the memory. A pinned one is copied, not to leave the model
-        page-locked."""
-        sources = self.originals if self.originals is not None else self.storage.part_views(self.host)
-        adopt_host = (
-            self.originals is None
-            and not self.pinned
-            and self.host.device == device
-            and all(source.dtype == part.dtype for part, source in zip(self.layout.parts, sources, strict=True))
-        )
-        restored = tuple(
-            source if adopt_host else source.to(device=device, dtype=part.dtype, copy=True)
-            for part, source in zip(self.layout.parts, sources, strict=True)
-        )
-        self.layout.point_at(self.layout.assemble(restored))
-
-    @property
-    def region_bytes(self) -> int:
-        """The ring bytes the block takes: its own, then its companions'."""
-        extra = self.companions.layout.nbytes if self.companions is not None else 0
-        return aligned(self.layout.nbytes) + extra
+from .streamed_block import StreamedBlock
 
 
 class HostBlocks:

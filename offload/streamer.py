@@ -50,12 +50,13 @@ from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
 from .hooks import hook_calls, hook_step
-from .host_blocks import HostBlocks, StreamedBlock
+from .host_blocks import HostBlocks
 from .layout import DtypeOf
 from .page_lock import can_pin_memory
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .ring import copy_ahead
+from .streamed_block import StreamedBlock
 from .timeline import TimelineRecorder
 from .views import StreamerViews
 

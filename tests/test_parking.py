@@ -17,7 +17,7 @@ from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader
-from block_offload.offload.host_blocks import StreamedBlock
+from block_offload.offload.streamed_block import StreamedBlock
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
