@@ -37,7 +37,6 @@ class Comfy:
 
     mm: ModuleType
     detection: ModuleType
-    patcher: ModuleType
     sd: ModuleType
     nodes: ModuleType  # this pack's nodes
     offload: ModuleType  # this pack's engine, as the nodes see it
@@ -83,7 +82,6 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
     no_dynamic_vram = "smoke runs on the CPU" if smoke else enable_dynamic_vram()
     import comfy.model_detection
     import comfy.model_management
-    import comfy.model_patcher
     import comfy.sd
     import folder_paths
 
@@ -94,7 +92,6 @@ def import_comfy(smoke: bool, user_dir: Path) -> Comfy:
     return Comfy(
         comfy.model_management,
         comfy.model_detection,
-        comfy.model_patcher,
         comfy.sd,
         nodes,
         offload,
@@ -160,14 +157,12 @@ def load_file(comfy: Comfy, path: Path, device: torch.device, dtype: torch.dtype
     Offloading is to host memory, whatever ComfyUI's VRAM state would pick for a model this size."""
     options = {"dtype": dtype, "load_device": device, "offload_device": torch.device("cpu")}
     if dynamic:
-        return comfy.sd.load_diffusion_model(str(path), model_options=options)
-    extra = (
-        {"disable_dynamic": True}
-        if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model).parameters
-        else {}
-    )
-    with dynamic_vram_off():
-        model = comfy.sd.load_diffusion_model(str(path), model_options=options, **extra)
+        model = comfy.sd.load_diffusion_model(str(path), model_options=options)
+    else:
+        loader = comfy.sd.load_diffusion_model
+        classic = {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(loader).parameters else {}
+        with dynamic_vram_off():
+            model = loader(str(path), model_options=options, **classic)
     model.model.eval()
     return model
 
