@@ -159,7 +159,11 @@ class HostMemory:
         register it). It is filled once, whichever it turns out to be."""
         reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
         pin = self.pin_memory and (self.share is None or self.share.reserve(reserved))
-        host, pinned = filled_host_buffer(nbytes, fill, pin=pin)
+        try:
+            host, pinned = filled_host_buffer(nbytes, fill, pin=pin)
+        except BaseException:
+            self.release(reserved if pin else 0)  # a fill that failed (its file changed): nothing was kept
+            raise
         if pinned:
             return host, reserved, None
         self.release(reserved if pin else 0)  # the driver refused: pageable memory

@@ -27,6 +27,8 @@ from harness.inprocess import async_offload, sample, wan
 from block_offload.offload import PinnedMemoryBudget, cost_cache, device_ring, page_lock, planner, use_host_registrar
 from block_offload.offload import device as device_module
 from block_offload.offload import streamer as streamer_module
+from block_offload.offload.file_source import FileChangedError
+from block_offload.offload.pinning import HostMemory
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
 
@@ -239,6 +241,40 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
     assert len(high.offload_engine.runner.refused_pinning) == STREAMED // 2  # gave back its second half
     assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
     assert torch.equal(sample(comfy, high), reference)
+
+
+def test_a_buffer_whose_filling_fails_keeps_nothing_reserved_or_registered() -> None:
+    """A host buffer is filled, then registered. A fill that raises (a block read from a file that changed under
+    it) leaves nothing in the pin budget and nothing registered; the next buffer is filled, registered, and
+    unregistered when its memory goes."""
+    registered: list[int] = []
+
+    class Registrar:
+        def register(self, pointer: int, nbytes: int) -> bool:
+            registered.append(pointer)
+            return True
+
+        def unregister(self, pointer: int) -> bool:
+            registered.remove(pointer)
+            return True
+
+    def fail(host: torch.Tensor) -> None:
+        raise FileChangedError("the checkpoint changed")
+
+    use_host_registrar(Registrar())
+    try:
+        budget = PinnedMemoryBudget(MIB)
+        memory = HostMemory(True, budget.share())
+        with pytest.raises(FileChangedError):
+            memory.buffer(4096, fail)
+        assert budget.used == 0 and registered == []
+        host, reserved, pageable_because = memory.buffer(4096, lambda host: host.fill_(7))
+        assert (reserved, pageable_because, budget.used) == (4096, None, 4096) and bool((host == 7).all())
+        assert registered == [host.data_ptr()]
+        del host
+        assert registered == []
+    finally:
+        use_host_registrar(None)
 
 
 def test_even_split_of_the_pin_budget() -> None:
