@@ -70,7 +70,7 @@ from harness.comfy_host import REPO
 from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS, Checkpoint
 from bench.comfy_models import Comfy, cannot_load, import_comfy, load_file, load_model, make_inputs
 from bench.configs import Bases, configs
-from bench.measure import measure_all, measure_round, progress
+from bench.measure import OUT_OF_MEMORY, measure_all, measure_round, progress
 from bench.plot import line_chart
 from bench.results import (
     CARD,
@@ -150,20 +150,21 @@ def measure_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace
         budgets += [Budget(CARD, int(gib * GIB)) for gib in args.cards]
     elif args.cards:
         notes["card budgets"] = "skipped: a card is imposed by a filler allocation on a CUDA device"
-    out_of_memory: list[str] = []
+    dropped: dict[str, str] = {}
     measurements = measure_all(
         configs(comfy, bases, budgets, args.rows),
         args.rounds,
         lambda config: measure_round(comfy, config, inputs, args.steps, need),
-        out_of_memory,
+        dropped,
     )
     comfy.mm.NUM_STREAMS = 2
     meta = run_meta(device, args)
     meta["wall time"] = f"{time.perf_counter() - started:.0f} s"
     meta.update(notes)
-    if out_of_memory:
-        meta["out of device memory"] = "; ".join(out_of_memory)
-    return ModelRun(checkpoint.name, checkpoint.title, model_bytes, bandwidth, measurements, meta)
+    if dropped:
+        meta["dropped rows"] = "; ".join(f"{row}: {why}" for row, why in dropped.items())
+    failed = tuple(row for row, why in dropped.items() if why != OUT_OF_MEMORY)
+    return ModelRun(checkpoint.name, checkpoint.title, model_bytes, bandwidth, measurements, meta, failed=failed)
 
 
 def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         comfy = import_comfy(args.smoke, Path(user_dir))
         bandwidth = h2d_bandwidth_gbps(device, nbytes=(64 << 20) if args.smoke else (1 << 30))
+        failed: list[str] = []
         for name in args.models:
             checkpoint = (SMOKE_CHECKPOINTS if args.smoke else CHECKPOINTS)[name]
             reason = cannot_load(checkpoint)
@@ -276,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(markdown(run))
             print(f"wrote {data}, {table}, {chart}")
+            failed += [f"{name}: {row}" for row in run.failed]
+    if failed:
+        # The tables are written, without these rows; the exit status says a row has a bug to fix.
+        progress(f"comfy_bench: rows that raised (tracebacks above): {'; '.join(failed)}")
+        return 1
     return 0
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -32,6 +33,8 @@ from bench.results import (
 from bench.timing import ms_of_each_call
 from block_offload.offload.device import synchronize
 
+# Why a row was dropped when a budget leaves it too little device memory: a result, not a failure.
+OUT_OF_MEMORY = "out of device memory"
 # Host memory is sampled less often than the device: a sample reads /proc, and the steps must not feel it.
 HOST_SAMPLE_INTERVAL_S = 0.01
 
@@ -190,11 +193,12 @@ def measure_all(
     groups: list[list[Config]],
     rounds: int,
     measure: Callable[[Config], tuple[Round, Placed]],
-    out_of_memory: list[str],
+    dropped: dict[str, str],
 ) -> list[Measurement]:
     """Every configuration over ``rounds`` interleaved rounds, in the groups' order. An automatic placement
     measures its costs on its first load: that load is a row of its own, before the rounds. A configuration
-    out of device memory is dropped (and named in ``out_of_memory``) rather than cost the others."""
+    that runs out of device memory or fails is dropped, and named in ``dropped`` (row: why), rather than cost
+    the others their figures (a device session is scarce: one row's bug must not lose the table)."""
     done: dict[Config, list[Round]] = {}
     where: dict[Config, Placed] = {}
     first_runs: dict[Config, Measurement] = {}
@@ -203,10 +207,13 @@ def measure_all(
     def attempt(config: Config) -> tuple[Round, Placed] | None:
         try:
             return measure(config)
-        except torch.OutOfMemoryError:
+        except Exception as error:  # noqa: BLE001 - any row's failure: named, and the others measured
             budget = "" if config.budget is None else f" at {config.budget.nbytes / GIB:.2f} GiB ({config.budget.kind})"
-            progress(f"{config.method}{budget}: out of device memory")
-            out_of_memory.append(config.method + budget)
+            why = OUT_OF_MEMORY if isinstance(error, torch.OutOfMemoryError) else repr(error)
+            progress(f"{config.method}{budget}: {why}")
+            if why != OUT_OF_MEMORY:
+                progress(traceback.format_exc())
+            dropped[config.method + budget] = why
             failed.add(config)
             return None
 

@@ -192,6 +192,7 @@ class ModelRun:
     measurements: list[Measurement]
     meta: dict[str, str] = field(default_factory=dict)  # device, driver, torch, commit, command, date
     read_gbps: float | None = None  # reading the checkpoint file as the file tier does, warm; None: not measured
+    failed: tuple[str, ...] = ()  # rows dropped because they raised (a bug to fix, unlike a row out of memory)
 
     @property
     def resident_ms(self) -> float:
