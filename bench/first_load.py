@@ -24,6 +24,7 @@ the streamed blocks inline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -37,11 +38,12 @@ from types import SimpleNamespace
 
 import torch
 
-from harness import safetensors_writer, tiny_specs
+from harness import tiny_specs
 from harness.comfy_host import resolve_comfyui_path
 from harness.inprocess import in_process_comfy, sample
 
-from bench.checkpoints import resized
+from bench.checkpoints import CHECKPOINTS, WAN14B, Checkpoint, resized
+from bench.comfy_models import write_checkpoint
 
 NODES = ("partial", "async")
 
@@ -58,18 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def write_checkpoint(path: Path, dim: int, ffn: int, layers: int) -> int:
-    """A Wan 2.1-shaped file of ``layers`` blocks at width ``dim``, bf16 weights N(0, 0.02); its bytes."""
-    specs = resized(tiny_specs.wan21_specs, WAN21_DIM=dim, WAN21_FFN_DIM=ffn, WAN21_LAYERS=layers)()
-    shapes = {spec.key: spec.shape for spec in specs}
-    generator = torch.Generator().manual_seed(0)
-
-    def tensor_for(key: str) -> torch.Tensor:
-        return (torch.randn(shapes[key], generator=generator) * 0.02).to(torch.bfloat16)
-
-    layout = [(key, torch.bfloat16, shape) for key, shape in shapes.items()]
-    safetensors_writer.save_safetensors(path, layout, tensor_for, {})
-    return path.stat().st_size
+def wan_checkpoint(dim: int, ffn: int, layers: int) -> Checkpoint:
+    """The benchmark's Wan 2.1 14B checkpoint with ``layers`` blocks at width ``dim`` (``ffn`` in its MLPs)."""
+    layout = resized(tiny_specs.wan21_specs, WAN21_DIM=dim, WAN21_FFN_DIM=ffn, WAN21_LAYERS=layers)
+    return dataclasses.replace(CHECKPOINTS[WAN14B], name=f"wan-{layers}-blocks", layout=layout)
 
 
 def streamed(comfy: SimpleNamespace, node: str, model, budget: float):
@@ -110,8 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         folder_paths.set_user_directory(folder)  # no measured costs: the automatic placement's first load
-        path = Path(folder) / "wan-40-blocks.safetensors"
-        size = write_checkpoint(path, args.dim, args.ffn, args.layers)
+        checkpoint = wan_checkpoint(args.dim, args.ffn, args.layers)
+        shapes = checkpoint.shapes(torch.bfloat16)
+        path = write_checkpoint(checkpoint, shapes, torch.device("cpu"), torch.bfloat16, Path(folder))
+        size = path.stat().st_size
         print(f"checkpoint: {args.layers} Wan 2.1 blocks at width {args.dim}, {size / 1e9:.2f} GB (bf16)")
         sides: dict[str, Callable | None] = {
             "ComfyUI": None,
