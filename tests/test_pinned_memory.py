@@ -24,7 +24,15 @@ import torch
 
 from harness.inprocess import async_offload, sample, wan
 
-from block_offload.offload import PinnedMemoryBudget, cost_cache, device_ring, page_lock, planner, use_host_registrar
+from block_offload.offload import (
+    CudaHostRegistrar,
+    PinnedMemoryBudget,
+    cost_cache,
+    device_ring,
+    page_lock,
+    planner,
+    use_host_registrar,
+)
 from block_offload.offload import device as device_module
 from block_offload.offload import streamer as streamer_module
 from block_offload.offload.file_source import FileChangedError
@@ -243,36 +251,28 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
     assert torch.equal(sample(comfy, high), reference)
 
 
-def test_a_buffer_whose_filling_fails_keeps_nothing_reserved_or_registered() -> None:
-    """A host buffer is filled, then registered. A fill that raises (a block read from a file that changed under
-    it) leaves nothing in the pin budget and nothing registered; the next buffer is filled, registered, and
-    unregistered when its memory goes."""
-    registered: list[int] = []
-
-    class Registrar:
-        def register(self, pointer: int, nbytes: int) -> bool:
-            registered.append(pointer)
-            return True
-
-        def unregister(self, pointer: int) -> bool:
-            registered.remove(pointer)
-            return True
+def test_a_buffer_whose_filling_fails_keeps_nothing_reserved_or_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host buffer is filled, then registered (the engine's own registrar, over a fake ``cudart``). A fill that
+    raises (a block read from a file that changed under it) leaves nothing in the pin budget and nothing
+    registered; the next buffer is filled, registered, and unregistered when its memory goes."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
 
     def fail(host: torch.Tensor) -> None:
         raise FileChangedError("the checkpoint changed")
 
-    use_host_registrar(Registrar())
+    use_host_registrar(CudaHostRegistrar())
     try:
         budget = PinnedMemoryBudget(MIB)
         memory = HostMemory(True, budget.share())
         with pytest.raises(FileChangedError):
             memory.buffer(4096, fail)
-        assert budget.used == 0 and registered == []
+        assert budget.used == 0 and fake.registered == {}
         host, reserved, pageable_because = memory.buffer(4096, lambda host: host.fill_(7))
         assert (reserved, pageable_because, budget.used) == (4096, None, 4096) and bool((host == 7).all())
-        assert registered == [host.data_ptr()]
+        assert fake.registered == {host.data_ptr(): 4096}
         del host
-        assert registered == []
+        assert fake.registered == {}
     finally:
         use_host_registrar(None)
 
