@@ -107,9 +107,8 @@ def run_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, de
             notes["Dynamic VRAM rows"] = f"skipped: {why_not}"
         # ComfyUI's default on NVIDIA: the same file mapped, its weights read from it as they are needed.
         dynamic = None if why_not is not None else load_file(comfy, path, device, dtype, dynamic=True)
-        run = measure_model(comfy, checkpoint, args, device, bandwidth, classic, dynamic, notes, started)
-        run.read_gbps = read_gbps
-        return run
+        return measure_model(comfy, checkpoint, shapes, args, device, bandwidth, read_gbps, classic, dynamic, notes,
+                             started)  # fmt: skip
     finally:
         path.unlink()
 
@@ -125,10 +124,11 @@ def no_dynamic_vram_rows(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Na
     return None
 
 
-def measure_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace, device: torch.device,
-                  bandwidth: float, classic, dynamic, notes: dict[str, str], started: float) -> ModelRun:  # fmt: skip
-    """Every configuration on the ``classic`` model and its ``dynamic`` load (None: no Dynamic VRAM rows)."""
-    shapes = checkpoint.shapes(torch.float32 if args.smoke else torch.bfloat16)
+def measure_model(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], args: argparse.Namespace,
+                  device: torch.device, bandwidth: float, read_gbps: float | None, classic, dynamic,
+                  notes: dict[str, str], started: float) -> ModelRun:  # fmt: skip
+    """Every configuration on the ``classic`` model and its ``dynamic`` load (None: no Dynamic VRAM rows);
+    ``bandwidth``: pinned host-to-device, ``read_gbps``: the checkpoint file's read, in GB/s."""
     # As stored (quantized data and scales), as the pack's plan counts them: budgets and lower bounds in these.
     model_bytes = comfy.offload.module_bytes(classic.model.diffusion_model)
     progress(
@@ -164,7 +164,16 @@ def measure_model(comfy: Comfy, checkpoint: Checkpoint, args: argparse.Namespace
     if dropped:
         meta["dropped rows"] = "; ".join(f"{row}: {why}" for row, why in dropped.items())
     failed = tuple(row for row, why in dropped.items() if why != OUT_OF_MEMORY)
-    return ModelRun(checkpoint.name, checkpoint.title, model_bytes, bandwidth, measurements, meta, failed=failed)
+    return ModelRun(
+        checkpoint.name,
+        checkpoint.title,
+        model_bytes,
+        bandwidth,
+        measurements,
+        meta,
+        read_gbps=read_gbps,
+        failed=failed,
+    )
 
 
 def run_meta(device: torch.device, args: argparse.Namespace) -> dict[str, str]:
