@@ -77,8 +77,23 @@ class HostBlocks:
         self._companion_tensors = dict(companions)
         self.parking = parking
         self.blocks: dict[int, StreamedBlock] = {}
-        self.packed_bytes = 0  # copied into host buffers by ``pack`` since the last start (adopted or file-tier: none)
+        self.packed_bytes = 0  # copied into host buffers by ``pack`` since ``pack_all`` (adopted or file-tier: none)
         self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
+
+    def pack_all(self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None) -> None:
+        """Every block of ``blocks`` (index: module) packed, in index order, ``packed_bytes`` counting this
+        start's copies; ``progress(done, total)`` hears each. A failure (a host's interrupt raised from
+        ``progress``, a fill that raises) leaves every block packed so far on memory of its own again."""
+        self.packed_bytes = 0
+        order = sorted(blocks)
+        try:
+            for done, index in enumerate(order, 1):
+                self.pack(index, blocks[index])
+                if progress is not None:
+                    progress(done, len(order))
+        except BaseException:
+            self.let_go(park=False)
+            raise
 
     def pack(self, index: int, block: nn.Module) -> StreamedBlock:
         """Block ``index`` (``block``) moved into its host buffer, a parked one taken over, or left in its file."""

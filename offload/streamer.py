@@ -181,16 +181,7 @@ class BlockStreamer(StreamerViews):
         each block packed (a first load packs gigabytes)."""
         if self.enabled:
             return
-        order = sorted(self.streamed)
-        self.host.packed_bytes = 0  # this start's copies
-        try:
-            for done, index in enumerate(order, 1):
-                self.host.pack(index, self.blocks[index])
-                if progress is not None:
-                    progress(done, len(order))  # a host's interrupt may raise here
-        except BaseException:
-            self.host.let_go(park=False)  # the blocks packed so far, on memory of their own again
-            raise
+        self.host.pack_all({index: self.blocks[index] for index in self.streamed}, progress)
         self.files.start()
         self._handles = hook_calls(self.blocks, self.holders, self._call_begins, self._call_ends, self._after_call)
         if self.root is not None:

@@ -14,11 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.fake_cudart import FakeCudart
 from harness.mapped_file import MappedFile
 from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, FileChangedError, SequentialOffloader, TimelineRecorder, file_source
+from block_offload.offload import (
+    BlockStreamer,
+    CudaHostRegistrar,
+    FileChangedError,
+    SequentialOffloader,
+    TimelineRecorder,
+    file_source,
+    use_host_registrar,
+)
 
 CPU = torch.device("cpu")
 
@@ -76,6 +85,29 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     # The module holds its file's views again: nothing was copied into memory of its own.
     assert {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()} == views
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
+
+
+def test_staging_slots_are_faulted_in_before_the_driver_registers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging slots are pinned as host buffers are: their fresh pages first touched on torch's threads (zeroed),
+    so the driver's registration, on one thread, finds them in memory (CUDA's runtime faked, the engine's real
+    registrar). Blocks of 50 MB: over glibc's largest mmap threshold (32 MiB), every slot is fresh memory."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    model, mapped = _mapped_stack(tmp_path, blocks=2, dim=1024)
+    x = torch.randn(1, 4, 1024)
+    use_host_registrar(CudaHostRegistrar())
+    try:
+        streamer = _streamer(mapped, range(2), pin_memory=True)
+        streamer.enable()
+        assert streamer.staging_bytes > 2 * 32 * 2**20 and fake.pinned == streamer.staging_bytes
+        assert list(fake.resident_at_registration.values()) == [1.0, 1.0]
+        assert torch.equal(forward_steps(mapped.module, x, steps=1)[0], forward_steps(model, x, steps=1)[0])
+        streamer.disable()
+        assert fake.registered == {}
+    finally:
+        use_host_registrar(None)
 
 
 def test_a_file_stored_in_fp32_is_read_as_stored_and_cast_on_the_device(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.fake_cudart import FakeCudart
 from harness.inprocess import async_offload, sample, wan
 
 from block_offload.offload import (
@@ -42,33 +43,6 @@ pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
 
 STREAMED = 4  # async_offload(resident=1) of the tiny Wan's 5 blocks
 MIB = 2**20
-
-
-class FakeCudart:
-    """``torch.cuda.cudart()`` for a machine without CUDA: registrations succeed until ``fail`` is set."""
-
-    def __init__(self) -> None:
-        self.registered: dict[int, int] = {}
-        self.flags: set[int] = set()
-        self.fail = False
-        self.failures = 0
-        self.held_at_registration: dict[int, int] = {}  # by pointer: a checksum of the bytes there when asked
-
-    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
-        self.flags.add(flags)
-        self.held_at_registration[pointer] = zlib.crc32(ctypes.string_at(pointer, nbytes))
-        if self.fail:
-            self.failures += 1
-            return 2  # cudaErrorMemoryAllocation
-        self.registered[pointer] = nbytes
-        return 0
-
-    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
-        return 0 if self.registered.pop(pointer, None) is not None else 1
-
-    @property
-    def pinned(self) -> int:
-        return sum(self.registered.values())
 
 
 @pytest.fixture

@@ -1,0 +1,55 @@
+"""CUDA's runtime for a machine without CUDA (``torch.cuda.cudart()`` replaced by ``FakeCudart``): page-locking
+succeeds or fails as a test says, behind the engine's real registrar, and each registration notes what the
+memory held then and how much of it was already faulted in (``resident_share``)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import zlib
+
+PAGE = mmap.PAGESIZE
+
+
+def resident_share(pointer: int, nbytes: int) -> float:
+    """The share of the pages under ``[pointer, pointer + nbytes)`` that are in memory now (Linux ``mincore``):
+    0 for fresh anonymous memory nothing has touched yet. Reading a page maps it too: ask before reading."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    start = pointer - pointer % PAGE
+    length = pointer + nbytes - start
+    pages = -(-length // PAGE)
+    vector = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(byte & 1 for byte in vector) / pages
+
+
+class FakeCudart:
+    """``torch.cuda.cudart()`` for a machine without CUDA: registrations succeed until ``fail`` is set."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.flags: set[int] = set()
+        self.fail = False
+        self.failures = 0
+        # By pointer, at each registration: the share of its pages already faulted in, and a checksum of its bytes.
+        self.resident_at_registration: dict[int, float] = {}
+        self.held_at_registration: dict[int, int] = {}
+
+    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.flags.add(flags)
+        self.resident_at_registration[pointer] = resident_share(pointer, nbytes)
+        self.held_at_registration[pointer] = zlib.crc32(ctypes.string_at(pointer, nbytes))
+        if self.fail:
+            self.failures += 1
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[pointer] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:  # noqa: N802
+        return 0 if self.registered.pop(pointer, None) is not None else 1
+
+    @property
+    def pinned(self) -> int:
+        return sum(self.registered.values())
