@@ -18,7 +18,7 @@ import torch
 
 from ..offload import memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
-from ..offload.timeline import StepTimeline
+from ..offload.step_timeline import StepTimeline
 from .engine import Engine
 from .panel_run import RunRecord
 from .status_schema import (

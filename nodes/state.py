@@ -11,7 +11,7 @@ from ..offload import ParkingLot
 from .load_protocol import LoadProtocol
 
 if TYPE_CHECKING:
-    from .engine import PatchHistory
+    from .engine_runner import PatchHistory
     from .placement import Fallback
 
 _ATTRIBUTE = "block_offload_state"

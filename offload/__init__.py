@@ -27,8 +27,9 @@ from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
 from .simulator import simulate
 from .step_aside import StepAside, platform_aside, step_aside
+from .step_timeline import BlockSpan, ReadSpan, StepTimeline
 from .streamer import BlockStreamer
-from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
+from .timeline import TimelineRecorder
 
 __all__ = [
     "GIB",
