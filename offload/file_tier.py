@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from .device_ring import DeviceRing
 from .file_source import FileSlice, FileStamp, stamps
 from .host_blocks import HostBlocks
@@ -45,9 +43,7 @@ class FileTier:
         slot_bytes = max(read.nbytes for read in reads)
         slots = []
         for _ in range(self.staging_slots):
-            # Zeroed before registration, as a host buffer is filled before: its pages faulted in on torch's
-            # threads, not inside the driver's registration on one.
-            slot, reserved, _ = self.host.memory.buffer(slot_bytes, _zero)
+            slot, reserved, _ = self.host.memory.buffer(slot_bytes)
             self._slot_reservation += reserved
             slots.append(slot)
         self.reader = self.ring.reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
@@ -126,7 +122,3 @@ class FileTier:
         """The file slices of the file-tier blocks, in block order."""
         blocks = sorted(self.host.blocks.items())
         return tuple(source for _, state in blocks if state.read for source in state.read.slices())
-
-
-def _zero(slot: torch.Tensor) -> None:
-    slot.zero_()

@@ -124,7 +124,8 @@ def filled_host_buffer(
     goes, torch finalizes the storage's weak references before it releases the memory.
     It is filled first and registered after: fresh pages are first touched (faulted in and zeroed by the
     kernel) by whoever touches them first, and ``cudaHostRegister`` touches them on one thread, where the
-    fill's copies spread them over torch's threads (``bench/pinning.py`` times both orders).
+    fill's copies spread them over torch's threads (``bench/pinning.py`` times both orders). A buffer to
+    register with nothing to fill is zeroed first, for the same reason.
     """
     registrar = host_registrar()
     if pin and registrar is None:  # other accelerators: torch's way, filled once pinned
@@ -138,6 +139,8 @@ def filled_host_buffer(
         fill(host)
     if not pin or registrar is None:
         return host, pin
+    if fill is None:
+        host.zero_()  # nothing to write yet (a staging slot): touched all the same, on torch's threads
     return host, _register(registrar, host)
 
 
