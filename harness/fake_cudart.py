@@ -10,17 +10,17 @@ import mmap
 import zlib
 
 PAGE = mmap.PAGESIZE
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def resident_share(pointer: int, nbytes: int) -> float:
     """The share of the pages under ``[pointer, pointer + nbytes)`` that are in memory now (Linux ``mincore``):
     0 for fresh anonymous memory nothing has touched yet. Reading a page maps it too: ask before reading."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     start = pointer - pointer % PAGE
     length = pointer + nbytes - start
     pages = -(-length // PAGE)
     vector = (ctypes.c_ubyte * pages)()
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) != 0:
+    if _LIBC.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(byte & 1 for byte in vector) / pages
 
