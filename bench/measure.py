@@ -177,7 +177,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 host.rss_peak,
                 pinned_host_bytes(comfy),
                 None if engine is None else engine.packing_s * 1000,
-                None if engine is None else engine.runner.packed_bytes,
+                None if engine is None else engine.runner.packed_bytes + engine.runner.background_packing[0],
             )
             where = placed(patcher)
         finally:
@@ -236,7 +236,11 @@ def measure_all(
             vram = "" if peak is None else f", peak VRAM {peak / GIB:.2f} GiB"
             packing = done_round.packing_ms
             packed = done_round.packed_bytes or 0
-            packing_said = "" if packing is None else f" (packing {packed / GIB:.2f} GiB: {packing / 1000:.2f} s)"
+            packing_said = (
+                ""
+                if packing is None
+                else f" (packed {packed / GIB:.2f} GiB; {packing / 1000:.2f} s before the first step)"
+            )
             progress(
                 f"{config.method}: median {steps[len(steps) // 2] / 1000:.3f} s/step, at most {steps[-1] / 1000:.3f}, "
                 f"load + first step {done_round.load_first_ms / 1000:.2f} s{packing_said}{vram}; "

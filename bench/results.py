@@ -20,6 +20,8 @@ AUTO = "Partial GPU Residency, auto"
 ALL_STREAMED = "Async Block Offload, every block streamed"
 #: Appended to the method of a row measured a second time in the same rounds, as a noise control.
 AGAIN = " (again)"
+#: The first prompts timed from the file (the load and this many steps): a distilled model's, and a full one's.
+FIRST_PROMPT_STEPS = (4, 20)
 
 # The issue's targets.
 WAN_BOUND_RATIO = 1.10  # Wan-shaped, 0 resident: within 1.10x of the lower bound
@@ -64,7 +66,8 @@ class Round:
     pinned_host_bytes: (
         int  # page-locked after the steps, ComfyUI's and the pack's alike (``measure.pinned_host_bytes``)
     )
-    # Of ``load_first_ms``, the pack's copy into host buffers (and pinning), and its bytes; None for ComfyUI's rows.
+    # Of ``load_first_ms``, the pack's copy into host buffers (and pinning) before the first step, and the bytes it
+    # copied into them over the round, in the background too; None for ComfyUI's rows.
     packing_ms: float | None = None
     packed_bytes: int | None = None
 
@@ -106,6 +109,13 @@ class Measurement:
     @property
     def load_first_ms(self) -> float:
         return statistics.median(one.load_first_ms for one in self.rounds)
+
+    def first_prompt_ms(self, steps: int) -> float | None:
+        """A prompt of ``steps`` steps from the file, as a user's first one after a load: the load, the first step
+        and the next ``steps - 1`` as timed (median over the rounds); None when the rounds ran fewer steps."""
+        if self.steps_per_round < steps:
+            return None
+        return statistics.median(one.load_first_ms + sum(one.step_ms[: steps - 1]) for one in self.rounds)
 
     @property
     def packing_ms(self) -> float | None:
@@ -153,6 +163,7 @@ class Measurement:
             "max_ms": self.max_ms,
             "steady_steps": len(self.steady_ms),
             "load_first_ms": self.load_first_ms,
+            "first_prompt_ms": {steps: self.first_prompt_ms(steps) for steps in FIRST_PROMPT_STEPS},
             "packing_ms": self.packing_ms,
             "wall_ms": self.wall_ms,
             "steps_per_round": self.steps_per_round,
@@ -343,6 +354,10 @@ def _cell(value: float | None, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
 
 
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 def markdown(run: ModelRun) -> str:
     """The model's table and its checks, as the docs show them."""
     steps = run.measurements[0].steps_per_round if run.measurements else 0
@@ -358,10 +373,11 @@ def markdown(run: ModelRun) -> str:
     if noise:
         lines += ["**Too noisy to tell 3 % apart:** " + "; ".join(noise) + ".", ""]
     lines += [
-        f"| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
-        f"| of which packing s | {steps}-step wall s | peak VRAM GiB | peak host RAM GiB, anon / resident | pinned GiB "
-        "| streamed GiB/step | overlap | predicted s | prediction error |",
-        "| --- | --- " + "| ---: " * 15 + "|",
+        "| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
+        + "".join(f"| first {n}-step prompt s " for n in FIRST_PROMPT_STEPS)
+        + f"| of which packing s | {steps}-step wall s | peak VRAM GiB | peak host RAM GiB, anon / resident "
+        "| pinned GiB | streamed GiB/step | overlap | predicted s | prediction error |",
+        "| --- | --- " + "| ---: " * (15 + len(FIRST_PROMPT_STEPS)) + "|",
     ]
     for row, m in zip(run.rows(), run.measurements, strict=True):
         peak = None if row["peak_vram_bytes"] is None else row["peak_vram_bytes"] / GIB
@@ -376,6 +392,7 @@ def markdown(run: ModelRun) -> str:
             f"{row['x_lower_bound']:.2f}",
             _cell(row["x_comfyui"], ".2f"),
             f"{row['load_first_ms'] / 1000:.2f}",
+            *(_cell(_seconds(m.first_prompt_ms(n)), ".2f") for n in FIRST_PROMPT_STEPS),
             _cell(packing, ".2f"),
             f"{row['wall_ms'] / 1000:.2f}",
             _cell(peak, ".2f"),

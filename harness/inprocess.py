@@ -87,16 +87,16 @@ def offloaded(comfy: SimpleNamespace, node: str, model):
 
 
 def count_packs(monkeypatch) -> list[int]:
-    """From now on, the bytes of every host buffer a block is packed into (``BlockLayout.pack_into``): empty
-    while parked buffers are adopted and nothing is packed again."""
+    """From now on, the bytes of every host buffer a block is packed into (``BlockLayout.pack_into``, before the
+    first step or by the packing thread): empty while parked buffers are adopted and nothing is packed again."""
     from block_offload.offload.layout import BlockLayout
 
     packed: list[int] = []
     pack_into = BlockLayout.pack_into
 
-    def counting(self, host):
+    def counting(self, host, *args, **kwargs):
         packed.append(host.numel())
-        return pack_into(self, host)
+        return pack_into(self, host, *args, **kwargs)
 
     monkeypatch.setattr(BlockLayout, "pack_into", counting)
     return packed

@@ -134,8 +134,16 @@ def cached_nodes(result: RunResult) -> list[str]:
     return [node for e in result.events_of("execution_cached") for node in e.data.get("nodes", [])]
 
 
+#: ``nodes/engine.py``'s ``PACKING_DONE``: a line of the node's that is not its plan line (the server's log is read
+#: in a process that need not import the pack's nodes).
+PACKING_DONE = "background packing done:"
+
+
 def plan_lines(log: str, node: str) -> list[str]:
-    return [line for line in log.splitlines() if line.startswith(f"Block Offload ({NODES[node][2]}): ")]
+    """The node's plan lines in a server's log (one per engine start; not the line that its packing in the
+    background is over)."""
+    start = f"Block Offload ({NODES[node][2]}): "
+    return [line for line in log.splitlines() if line.startswith(start) and not line.startswith(start + PACKING_DONE)]
 
 
 def differs(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -21,6 +21,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import (
+    GIB,
     OffloadPlan,
     ParkingLot,
     Runner,
@@ -38,6 +39,9 @@ from .pinned_memory import PINNED_LIMIT_ENV
 from .placement import Placement, block_names
 from .plan_line import least_read_ms, packing_clause, pageable_clause, pinning_notices, tiers_clause
 from .request import OffloadRequest
+
+#: How the log line that packing in the background is over begins (after the node's name), apart from the plan line.
+PACKING_DONE = "background packing done:"
 
 
 @dataclass
@@ -62,6 +66,29 @@ class Engine:
     baked: frozenset[int] = frozenset()
     # What its start copied into host buffers, in seconds, packing and pinning included (a first load's cost).
     packing_s: float = 0.0
+    packing_noted: bool = False  # ``note_packing`` told that packing in the background is done
+
+    def note(self, notices: list[str]) -> None:
+        """Logs the notices not given yet, and keeps them for the panel."""
+        for notice in notices:
+            if notice not in self.notices:
+                logging.warning(f"Block Offload ({self.request.node}): {notice}")
+                self.notices.append(notice)
+
+    def note_packing(self) -> None:
+        """Once the blocks left to pack in the background are packed (the engine's thread may still be at it when
+        a short prompt ends: the next one tells): a log line on what was packed and pinned, and a notice for each
+        reason some blocks went to pageable memory that the start could not tell yet (the driver refusing)."""
+        packed, later = self.runner.background_packing
+        if self.packing_noted or not later or self.runner.waiting_bytes:
+            return
+        self.packing_noted = True
+        pinned, _ = self.runner.pinning_progress
+        logging.info(
+            f"Block Offload ({self.request.node}): {PACKING_DONE} {packed / GIB:.2f} GiB packed into host buffers, "
+            f"{pinned / GIB:.2f} GiB of the streamed blocks pinned"
+        )
+        self.note(pinning_notices(self.runner))
 
     def patch_history(self, before: PatchHistory | None) -> PatchHistory | None:
         """The model's patch history once this engine stops: its steps added to those of the engines before it
@@ -203,13 +230,14 @@ def start_engine(
         placement,
         runner,
         recorder,
-        notices=([request.notice] if request.notice else []) + pinning_notices(request, runner),
+        notices=[request.notice] if request.notice else [],
         summary=summary,
         read_bandwidth=bandwidth,
         patches=patches,
         baked=baked,
         packing_s=packing_s,
     )
+    engine.note(pinning_notices(runner))
     watcher = _engine_watcher()
     if watcher is not None:
         watcher.engine_started(engine)

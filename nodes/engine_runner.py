@@ -131,6 +131,7 @@ def make_runner(
             call_order=order_for(last_order, "module", len(units)),
             holders=read_by_parents(diffusion_model),
             persistent_allocations=outside_the_recording(),
+            pack_in_background=True,
             **streaming,
             **file_options,
         )
@@ -147,6 +148,7 @@ def make_runner(
         ring_bytes=plan.ring_bytes or None,
         call_order=order_for(last_order, "block", len(blocks)),
         persistent_allocations=outside_the_recording(),
+        pack_in_background=True,
         **streaming,
         **file_options,
     )

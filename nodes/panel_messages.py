@@ -238,9 +238,10 @@ def report_message(status: dict[str, Any], last_step: dict[str, Any] | None) -> 
     return REPORT.build(**status, timeline=last_step, process_rss_bytes=status["memory"]["process_rss"])
 
 
-def model_entry(facts: EngineFacts, running: bool) -> dict[str, Any]:
-    """One engine's placement, in the list of every model streaming now."""
-    return MODEL.build(node=facts.node, **facts.placement_fields(), running=running)
+def model_entry(facts: EngineFacts, running: bool, pinning: str | None) -> dict[str, Any]:
+    """One engine's placement, in the list of every model streaming now; ``pinning``: how far packing in the
+    background has got (``plan_line.pinning_progress``)."""
+    return MODEL.build(node=facts.node, **facts.placement_fields(), running=running, pinning=pinning)
 
 
 def timeline_of_run(facts: EngineFacts, run: RunRecord) -> dict[str, Any]:

@@ -363,6 +363,7 @@ class BlockOffloadPatcher(ModelPatcher):
                 # ComfyUI calls this after sampling, interrupted or not; an interrupt on 0.33 skips the hooks.
                 engine.runner.close_open_step()
                 engine.note_cold_reads()
+                engine.note_packing()
                 report.run_finished(engine)
         finally:
             super().cleanup()

@@ -282,11 +282,14 @@ def remember_costs(
         return
     cache = _cost_cache()
     key = _costs_key(model, plan.block_bytes)
-    if step is None or step.bandwidth_gbps is None or cache.get(key) is not None:
-        return  # nothing ran yet, nothing was copied (no bandwidth to learn), or already measured
+    bandwidth = None if step is None else step.packed_bandwidth_gbps
+    if step is None or bandwidth is None or cache.get(key) is not None:
+        # Nothing ran yet, nothing was copied from a packed block (no bandwidth to learn: copies from blocks still
+        # waiting to be packed are pageable, slower than the later steps'), or already measured.
+        return
     if len({span.block for span in step.spans}) < len(plan.block_bytes):
         return  # a step cut short (an interrupted prompt) would make every later plan wrong
-    recorded = StackCosts.from_timeline(step, plan.block_bytes, inline_copies=_inline(model))
+    recorded = StackCosts.from_timeline(step, plan.block_bytes, bandwidth, inline_copies=_inline(model))
     costs = dataclasses.replace(recorded, patch_ms=placement.patch_ms).without_patches(plan.streamed)
     cache.put(key, costs)
     logging.info(

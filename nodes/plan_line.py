@@ -4,19 +4,33 @@ was copied, what streams from pageable memory and where the streamed weights wai
 
 from __future__ import annotations
 
-import logging
 import os
 
 from ..offload import GIB, Runner
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
-from .request import OffloadRequest
 
 
 def packing_clause(runner: Runner, seconds: float) -> str:
-    """The plan line's word on what the start copied into host buffers, and how long it took: what a first load
-    pays and a later prompt taking the buffers over does not."""
+    """The plan line's word on what the start copied into host buffers, and how long it took (what a first load
+    pays and a later prompt taking the buffers over does not), and on what is packed in the background while
+    the first steps stream those blocks from where they are: a first step slower than the next explains itself."""
     packed = runner.packed_bytes
-    return f"; packed {packed / GIB:.2f} GiB into host buffers in {seconds:.2f} s" if packed else ""
+    clause = f"; packed {packed / GIB:.2f} GiB into host buffers in {seconds:.2f} s" if packed else ""
+    _, later = runner.background_packing
+    if later:
+        clause += f"; {later / GIB:.2f} GiB packed in the background while the first steps run"
+        progress = pinning_progress(runner)
+        clause += f" ({progress} so far)" if progress else ""
+    return clause
+
+
+def pinning_progress(runner: Runner) -> str | None:
+    """How far pinning has got while blocks are still packed in the background ("pinned 6.20 of 11.90 GiB"); None
+    once they are, or when none of them is to be pinned."""
+    pinned, total = runner.pinning_progress
+    if not runner.waiting_bytes or not total:
+        return None
+    return f"pinned {pinned / GIB:.2f} of {total / GIB:.2f} GiB"
 
 
 def pageable_clause(runner: Runner) -> str:
@@ -54,9 +68,9 @@ def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
     return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
-def pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:
-    """A notice (logged once) for each reason some streamed weights went to pageable RAM, which copies more
-    slowly: the pinned-memory cap, or the driver refusing to pin."""
+def pinning_notices(runner: Runner) -> list[str]:
+    """A notice for each reason some streamed weights went to pageable RAM, which copies more slowly: the
+    pinned-memory cap, or the driver refusing to pin (its caller logs each once)."""
     notices = []
     of = f"of {len(runner.streamed)} streamed {runner.unit}s"
     refused = runner.refused_pinning
@@ -74,6 +88,4 @@ def pinning_notices(request: OffloadRequest, runner: Runner) -> list[str]:
             "pageable RAM, which copies more slowly (the error was cleared, the run goes on). Too much pinned "
             f"memory system-wide is the usual cause: close other GPU programs, or lower {PINNED_LIMIT_ENV}."
         )
-    for notice in notices:
-        logging.warning(f"Block Offload ({request.node}): {notice}")
     return notices

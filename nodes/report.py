@@ -50,6 +50,7 @@ from .panel_messages import (
 )
 from .panel_outbox import Outbox
 from .panel_run import RunRecord
+from .plan_line import pinning_progress
 from .status_schema import REPORT_ROUTE, TIMELINE_ROUTE
 
 
@@ -255,7 +256,9 @@ class _Publisher:
         return status_of_run(facts, run, last_step, memory, self._panel.models(), self._outbox.seq)
 
     def placement_entry(self) -> dict[str, Any]:
-        return model_entry(self.facts, self.run.running)
+        engine = self._engine()
+        pinning = pinning_progress(engine.runner) if engine is not None else None
+        return model_entry(self.facts, self.run.running, pinning)
 
     def run_timeline(self) -> dict[str, Any]:
         return timeline_of_run(self.facts, self.run)

@@ -188,7 +188,9 @@ class DeviceRing:
                     if released is not None and self.host.blocks[other].released_once:
                         stream.wait_event(released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            self._copy_in(index, state, memory, start)
+            unpacked = self._copy_in(index, state, memory, start)
+            if record is not None:
+                record.unpacked = unpacked
             state.fresh = True
             if self.recorder:
                 self.recorder.copy_finished(record, stream)
@@ -197,30 +199,41 @@ class DeviceRing:
         state.copy = record
         return True
 
-    def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> None:
+    def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> bool:
+        """Issues the block's copy into the ring at ``start``; whether it came from a block still waiting to be
+        packed (its sources)."""
         reader = self.reader
+        unpacked = False
+        size = state.storage.nbytes
+        cast = cast_on_device(state)
+        if cast:
+            assert self._staging is not None  # allocated with the ring, as large as the largest block cast
+            target = self._staging[:size]
+        else:
+            target = memory[start : start + size]
         if state.read is not None:
             assert reader is not None  # a file-tier block's streamer started its reader
             host = reader.take(index, state.read)
+            target.copy_(host[:size], non_blocking=host.is_pinned())
         else:
-            host = state.host
-        non_blocking = host.is_pinned()
-        size = state.storage.nbytes
-        if not cast_on_device(state):
-            memory[start : start + size].copy_(host[:size], non_blocking=non_blocking)
-        else:
-            staging = self._staging
-            assert staging is not None  # allocated with the ring, as large as the largest block cast
-            staging[:size].copy_(host[:size], non_blocking=non_blocking)
+            with self.host.lock:  # the packing thread hands a waiting block over between copies, not during one
+                unpacked = state.sources is not None
+                if state.sources is not None:  # waiting to be packed: part by part from where its bytes are
+                    for view, source in zip(state.storage.part_views(target), state.sources, strict=True):
+                        view.copy_(source, non_blocking=True)
+                else:
+                    target.copy_(state.host[:size], non_blocking=state.host.is_pinned())
+        if cast:
             targets = state.layout.part_views(memory[start:])
-            for target, source in zip(targets, state.storage.part_views(staging), strict=True):
-                target.copy_(source)
+            for target_part, source in zip(targets, state.storage.part_views(target), strict=True):
+                target_part.copy_(source)
         if reader is not None and state.read is not None:
             reader.release(index, self.copy_stream)
         companions = state.companions.host if state.companions is not None else None
         if companions is not None:
             at = start + aligned(state.layout.nbytes)
             memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
+        return unpacked
 
 
 def cast_on_device(state: StreamedBlock) -> bool:

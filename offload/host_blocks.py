@@ -9,6 +9,7 @@ keeps (``offload/streamed_block.py``).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -18,6 +19,7 @@ from torch import nn
 from .companions import PackedCompanions
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf
+from .packing_thread import BackgroundPacking
 from .page_lock import pinned_allocation_bytes, unpin_host_buffer
 from .parking import ParkedBuffer, ParkingLot, leave, signature
 from .pinning import HostMemory, PinnedShare
@@ -77,18 +79,26 @@ class HostBlocks:
         self._companion_tensors = dict(companions)
         self.parking = parking
         self.blocks: dict[int, StreamedBlock] = {}
-        self.packed_bytes = 0  # copied into host buffers by ``pack`` since ``pack_all`` (adopted or file-tier: none)
+        self._packed_now = 0  # copied into host buffers by ``pack`` since ``pack_all``
         self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
+        # Held while a block's record or its module's tensors change: by the streamer's thread around each copy
+        # from a block and each re-pointing of its tensors, by the packing thread around handing a block over.
+        self.lock = threading.Lock()
+        self.background = BackgroundPacking(self.blocks, self.memory, self.lock)
 
-    def pack_all(self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None) -> None:
+    def pack_all(
+        self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None, later: bool = False
+    ) -> None:
         """Every block of ``blocks`` (index: module) packed, in index order, ``packed_bytes`` counting this
         start's copies; ``progress(done, total)`` hears each. A failure (a host's interrupt raised from
-        ``progress``, a fill that raises) leaves every block packed so far on memory of its own again."""
-        self.packed_bytes = 0
+        ``progress``, a fill that raises) leaves every block packed so far on memory of its own again.
+        ``later``: a block that can wait (``pack_later``) is not packed now but by ``start_packing``'s thread."""
+        self._packed_now = self.background.packed_bytes = self.background.total_bytes = 0
         order = sorted(blocks)
         try:
             for done, index in enumerate(order, 1):
-                self.pack(index, blocks[index])
+                if not (later and self.pack_later(index, blocks[index])):
+                    self.pack(index, blocks[index])
                 if progress is not None:
                     progress(done, len(order))
         except BaseException:
@@ -101,6 +111,85 @@ class HostBlocks:
         self.modules[index] = block
         self._pack_companions(index, state)
         return state
+
+    def pack_later(self, index: int, block: nn.Module) -> bool:
+        """Block ``index`` recorded as waiting, its tensors left where they are (its ``sources``), to be packed
+        by the packing thread, or its parked buffer taken over (nothing to pack); False (nothing done) for a
+        block that cannot wait: one read from its file each step (never packed), cast to a storage dtype or to
+        hold other content (both need its host buffer before the first step), or not in CPU memory."""
+        if self.storage_dtype is not None or index in self.read_each_step or index in self.contents:
+            return False
+        adopted = self._adopt(index, block)
+        if adopted is not None:
+            self.blocks[index], self.modules[index] = adopted, block
+            self._pack_companions(index, adopted)
+            return True
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        current = layout.current()
+        if any(part.device.type != "cpu" for part in current):
+            return False
+        file_backed = self.file_slice is not None and any(self.file_slice(part) is not None for part in current)
+        reserved = pinned_allocation_bytes(layout.nbytes) if self.memory.pin_memory else 0
+        wants_pin = self.memory.pin_memory and (self.memory.share is None or self.memory.share.reserve(reserved))
+        empty = torch.empty(0, dtype=torch.uint8)
+        self.blocks[index] = StreamedBlock(
+            layout,
+            layout,
+            empty,
+            layout.held(),
+            torch.device("cpu"),
+            current if file_backed else None,
+            pinned=False,
+            pinned_bytes=reserved if wants_pin else 0,
+            pageable_because=None if wants_pin or not self.memory.pin_memory else "cap",
+            file_backed=file_backed,
+            sources=current,
+        )
+        self.modules[index] = block
+        self._pack_companions(index, self.blocks[index])
+        return True
+
+    def start_packing(self, order: Sequence[int]) -> None:
+        """Packs the waiting blocks in the background, in ``order`` then the others' (``BackgroundPacking``)."""
+        self.background.start(order, self.file_slice)
+
+    def stop_packing(self) -> None:
+        self.background.stop()
+
+    def finish_packing(self) -> None:
+        self.background.finish()
+
+    def settle(self) -> None:
+        self.background.settle()
+
+    @property
+    def packing(self) -> bool:
+        """Whether some blocks still wait to be packed by a running packing thread."""
+        return self.background.running
+
+    @property
+    def packed_bytes(self) -> int:
+        """Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
+        thread: none; the thread counts its own in ``background.packed_bytes``)."""
+        return self._packed_now
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        """Bytes of blocks pinned now, and of those that will be once the waiting ones holding a reservation are
+        packed (the driver may still refuse some)."""
+        pinned = sum(state.storage.nbytes for state in self.blocks.values() if state.pinned)
+        waiting = sum(state.storage.nbytes for state in self.blocks.values() if state.waiting and state.pinned_bytes)
+        return pinned, pinned + waiting
+
+    @property
+    def background_packing(self) -> tuple[int, int]:
+        """Bytes the packing thread has packed, and those it had to pack, since the streamer started."""
+        return self.background.packed_bytes, self.background.total_bytes
+
+    @property
+    def waiting_bytes(self) -> int:
+        """The bytes of the blocks still waiting to be packed."""
+        return sum(state.storage.nbytes for state in self.blocks.values() if state.waiting)
 
     def take(self, index: int) -> StreamedBlock | None:
         """Block ``index``'s record, no longer kept (its companions dropped): the caller restores it."""
@@ -122,11 +211,15 @@ class HostBlocks:
         restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly when
         another model is waiting for the RAM."""
         self.check_can_park(park)
+        self.stop_packing()
         for index in sorted(self.blocks):
             module = self.modules[index]
             state = self.take(index)
             assert state is not None
-            if park and state.origin_device.type == "cpu":
+            if state.waiting:  # nothing was packed to park: its own tensors again, as it held them
+                state.layout.point_at(state.host_views)
+                self.unpin(state)
+            elif park and state.origin_device.type == "cpu":
                 self._park(module, state)
             elif state.file_backed:
                 state.point_at_originals()  # the file's views, as they were
@@ -142,7 +235,11 @@ class HostBlocks:
         for state in reversed([self.blocks[index] for index in sorted(self.blocks)]):
             if freed >= nbytes:
                 break
-            if state.pinned and unpin_host_buffer(state.host):
+            if state.waiting and state.pinned_bytes:
+                freed += state.pinned_bytes  # its reservation: it will be packed pageable
+                self.unpin(state)
+                state.pageable_because = "cap"
+            elif state.pinned and unpin_host_buffer(state.host):
                 freed += state.pinned_bytes
                 self.unpin(state)
                 state.pinned, state.pageable_because = False, "cap"
@@ -150,12 +247,12 @@ class HostBlocks:
 
     def pageable_because(self, reason: str) -> dict[int, int]:
         """Blocks (index: host bytes) whose host buffer is pageable for ``reason`` ("cap" or "driver")."""
-        return {i: state.host.numel() for i, state in sorted(self.blocks.items()) if state.pageable_because == reason}
+        return {i: state.storage.nbytes for i, state in sorted(self.blocks.items()) if state.pageable_because == reason}
 
     @property
     def buffer_bytes(self) -> int:
-        """The blocks' host buffers."""
-        return sum(state.host.numel() for state in self.blocks.values())
+        """The blocks' host buffers, those of blocks still waiting to be packed included."""
+        return sum(state.storage.nbytes if state.waiting else state.host.numel() for state in self.blocks.values())
 
     @property
     def companion_bytes(self) -> int:
@@ -180,7 +277,7 @@ class HostBlocks:
         origin = layout.device or self.device
         host, reserved, pageable_because = self.memory.buffer(storage.nbytes, storage.pack_into)
         pinned = self.memory.pin_memory and pageable_because is None
-        self.packed_bytes += storage.nbytes
+        self._packed_now += storage.nbytes
         host_views = storage.views(host)
         originals = None
         if file_backed:
@@ -320,6 +417,8 @@ class HostBlocks:
             state.content = self.contents[index]
 
     def unpin(self, state: StreamedBlock) -> None:
-        """Gives the block's pinned bytes back to the budget (its host buffer is dropped with it)."""
-        if state.pinned:
+        """Gives the block's pinned bytes (or a waiting block's reservation) back to the budget (its host buffer
+        is dropped with it)."""
+        if state.pinned or state.waiting:
             self.memory.release(state.pinned_bytes)
+            state.pinned_bytes = 0

@@ -277,15 +277,31 @@ class BlockLayout:
         """The module's tensors living in ``flat``."""
         return self.assemble(self.part_views(flat))
 
-    def pack_into(self, flat: torch.Tensor) -> None:
-        """Copies the module's current parts into ``flat`` (casting to the layout's dtypes)."""
-        for view, part in zip(self.part_views(flat), self.current(), strict=True):
+    def pack_into(
+        self,
+        flat: torch.Tensor,
+        parts: tuple[torch.Tensor, ...] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """Copies the module's current parts (or ``parts``, as they were) into ``flat`` (casting to the layout's
+        dtypes); ``between`` is called before each copy (a packing thread's check that it may go on)."""
+        for view, part in zip(self.part_views(flat), self.current() if parts is None else parts, strict=True):
+            if between is not None:
+                between()
             view.copy_(part)
 
     def point_at(self, tensors: tuple[torch.Tensor, ...]) -> None:
         """Makes the module hold ``tensors`` (from ``views`` or ``assemble``); see ``TensorSlot.place``."""
         for slot, tensor in zip(self.slots, tensors, strict=True):
             slot.place(tensor)
+
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """The module's tensors as it holds them now, for ``point_at`` to put back later: a wrapper as its own
+        object (one rebuilt around its parts would lose what its owner set on it, and one made under
+        ``torch.inference_mode`` could not be detached again by ComfyUI), a plain tensor as its memory."""
+        return tuple(
+            slot.tensor() if slot.form.is_wrapper else next(slot.form.parts_of(slot.tensor())) for slot in self.slots
+        )
 
     def current(self) -> tuple[torch.Tensor, ...]:
         """The parts of the module's tensors as they are now, in layout order."""

@@ -5,6 +5,7 @@ host (or a test recreating the driver) may put in place of CUDA's.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -96,6 +97,9 @@ def pinned_allocation_bytes(nbytes: int) -> int:
 _registered_bytes = 0
 # Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
 _REGISTRATIONS: dict[int, weakref.finalize[..., Any]] = {}
+# Both change on the packing thread (``offload/packing_thread.py``) as on the streamer's; a buffer's last
+# reference may go on either.
+_REGISTRATIONS_LOCK = threading.RLock()
 
 
 def pinned_bytes() -> int:
@@ -153,8 +157,9 @@ def _register(registrar: HostRegistrar, host: torch.Tensor) -> bool:
     pointer = host.data_ptr()
     if not registrar.register(pointer, nbytes):
         return False
-    _registered_bytes += nbytes
-    _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
+    with _REGISTRATIONS_LOCK:
+        _registered_bytes += nbytes
+        _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
     return True
 
 
@@ -170,6 +175,7 @@ def unpin_host_buffer(host: torch.Tensor) -> bool:
 
 def _unregister(registrar: HostRegistrar, pointer: int, nbytes: int) -> None:
     global _registered_bytes
-    _REGISTRATIONS.pop(pointer, None)
+    with _REGISTRATIONS_LOCK:
+        _REGISTRATIONS.pop(pointer, None)
+        _registered_bytes -= nbytes
     registrar.unregister(pointer)
-    _registered_bytes -= nbytes

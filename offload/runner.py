@@ -89,11 +89,33 @@ class Runner(Protocol):
 
     @property
     def packed_bytes(self) -> int:
-        """The bytes ``enable`` copied into host buffers (none for units taken over as parked, or left in a file)."""
+        """The bytes ``enable`` copied into host buffers before it returned (none for units taken over as parked,
+        left in a file, or left to be packed in the background)."""
+        ...
+
+    @property
+    def waiting_bytes(self) -> int:
+        """Host bytes of the units still waiting to be packed in the background (they stream from their sources)."""
+        ...
+
+    @property
+    def background_packing(self) -> tuple[int, int]:
+        """Host bytes packed in the background so far, and all those left to it as the engine started."""
+        ...
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        """Host bytes of the units page-locked so far, and of those that will be once the units waiting to be
+        packed in the background are (equal when packing is done, or nothing is pinned)."""
         ...
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Starts streaming; ``progress(done, total)`` hears each unit packed."""
+        """Starts streaming; ``progress(done, total)`` hears each unit packed (packed before it returns: with
+        packing in the background, those that cannot wait)."""
+        ...
+
+    def finish_packing(self) -> None:
+        """Waits until the units packed in the background are."""
         ...
 
     def disable(self, park: bool = False) -> None: ...

@@ -110,12 +110,13 @@ class SequentialOffloader:
         holders: Mapping[int, nn.Module] | None = None,
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
+        pack_in_background: bool = False,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
         ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
         ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
         module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
-        ``persistent_allocations`` and ``parking``: see ``BlockStreamer``."""
+        ``persistent_allocations``, ``parking`` and ``pack_in_background``: see ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -141,6 +142,7 @@ class SequentialOffloader:
             holders=holders,
             persistent_allocations=persistent_allocations,
             parking=parking,
+            pack_in_background=pack_in_background,
         )
         self._promotion_hook: RemovableHandle | None = None
 
@@ -171,6 +173,9 @@ class SequentialOffloader:
     device_buffer_bytes = _streamers("device_buffer_bytes")
     host_bytes = _streamers("host_bytes")
     packed_bytes = _streamers("packed_bytes")
+    pinning_progress = _streamers("pinning_progress")
+    waiting_bytes = _streamers("waiting_bytes")
+    background_packing = _streamers("background_packing")
     staging_bytes = _streamers("staging_bytes")
     companion_bytes = _streamers("companion_bytes")
     last_order = _streamers("last_order")
@@ -179,6 +184,10 @@ class SequentialOffloader:
     def allocate_device_buffers(self) -> None:
         """See ``BlockStreamer.allocate_device_buffers``."""
         self.streamer.allocate_device_buffers()
+
+    def finish_packing(self) -> None:
+        """See ``BlockStreamer.finish_packing``."""
+        self.streamer.finish_packing()
 
     def close_open_step(self) -> None:
         """See ``BlockStreamer.close_open_step``."""

@@ -44,6 +44,10 @@ class StepTimeline:
     spans: tuple[BlockSpan, ...]
     peak_allocated: int | None = None
     reads: tuple[ReadSpan, ...] = ()
+    # Of its copies, those from blocks still waiting to be packed: bytes and milliseconds. They do not show the
+    # bandwidth of the later steps (pageable memory, part by part).
+    unpacked_bytes: int = 0
+    unpacked_copy_ms: float = 0.0
     copy_ms: float = field(init=False)
     stall_ms: float = field(init=False)
     bytes_copied: int = field(init=False)
@@ -67,6 +71,15 @@ class StepTimeline:
         if self.copy_ms <= 0:
             return None
         return self.bytes_copied / (self.copy_ms / 1000.0) / 1e9
+
+    @property
+    def packed_bandwidth_gbps(self) -> float | None:
+        """The host-to-device bandwidth of this step's copies from packed blocks, in GB/s: what the steps copy at
+        once packing is done (None when it copied none)."""
+        copy_ms = self.copy_ms - self.unpacked_copy_ms
+        if copy_ms <= 0 or self.bytes_copied <= self.unpacked_bytes:
+            return None
+        return (self.bytes_copied - self.unpacked_bytes) / (copy_ms / 1000.0) / 1e9
 
     @property
     def bytes_read(self) -> int:

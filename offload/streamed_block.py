@@ -48,6 +48,10 @@ class StreamedBlock:
     content: Hashable = None
     # Its region holds a copy no call has used yet: its ``transforms`` entry has not transformed it.
     fresh: bool = False
+    # A block waiting to be packed (``HostBlocks.pack_later``): its parts where they were when streaming began
+    # (the loader's tensors, its file's views), copied from until its host buffer replaces them; None once packed.
+    sources: tuple[torch.Tensor, ...] | None = None
+    in_call: bool = False  # its tensors point at the ring (a call is open), not at ``host_views``
 
     def point_at_originals(self) -> None:
         """Points the block's tensors back at its originals: its file's views, or the copy a storage dtype kept."""
@@ -59,7 +63,7 @@ class StreamedBlock:
         ``device`` in the tensors' dtypes becomes their storage as it is: copying it out would hold the block
         twice while another model waits for the memory. A pinned one is copied, not to leave the model
         page-locked."""
-        sources = self.originals if self.originals is not None else self.storage.part_views(self.host)
+        sources = self.originals if self.originals is not None else self._host_parts()
         adopt_host = (
             self.originals is None
             and not self.pinned
@@ -71,6 +75,14 @@ class StreamedBlock:
             for part, source in zip(self.layout.parts, sources, strict=True)
         )
         self.layout.point_at(self.layout.assemble(restored))
+
+    def _host_parts(self) -> tuple[torch.Tensor, ...]:
+        return self.sources if self.sources is not None else self.storage.part_views(self.host)
+
+    @property
+    def waiting(self) -> bool:
+        """Not packed yet: copied from its ``sources``."""
+        return self.sources is not None
 
     @property
     def region_bytes(self) -> int:

@@ -102,6 +102,8 @@ class BlockStreamer(StreamerViews):
     How blocks are kept on the host (``storage_dtype``, ``dtype_of``, ``file_slice``, ``read_each_step``,
     ``companions``, ``contents``, ``parking``): see ``HostBlocks``; file-tier blocks are read through
     ``staging_slots`` host slots (``FileTier``).
+    ``pack_in_background``: ``enable`` returns without packing the blocks that can wait; they stream from where
+    their bytes are until a thread of their own has packed them (``offload/packing_thread.py``).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class BlockStreamer(StreamerViews):
         holders: Mapping[int, nn.Module] | None = None,
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
+        pack_in_background: bool = False,
     ) -> None:
         self.blocks = list(blocks)
         self.device = torch.device(device)
@@ -172,22 +175,31 @@ class BlockStreamer(StreamerViews):
         self.calls = StepCalls(len(self.blocks), call_order)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
+        self.pack_in_background = pack_in_background
         self.enabled = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Moves the streamed blocks into host buffers and installs the hooks; ``progress(done, total)`` hears
-        each block packed (a first load packs gigabytes)."""
+        each block packed (a first load packs gigabytes). With ``pack_in_background`` the blocks that can wait are
+        only recorded here, and a thread packs them from now on, in the order the steps call them."""
         if self.enabled:
             return
-        self.host.pack_all({index: self.blocks[index] for index in self.streamed}, progress)
+        blocks = {index: self.blocks[index] for index in self.streamed}
+        self.host.pack_all(blocks, progress, later=self.pack_in_background)
         self.files.start()
         self._handles = hook_calls(self.blocks, self.holders, self._call_begins, self._call_ends, self._after_call)
         if self.root is not None:
             self._handles += hook_step(self.root, self.begin_step, self.end_step)
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         self.enabled = True
+        self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
+
+    def finish_packing(self) -> None:
+        """Waits until every block waiting to be packed is (see ``pack_in_background``)."""
+        self.host.finish_packing()
+        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
 
     def disable(self, park: bool = False) -> None:
         """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers.
@@ -225,6 +237,7 @@ class BlockStreamer(StreamerViews):
             raise ValueError(f"blocks {transformed} are transformed where they arrive and cannot be made resident")
         self._finish_active()
         synchronize(self.device)
+        self.host.stop_packing()
         for index in indices:
             state = self.host.take(index)
             if state is not None:
@@ -236,6 +249,7 @@ class BlockStreamer(StreamerViews):
         self.streamed = frozenset(self.host.blocks)
         self.ring.recount()
         self.host.read_each_step &= self.streamed
+        self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
 
     def give_back_pinned(self, nbytes: int) -> int:
         """Unpins streamed blocks, last first, until ``nbytes`` of the pin budget are free again (for another
@@ -244,7 +258,11 @@ class BlockStreamer(StreamerViews):
         if self.calls.in_step or self.host.memory.share is None:
             return 0
         synchronize(self.device)  # copies issued ahead (across the step boundary) read these buffers
+        packing = self.host.packing
+        self.host.stop_packing()
         freed = self.host.unpin_some(nbytes)
+        if packing:
+            self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         return freed
 
@@ -291,6 +309,10 @@ class BlockStreamer(StreamerViews):
         """Marks the start of one pass through the blocks (the root module's forward)."""
         self._finish_active()
         self.files.check_files()
+        packing = self.host.packing
+        self.host.settle()
+        if packing:  # blocks were packed since the last step: some of them copy from pinned memory now
+            self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         self.calls.step_began()
         if self.recorder:
             self.recorder.begin_step(current_stream(self.device))
@@ -330,7 +352,10 @@ class BlockStreamer(StreamerViews):
             if compute is not None and state.ready is not None:
                 compute.wait_event(state.ready)
             copy, state.copy = state.copy, None
-            state.layout.point_at(self.ring.views(state, region[0]))
+            views = self.ring.views(state, region[0])
+            with self.host.lock:
+                state.in_call = True
+                state.layout.point_at(views)
         self.calls.opened(OpenCall(index, state is not None, record))
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
@@ -356,7 +381,9 @@ class BlockStreamer(StreamerViews):
         if state.released is not None:
             state.released.record(compute)
             state.released_once = True
-        state.layout.point_at(state.host_views)
+        with self.host.lock:
+            state.in_call = False
+            state.layout.point_at(state.host_views)
 
     def _finish_active(self) -> None:
         """Releases calls an exception left open, so the next step starts clean."""

@@ -44,6 +44,9 @@ class CopyRecord:
     start: Marker
     end: Marker
     nbytes: int = 0
+    # From a block still waiting to be packed (``offload/packing_thread.py``): part by part, from pageable
+    # memory, slower than the copies of later steps.
+    unpacked: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -177,12 +180,13 @@ class TimelineRecorder:
         if self.enabled:
             self._reads.append((block, start, end, nbytes))
 
-    def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
+    def copy_started(self, stream: torch.Stream | None, nbytes: int, unpacked: bool = False) -> CopyRecord | None:
+        """``unpacked``: from a block still waiting to be packed (``CopyRecord.unpacked``)."""
         # A copy issued now is for the open step or runs ahead for the next one: recorded if either is.
         if not self.enabled or (self._open is None and not self._next_recorded):
             return None
         record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
-        record.nbytes = nbytes
+        record.nbytes, record.unpacked = nbytes, unpacked
         self.clock.mark(record.start, stream)
         return record
 
@@ -251,6 +255,7 @@ class TimelineRecorder:
         was reached once its end was: a call's copy ended before the compute stream went past its wait."""
         at = self.clock.since(step.start)
         spans = []
+        unpacked_bytes, unpacked_ms = 0, 0.0
         for call in step.calls:
             arrive, end, copy = at(call.arrive), at(call.end), call.copy
             if copy is None:
@@ -259,11 +264,13 @@ class TimelineRecorder:
             copy_start, copy_end = at(copy.start), at(copy.end)
             start = max(arrive, copy_end)
             spans.append(BlockSpan(call.block, start, end, start - arrive, copy_start, copy_end, copy.nbytes))
+            if copy.unpacked:
+                unpacked_bytes, unpacked_ms = unpacked_bytes + copy.nbytes, unpacked_ms + copy_end - copy_start
         reads = tuple(
             ReadSpan(block, (start - step.host_start) * 1e3, (end - step.host_start) * 1e3, nbytes)
             for block, start, end, nbytes in step.reads
         )
-        return StepTimeline(step.index, at(step.end), tuple(spans), step.peak, reads)
+        return StepTimeline(step.index, at(step.end), tuple(spans), step.peak, reads, unpacked_bytes, unpacked_ms)
 
     def _recycle(self, step: _StepRecord) -> None:
         for call in step.calls:

@@ -67,6 +67,18 @@ class StreamerViews:
         return self.host.packed_bytes
 
     @property
+    def waiting_bytes(self) -> int:
+        return self.host.waiting_bytes
+
+    @property
+    def background_packing(self) -> tuple[int, int]:
+        return self.host.background_packing
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        return self.host.pinning_progress
+
+    @property
     def host_bytes(self) -> int:
         """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
         return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes

@@ -21,7 +21,11 @@
 #   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
 #   CALL 7: the Wan 2.1 14B head-to-head of call 4 again, alone, every row loaded from the checkpoint file the
 #          benchmark writes (since 2026-11-27): ComfyUI's Dynamic VRAM reading its own file, and host RAM
-#          measured alike for every row. The first to run on the next GPU.
+#          measured alike for every row; 20 steps a round, so its table has the first 4- and 20-step prompts.
+#   CALL 8: the first prompt (issue 49; the first to run on the next GPU): the Flux 12B head-to-head on a 12 GiB
+#          card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the steady
+#          step, with blocks packed in the background while the first steps run), then bench/pinning.py's four
+#          ways of pinning a first load.
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -37,11 +41,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4|5|6|7) call="$1"; shift ;;
+    1|2|3|4|5|6|7|8) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 7, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 8, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -184,8 +188,16 @@ elif [[ $call == 7 ]]; then
   # The decisive comparison as users meet it: ComfyUI 0.33's default (Dynamic VRAM, reading the file it maps) and
   # its classic offload against the node on each, every model loaded from the checkpoint file.
   part wan14b-16gib-from-file "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
-    --models wan14b --budgets --cards 16 --rounds 2 --steps 6 --out "$out/bench" \
+    --models wan14b --budgets --cards 16 --rounds 2 --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
+elif [[ $call == 8 ]]; then
+  # What a user who presses Run waits for: a first prompt from the file, the node's blocks packed in the
+  # background while its first steps run, against ComfyUI's classic offload and Dynamic VRAM; then what pinning a
+  # first load costs each way (the packing thread's way among them: copy first, then register).
+  part flux12b-12gib-first-prompt 400 "$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets \
+    --cards 12 --rounds 2 --steps 20 --out "$out/bench" \
+    --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
+  part pinning "$(( seconds - (SECONDS - start) ))" "${pinning[@]}"
 else
   # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
   # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.

@@ -129,8 +129,10 @@ def count_loads(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> list
 
 
 def host_buffers(patcher) -> dict[int, range]:
-    """Each streamed block's host buffer, as the addresses it covers."""
+    """Each streamed block's host buffer, as the addresses it covers, once packing in the background is done (what
+    a hand-over does to blocks still waiting is in ``tests/test_background_packing.py``)."""
     runner = patcher.offload_engine.runner
+    runner.finish_packing()
     buffers = {}
     for index in runner.streamed:
         host = runner.host.blocks[index].host

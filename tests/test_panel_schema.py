@@ -170,7 +170,8 @@ def test_the_panels_constants_are_the_schemas() -> None:
 
 
 def test_schema_errors_sees_a_field_missing_extra_or_mistyped() -> None:
-    model = {"node": "n", "placement": "RS", "prefetch": 1, "ring_bytes": None, "pinned": True, "running": False}
+    model = {"node": "n", "placement": "RS", "prefetch": 1, "ring_bytes": None, "pinned": True, "running": False,
+             "pinning": None}  # fmt: skip
     assert schema_errors("model", model) == []
     assert schema_errors("model", {**model, "extra": 1}) == ["model.extra: not in the schema's model"]
     assert schema_errors("model", {k: v for k, v in model.items() if k != "node"}) == ["model.node: missing"]
@@ -194,7 +195,9 @@ def test_the_pack_reads_the_schema_as_the_tests_do(schema_module: Any) -> None:
         assert message.required == {field for field, spec in fields.items() if "absent_when" not in spec}
     assert SCHEMA["version"] == schema_module.VERSION and SCHEMA_PATH == schema_module.SCHEMA_PATH
     with pytest.raises(ValueError, match=r"\['running'\] missing, \['runing'\] not in status_schema.json"):
-        schema_module.MODEL.build(node="n", placement="", prefetch=None, ring_bytes=None, pinned=None, runing=True)
+        schema_module.MODEL.build(
+            node="n", placement="", prefetch=None, ring_bytes=None, pinned=None, runing=True, pinning=None
+        )
 
 
 @pytest.fixture(scope="module")

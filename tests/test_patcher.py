@@ -51,10 +51,12 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
         r.getMessage() for r in caplog.records if r.getMessage().startswith("Block Offload (Async Block Offload)")
     ]
     assert len(plan_lines) == 1 and "2/5 blocks resident (0-1, leading), 3 streamed" in plan_lines[0]
-    # Where the weights come from, then what the first load copied (the streamed blocks, 3 of 5 tiny ones).
-    clauses = r"; weights from ComfyUI's classic loader; packed (\d+\.\d\d) GiB into host buffers in "
+    # Where the weights come from, then what is packed in the background (the streamed blocks, 3 of 5 tiny ones).
+    clauses = r"; weights from ComfyUI's classic loader; (\d+\.\d\d) GiB packed in the background while "
     packed = re.search(clauses, plan_lines[0])
-    assert packed and float(packed[1]) == round(patched.offload_engine.runner.packed_bytes / 2**30, 2), plan_lines[0]
+    runner = patched.offload_engine.runner
+    runner.finish_packing()
+    assert packed and float(packed[1]) == round(runner.host.background.packed_bytes / 2**30, 2), plan_lines[0]
     assert patched.model.model_lowvram
     comfy.mm.unload_all_models()
     assert patched.offload_engine is None and patched.loaded_size() == 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import re
 import zlib
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -24,8 +23,10 @@ import torch
 
 from harness.fake_cudart import FakeCudart
 from harness.inprocess import async_offload, sample, wan
+from harness.packing_gate import PackingGate
 
 from block_offload.offload import (
+    GIB,
     CudaHostRegistrar,
     PinnedMemoryBudget,
     cost_cache,
@@ -100,44 +101,45 @@ def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: Simpl
     assert cudart.pinned == 0 and not cudart.cleared
 
 
-def test_a_first_load_shows_its_packing_and_cancel_there_leaves_nothing_pinned(
+def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_usable(
     comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Packing the streamed blocks shows a ComfyUI progress bar over them (0.33 sends the first and last updates
-    and drops some between). Cancel pressed while it shows (the server's hook raises then) fails the load with
-    every block on memory of its own and nothing left pinned; the next prompt packs again and streams bitwise,
-    and a later clone taking the host buffers over packs nothing and shows no bar."""
+    """The first prompt does not wait for pinning: with the packing thread held, the whole prompt runs, every
+    streamed block copied from the loader's tensors, and its plan line says what is left to pin. Cancel pressed
+    in the middle of a step while pinning waits leaves the model loaded and usable: the next prompt finishes
+    the pinning and computes the same, and a later clone takes the pinned buffers over without packing."""
     model = wan(comfy)
     reference = sample(comfy, model)
-    updates: list[tuple[int, int]] = []
-    cancel_at = [1]
+    gate = PackingGate(monkeypatch)
 
-    def server_hook(value: int, total: int, preview: object, **_: object) -> None:
-        updates.append((value, total))
-        if value == cancel_at[0]:
-            comfy.mm.interrupt_current_processing()
-            comfy.mm.throw_exception_if_processing_interrupted()  # as ComfyUI's server hook does
+    def cancel_pressed(*_: object) -> None:  # mid-step, as ComfyUI 0.33's interrupt raises inside the model
+        comfy.mm.interrupt_current_processing()
+        comfy.mm.throw_exception_if_processing_interrupted()
 
-    monkeypatch.setattr(comfy.utils, "PROGRESS_BAR_HOOK", server_hook)
     patched = async_offload(comfy, model, resident=1)
-    with pytest.raises(comfy.mm.InterruptProcessingException):
-        sample(comfy, patched)
-    assert updates == [(1, STREAMED)]
-    assert patched.offload_engine is None
-    assert cudart.pinned == comfy.pinned.PINNED_MEMORY.used == comfy.mm.TOTAL_PINNED_MEMORY == 0
-    for index in range(1, 1 + STREAMED):
-        assert all(w.device.type == "cpu" for w in patched.model.diffusion_model.blocks[index].state_dict().values())
-    cancel_at[0], updates[:] = 0, []
     with caplog.at_level(logging.INFO):
         assert torch.equal(sample(comfy, patched), reference)
-    values = [value for value, total in updates if total == STREAMED]
-    assert len(values) == len(updates) and values[0] == 1 and values[-1] == STREAMED and values == sorted(set(values))
-    assert cudart.pinned == STREAMED * streamed_block_bytes(patched)
+    runner = patched.offload_engine.runner
+    block = streamed_block_bytes(patched)
+    assert cudart.pinned == 0 and runner.waiting_bytes == STREAMED * block and runner.packed_bytes == 0
     (line,) = [r.getMessage() for r in caplog.records if "blocks resident" in r.getMessage()]
-    assert re.search(r"; packed \d+\.\d\d GiB into host buffers in \d+\.\d\d s", line), line
-    updates.clear()
-    assert torch.equal(sample(comfy, async_offload(comfy, model, resident=1)), reference)
-    assert updates == []  # the next clone took the parked host buffers over
+    assert f"; {STREAMED * block / GIB:.2f} GiB packed in the background while the first steps run" in line, line
+    assert f"(pinned 0.00 of {STREAMED * block / GIB:.2f} GiB so far)" in line, line
+    hook = patched.model.diffusion_model.blocks[2].register_forward_pre_hook(cancel_pressed)
+    with pytest.raises(comfy.mm.InterruptProcessingException):
+        sample(comfy, patched)
+    hook.remove()
+    comfy.mm.interrupt_current_processing(False)
+    assert patched.offload_engine is not None and cudart.pinned == 0  # still loaded, still nothing pinned
+    gate.let(2 * STREAMED)  # some may go to the loaded engine's thread, stopped as the next prompt takes over
+    assert torch.equal(sample(comfy, patched), reference)
+    runner = patched.offload_engine.runner
+    runner.finish_packing()
+    assert runner.waiting_bytes == 0 and runner.pinning_progress == (STREAMED * block, STREAMED * block)
+    assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
+    later = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, later), reference)
+    assert later.offload_engine.runner.packed_bytes == 0 and later.offload_engine.runner.waiting_bytes == 0
     comfy.mm.unload_all_models()
 
 
@@ -186,19 +188,18 @@ def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_me
     cudart.fail = True
     with caplog.at_level(logging.INFO):
         assert torch.equal(sample(comfy, patched), reference)
-    engine = patched.offload_engine
-    assert cudart.failures == STREAMED and len(cudart.cleared) == STREAMED  # each failure's error cleared
+        engine = patched.offload_engine
+        engine.runner.finish_packing()
+        patched.cleanup()  # as ComfyUI calls it after sampling: the engine tells what packing did
+    # Asked once, refused, its error cleared; the driver is not asked again for this model's other blocks.
+    assert cudart.failures == 1 and len(cudart.cleared) == 1
     # The refused buffers were filled before they were offered, and are kept as they are: one copy each.
-    assert engine.runner.packed_bytes == STREAMED * streamed_block_bytes(patched)
+    assert engine.runner.host.background.packed_bytes == STREAMED * streamed_block_bytes(patched)
     assert len(engine.runner.failed_pinning) == STREAMED and not engine.runner.refused_pinning
     assert comfy.pinned.PINNED_MEMORY.used == 0 and comfy.mm.TOTAL_PINNED_MEMORY == 0
-    assert engine.summary.endswith(
-        f"of {STREAMED} streamed blocks, {STREAMED} from pageable memory (the driver refused to pin)"
-    )
     (notice,) = engine.notices
     assert notice.startswith(f"The driver refused to pin {STREAMED} of {STREAMED} streamed blocks")
-    plan_lines = [r.getMessage() for r in caplog.records if "from pageable memory (the driver" in r.getMessage()]
-    assert len(plan_lines) == 1
+    assert len([r for r in caplog.records if r.getMessage().endswith(notice)]) == 1  # logged once
     report = comfy.panel.snapshot()
     assert report["plan"] == engine.summary and notice in report["notices"]
 
@@ -285,7 +286,9 @@ def test_disable_pinned_memory_pins_nothing_and_the_plan_line_says_why(
     engine = patched.offload_engine
     assert cudart.pinned == 0 and not cudart.flags and engine.notices == []
     assert "from pinned memory" not in engine.summary
-    assert "streamed from pageable memory: ComfyUI runs with --disable-pinned-memory; packed " in engine.summary
+    assert "streamed from pageable memory: ComfyUI runs with --disable-pinned-memory; " in engine.summary
+    assert "GiB packed in the background while the first steps run" in engine.summary
+    assert "pinned 0.00 of" not in engine.summary  # nothing is to be pinned
     assert not [r for r in caplog.records if "Pinned memory cap" in r.getMessage()]
 
 

@@ -391,7 +391,8 @@ class PanelView {
           `${model.placement.length - resident} streamed ` +
           (fromFile ? `(${fromFile} read from the checkpoint file each step) ` : "") +
           `(${model.ring_bytes ? `through a ${bytes(model.ring_bytes)} ring` : `prefetch ${model.prefetch}`}` +
-          `${model.pinned ? ", pinned" : ""})`,
+          `${model.pinned ? ", pinned" : ""})` +
+          (model.pinning ? `; packing in the background: ${model.pinning}` : ""),
       );
       return [title, el("canvas", "bo-placement"), model];
     });

@@ -1,0 +1,256 @@
+"""Packing in the background (``BlockStreamer(pack_in_background=True)``, what the nodes use): the first step
+runs before any block is packed, each step is bitwise whatever mix of packed and waiting blocks it copies, and
+stopping, parking, a refused registration or a changed file mid-packing leave nothing behind.
+
+The packing thread is held at a gate (``harness/packing_gate.py``) so each test decides how far packing has got;
+CUDA's runtime is faked behind the engine's real registrar (``harness/fake_cudart.py``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.fake_cudart import FakeCudart
+from harness.host_memory import peak_during
+from harness.mapped_file import MappedFile
+from harness.packing_gate import PackingGate
+from harness.parking import lot_of
+from harness.transformer_stack import assert_same_tensors, forward_steps, snapshot, transformer_stack
+
+from block_offload.offload import (
+    BlockStreamer,
+    CudaHostRegistrar,
+    FileChangedError,
+    PinnedMemoryBudget,
+    TimelineRecorder,
+    use_host_registrar,
+)
+from block_offload.offload.step_timeline import BlockSpan, StepTimeline
+
+CPU = torch.device("cpu")
+BLOCKS = 6
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    use_host_registrar(CudaHostRegistrar(discard_error=lambda: None))
+    try:
+        yield fake
+    finally:
+        use_host_registrar(None)
+
+
+def _waiting(streamer: BlockStreamer) -> list[int]:
+    return sorted(index for index, state in streamer.host.blocks.items() if state.waiting)
+
+
+def _wait_for(streamer: BlockStreamer, waiting: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(_waiting(streamer)) > waiting:
+        assert time.monotonic() < deadline, f"still {len(_waiting(streamer))} blocks waiting"
+        time.sleep(0.005)
+
+
+def _streamer(model, **kwargs) -> BlockStreamer:
+    return BlockStreamer(model.blocks, CPU, range(BLOCKS), root=model, pack_in_background=True, **kwargs)
+
+
+def _on_its_pinned_buffer(streamer: BlockStreamer, index: int) -> bool:
+    host = streamer.host.blocks[index].host
+    start, end = host.data_ptr(), host.data_ptr() + host.numel()
+    tensors = streamer.blocks[index].parameters()
+    return streamer.host.blocks[index].pinned and all(start <= t.data_ptr() < end for t in tensors)
+
+
+def _packing_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "block-offload-pack"]
+
+
+def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = PackingGate(monkeypatch)
+    model = transformer_stack(num_blocks=BLOCKS, dim=64)
+    x = torch.randn(2, 9, 64)
+    reference = forward_steps(model, x, steps=1)[0]
+    before = snapshot(model)
+    budget = PinnedMemoryBudget()
+    recorder = TimelineRecorder(CPU)
+    streamer = _streamer(model, prefetch=1, pin_budget=budget, recorder=recorder)
+    streamer.enable()
+    # Nothing packed, nothing pinned, yet the whole first step runs, every block copied from the model's tensors.
+    assert _waiting(streamer) == list(range(BLOCKS)) and streamer.packed_bytes == 0 and cudart.pinned == 0
+    total = streamer.waiting_bytes
+    assert streamer.pinning_progress == (0, total) and budget.used == total  # reserved as it began
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    first = recorder.latest()
+    assert len(first.spans) == BLOCKS and first.unpacked_bytes == first.bytes_copied > 0
+    assert first.packed_bandwidth_gbps is None  # nothing for the planner to learn the later steps' copies from
+    for packed in (1, 4, BLOCKS):  # steps that copy some blocks from host buffers, some from where they were
+        gate.let(packed - (BLOCKS - len(_waiting(streamer))))
+        _wait_for(streamer, BLOCKS - packed)
+        assert torch.equal(forward_steps(model, x, steps=1)[0], reference), packed
+    streamer.finish_packing()
+    assert not streamer.host.packing and streamer.waiting_bytes == 0 and not _packing_threads()
+    assert streamer.pinning_progress == (total, total) and cudart.pinned == total == budget.used
+    assert streamer.packed_bytes == 0 and streamer.host.background.packed_bytes == total
+    assert all(_on_its_pinned_buffer(streamer, index) for index in range(BLOCKS))
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    assert recorder.latest().unpacked_bytes == 0 and recorder.latest().packed_bandwidth_gbps is not None
+    streamer.disable()
+    assert cudart.registered == {} and budget.used == 0
+    assert_same_tensors(model, before, CPU)
+
+
+def test_a_registration_refused_halfway_leaves_the_rest_pageable(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = PackingGate(monkeypatch)
+    model = transformer_stack(num_blocks=BLOCKS, dim=32)
+    x = torch.randn(1, 5, 32)
+    reference = forward_steps(model, x, steps=1)[0]
+    budget = PinnedMemoryBudget()
+    streamer = _streamer(model, pin_budget=budget)
+    streamer.enable()
+    first = streamer.host.blocks[0].storage.nbytes
+    gate.let(1)
+    _wait_for(streamer, BLOCKS - 1)
+    cudart.fail = True
+    gate.let(BLOCKS)
+    streamer.finish_packing()
+    # Asked once more, refused, and not asked again: the rest are packed pageable and stream from there.
+    assert cudart.failures == 1 and cudart.pinned == first == budget.used
+    assert sorted(streamer.failed_pinning) == list(range(1, BLOCKS)) and not streamer.refused_pinning
+    assert streamer.pinning_progress == (first, first)
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
+    assert budget.used == 0
+
+
+def test_stopping_while_packing_gives_every_pin_back_and_restores_the_model(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ComfyUI unloading the model (or ``/free``) while the thread packs: it stops at its next copy, the block
+    it was packing is dropped, every registration is undone and the budget is whole again."""
+    gate = PackingGate(monkeypatch)
+    model = transformer_stack(num_blocks=BLOCKS, dim=32)
+    x = torch.randn(1, 5, 32)
+    reference = forward_steps(model, x, steps=1)[0]
+    before = snapshot(model)
+    budget = PinnedMemoryBudget()
+    streamer = _streamer(model, pin_budget=budget)
+    streamer.enable()
+    gate.let(2)
+    _wait_for(streamer, BLOCKS - 2)
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    streamer.disable()
+    assert not _packing_threads() and cudart.registered == {} and budget.used == 0
+    assert_same_tensors(model, before, CPU)
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+
+
+def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parking mid-packing (the next prompt's clone takes the model over): the packed blocks are parked
+    pinned, the others keep their own tensors; the next streamer adopts the first and packs the rest."""
+    gate = PackingGate(monkeypatch)
+    model = transformer_stack(num_blocks=BLOCKS, dim=32)
+    x = torch.randn(1, 5, 32)
+    reference = forward_steps(model, x, steps=1)[0]
+    budget = PinnedMemoryBudget()
+    lot = lot_of(model)
+    first = _streamer(model, pin_budget=budget, parking=lot)
+    first.enable()
+    gate.let(2)
+    _wait_for(first, BLOCKS - 2)
+    packed = {
+        index: first.host.blocks[index].host.data_ptr() for index in range(BLOCKS) if index not in _waiting(first)
+    }
+    pinned = sum(first.host.blocks[index].storage.nbytes for index in packed)
+    first.disable(park=True)
+    assert len(packed) == 2 and cudart.pinned == pinned == budget.used  # the parked buffers stay pinned
+    second = _streamer(model, pin_budget=budget, parking=lot)
+    second.enable()
+    assert {i: second.host.blocks[i].host.data_ptr() for i in packed} == packed  # taken over, not copied
+    assert _waiting(second) == sorted(set(range(BLOCKS)) - set(packed))
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    gate.let(BLOCKS)
+    second.finish_packing()
+    assert second.waiting_bytes == 0 and cudart.pinned == budget.used == second.pinning_progress[1]
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    second.disable()
+    assert budget.used == 0 and cudart.registered == {}
+
+
+def test_a_file_changed_under_waiting_blocks_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks still waiting are copied from their file's mapping: a file truncated meanwhile is named at the next
+    step, before any copy reads a page that is gone."""
+    PackingGate(monkeypatch)  # held: every block still waits
+    model = transformer_stack(num_blocks=BLOCKS, dim=32)
+    mapped = MappedFile(transformer_stack(num_blocks=BLOCKS, dim=32), tmp_path / "stack.safetensors", torch.float32)
+    x = torch.randn(1, 5, 32)
+    streamer = _streamer(mapped.module, file_slice=mapped.file_slice, parking=lot_of(mapped.module))
+    streamer.enable()
+    assert torch.equal(forward_steps(mapped.module, x, steps=1)[0], forward_steps(model, x, steps=1)[0])
+    streamer.release_device_buffers()
+    with open(mapped.path, "r+b") as file:
+        file.truncate(os.path.getsize(mapped.path) // 2)
+    with pytest.raises(FileChangedError, match=r"stack.safetensors changed while .*load the model again"):
+        forward_steps(mapped.module, x, steps=1)
+    streamer.close_open_step()
+    streamer.disable()
+    assert not streamer.enabled and not _packing_threads()
+
+
+def _anon_growth(background: bool) -> tuple[int, int]:
+    """RssAnon's growth at its peak (sampled) over a streamer's start, its packing (the model stepping meanwhile)
+    and a step after, for 8 blocks of about 50 MB; and the largest block's bytes."""
+    model = transformer_stack(num_blocks=8, dim=1024, heads=8)
+    x = torch.randn(1, 4, 1024)
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    streamer = BlockStreamer(model.blocks, CPU, range(8), root=model, prefetch=1, pack_in_background=background)
+    gc.collect()
+    with peak_during(os.getpid()) as peak:
+        streamer.enable()
+        while streamer.host.packing:
+            forward_steps(model, x, steps=1)
+        streamer.finish_packing()
+        forward_steps(model, x, steps=1)
+    assert streamer.waiting_bytes == 0 and streamer.packed_bytes + streamer.host.background.packed_bytes >= 8 * block
+    streamer.disable()
+    return peak.anon_growth, block
+
+
+def test_packing_in_the_background_never_holds_a_second_copy() -> None:
+    """Beside packing before the first step (what the engine did before), the peak grows by at most the one block
+    being packed: on the CPU the ring is host memory too, and now it is allocated while that block is packed.
+    A second copy of the streamed weights would be 8 blocks more."""
+    _anon_growth(True)  # the packing thread's first allocations (its malloc arena) are made once per process
+    before, block = _anon_growth(False)
+    growth, _ = _anon_growth(True)
+    assert growth <= before + block + 16 * 2**20, (growth / 2**20, before / 2**20, block / 2**20)
+
+
+def test_the_planner_learns_the_bandwidth_of_packed_copies_only() -> None:
+    """An automatic placement learns the copy bandwidth of the steps to come: a step's copies from blocks still
+    waiting to be packed (part by part, pageable) are left out of it, and a step that copied nothing else
+    teaches none (``nodes/placement.py`` then waits for a later step)."""
+    spans = (
+        BlockSpan(0, 2.0, 3.0, 0.0, copy_start=0.0, copy_end=2.0, bytes_copied=2_000_000),  # from its sources
+        BlockSpan(1, 3.0, 4.0, 0.0, copy_start=1.0, copy_end=1.5, bytes_copied=1_000_000),  # from its host buffer
+    )
+    step = StepTimeline(0, 5.0, spans, unpacked_bytes=2_000_000, unpacked_copy_ms=2.0)
+    assert step.bandwidth_gbps == pytest.approx(1.2)  # 3 MB in 2.5 ms
+    assert step.packed_bandwidth_gbps == pytest.approx(2.0)  # 1 MB in 0.5 ms
+    waiting_only = StepTimeline(0, 5.0, spans, unpacked_bytes=3_000_000, unpacked_copy_ms=2.5)
+    assert waiting_only.packed_bandwidth_gbps is None
