@@ -92,7 +92,7 @@ class HostBlocks:
         """Every block of ``blocks`` (index: module) packed, in index order, ``packed_bytes`` counting this
         start's copies; ``progress(done, total)`` hears each. A failure (a host's interrupt raised from
         ``progress``, a fill that raises) leaves every block packed so far on memory of its own again.
-        ``later``: a block that can wait (``pack_later``) is not packed now but by ``start_packing``'s thread."""
+        ``later``: a block that can wait (``pack_later``) is not packed now but by ``background``'s thread."""
         self._packed_now = self.background.packed_bytes = self.background.total_bytes = 0
         order = sorted(blocks)
         try:
@@ -149,47 +149,11 @@ class HostBlocks:
         self._pack_companions(index, self.blocks[index])
         return True
 
-    def start_packing(self, order: Sequence[int]) -> None:
-        """Packs the waiting blocks in the background, in ``order`` then the others' (``BackgroundPacking``)."""
-        self.background.start(order, self.file_slice)
-
-    def stop_packing(self) -> None:
-        self.background.stop()
-
-    def finish_packing(self) -> None:
-        self.background.finish()
-
-    def settle(self) -> None:
-        self.background.settle()
-
-    @property
-    def packing(self) -> bool:
-        """Whether some blocks still wait to be packed by a running packing thread."""
-        return self.background.running
-
     @property
     def packed_bytes(self) -> int:
         """Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
         thread: none; the thread counts its own in ``background.packed_bytes``)."""
         return self._packed_now
-
-    @property
-    def pinning_progress(self) -> tuple[int, int]:
-        """Bytes of blocks pinned now, and of those that will be once the waiting ones holding a reservation are
-        packed (the driver may still refuse some)."""
-        pinned = sum(state.storage.nbytes for state in self.blocks.values() if state.pinned)
-        waiting = sum(state.storage.nbytes for state in self.blocks.values() if state.waiting and state.pinned_bytes)
-        return pinned, pinned + waiting
-
-    @property
-    def background_packing(self) -> tuple[int, int]:
-        """Bytes the packing thread has packed, and those it had to pack, since the streamer started."""
-        return self.background.packed_bytes, self.background.total_bytes
-
-    @property
-    def waiting_bytes(self) -> int:
-        """The bytes of the blocks still waiting to be packed."""
-        return sum(state.storage.nbytes for state in self.blocks.values() if state.waiting)
 
     def take(self, index: int) -> StreamedBlock | None:
         """Block ``index``'s record, no longer kept (its companions dropped): the caller restores it."""
@@ -211,7 +175,7 @@ class HostBlocks:
         restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly when
         another model is waiting for the RAM."""
         self.check_can_park(park)
-        self.stop_packing()
+        self.background.stop()
         for index in sorted(self.blocks):
             module = self.modules[index]
             state = self.take(index)

@@ -123,7 +123,26 @@ class BackgroundPacking:
 
     @property
     def running(self) -> bool:
+        """Whether blocks are still being packed by a running thread."""
         return self._thread is not None and self._thread.running
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """Bytes the thread has packed, and those it had to pack, since the streamer started."""
+        return self.packed_bytes, self.total_bytes
+
+    @property
+    def waiting_bytes(self) -> int:
+        """The bytes of the blocks still waiting to be packed."""
+        return sum(state.storage.nbytes for state in self.blocks.values() if state.waiting)
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        """Bytes of blocks pinned now, and of those that will be once the waiting ones holding a reservation are
+        packed (the driver may still refuse some)."""
+        pinned = sum(state.storage.nbytes for state in self.blocks.values() if state.pinned)
+        waiting = sum(state.storage.nbytes for state in self.blocks.values() if state.waiting and state.pinned_bytes)
+        return pinned, pinned + waiting
 
     def start(self, order: Sequence[int], file_slice: Callable[[torch.Tensor], FileSlice | None] | None) -> None:
         """Packs the waiting blocks on a thread, in ``order`` (the order the steps call them) then the others'."""

@@ -194,11 +194,16 @@ class BlockStreamer(StreamerViews):
             self._handles += hook_step(self.root, self.begin_step, self.end_step)
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         self.enabled = True
-        self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
+        self._pack_in_call_order()
+
+    def _pack_in_call_order(self) -> None:
+        """(Re)starts packing the waiting blocks in the background, in the order the steps call them."""
+        upcoming = list(self.calls.upcoming(self.host.blocks, len(self.host.blocks)))
+        self.host.background.start(upcoming, self.host.file_slice)
 
     def finish_packing(self) -> None:
         """Waits until every block waiting to be packed is (see ``pack_in_background``)."""
-        self.host.finish_packing()
+        self.host.background.finish()
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
 
     def disable(self, park: bool = False) -> None:
@@ -237,7 +242,7 @@ class BlockStreamer(StreamerViews):
             raise ValueError(f"blocks {transformed} are transformed where they arrive and cannot be made resident")
         self._finish_active()
         synchronize(self.device)
-        self.host.stop_packing()
+        self.host.background.stop()
         for index in indices:
             state = self.host.take(index)
             if state is not None:
@@ -249,7 +254,7 @@ class BlockStreamer(StreamerViews):
         self.streamed = frozenset(self.host.blocks)
         self.ring.recount()
         self.host.read_each_step &= self.streamed
-        self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
+        self._pack_in_call_order()
 
     def give_back_pinned(self, nbytes: int) -> int:
         """Unpins streamed blocks, last first, until ``nbytes`` of the pin budget are free again (for another
@@ -258,11 +263,11 @@ class BlockStreamer(StreamerViews):
         if self.calls.in_step or self.host.memory.share is None:
             return 0
         synchronize(self.device)  # copies issued ahead (across the step boundary) read these buffers
-        packing = self.host.packing
-        self.host.stop_packing()
+        packing = self.host.background.running
+        self.host.background.stop()
         freed = self.host.unpin_some(nbytes)
         if packing:
-            self.host.start_packing(list(self.calls.upcoming(self.host.blocks, len(self.host.blocks))))
+            self._pack_in_call_order()
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         return freed
 
@@ -309,8 +314,8 @@ class BlockStreamer(StreamerViews):
         """Marks the start of one pass through the blocks (the root module's forward)."""
         self._finish_active()
         self.files.check_files()
-        packing = self.host.packing
-        self.host.settle()
+        packing = self.host.background.running
+        self.host.background.settle()
         if packing:  # blocks were packed since the last step: some of them copy from pinned memory now
             self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
         self.calls.step_began()

@@ -68,15 +68,15 @@ class StreamerViews:
 
     @property
     def waiting_bytes(self) -> int:
-        return self.host.waiting_bytes
+        return self.host.background.waiting_bytes
 
     @property
     def background_packing(self) -> tuple[int, int]:
-        return self.host.background_packing
+        return self.host.background.progress
 
     @property
     def pinning_progress(self) -> tuple[int, int]:
-        return self.host.pinning_progress
+        return self.host.background.pinning_progress
 
     @property
     def host_bytes(self) -> int:

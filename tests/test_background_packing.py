@@ -100,7 +100,7 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
         _wait_for(streamer, BLOCKS - packed)
         assert torch.equal(forward_steps(model, x, steps=1)[0], reference), packed
     streamer.finish_packing()
-    assert not streamer.host.packing and streamer.waiting_bytes == 0 and not _packing_threads()
+    assert not streamer.host.background.running and streamer.waiting_bytes == 0 and not _packing_threads()
     assert streamer.pinning_progress == (total, total) and cudart.pinned == total == budget.used
     assert streamer.packed_bytes == 0 and streamer.host.background.packed_bytes == total
     assert all(_on_its_pinned_buffer(streamer, index) for index in range(BLOCKS))
@@ -222,7 +222,7 @@ def _anon_growth(background: bool) -> tuple[int, int]:
     gc.collect()
     with peak_during(os.getpid()) as peak:
         streamer.enable()
-        while streamer.host.packing:
+        while streamer.host.background.running:
             forward_steps(model, x, steps=1)
         streamer.finish_packing()
         forward_steps(model, x, steps=1)
