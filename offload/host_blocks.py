@@ -79,7 +79,9 @@ class HostBlocks:
         self._companion_tensors = dict(companions)
         self.parking = parking
         self.blocks: dict[int, StreamedBlock] = {}
-        self._packed_now = 0  # copied into host buffers by ``pack`` since ``pack_all``
+        # Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
+        # thread: none; the thread counts its own in ``background.packed_bytes``).
+        self.packed_bytes = 0
         self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
         # Held while a block's record or its module's tensors change: by the streamer's thread around each copy
         # from a block and each re-pointing of its tensors, by the packing thread around handing a block over.
@@ -93,7 +95,7 @@ class HostBlocks:
         start's copies; ``progress(done, total)`` hears each. A failure (a host's interrupt raised from
         ``progress``, a fill that raises) leaves every block packed so far on memory of its own again.
         ``later``: a block that can wait (``pack_later``) is not packed now but by ``background``'s thread."""
-        self._packed_now = self.background.packed_bytes = self.background.total_bytes = 0
+        self.packed_bytes = self.background.packed_bytes = self.background.total_bytes = 0
         order = sorted(blocks)
         try:
             for done, index in enumerate(order, 1):
@@ -148,12 +150,6 @@ class HostBlocks:
         self.modules[index] = block
         self._pack_companions(index, self.blocks[index])
         return True
-
-    @property
-    def packed_bytes(self) -> int:
-        """Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
-        thread: none; the thread counts its own in ``background.packed_bytes``)."""
-        return self._packed_now
 
     def take(self, index: int) -> StreamedBlock | None:
         """Block ``index``'s record, no longer kept (its companions dropped): the caller restores it."""
@@ -241,7 +237,7 @@ class HostBlocks:
         origin = layout.device or self.device
         host, reserved, pageable_because = self.memory.buffer(storage.nbytes, storage.pack_into)
         pinned = self.memory.pin_memory and pageable_because is None
-        self._packed_now += storage.nbytes
+        self.packed_bytes += storage.nbytes
         host_views = storage.views(host)
         originals = None
         if file_backed:

@@ -56,7 +56,6 @@ class PackingThread:
         self._inference_mode = torch.is_inference_mode_enabled()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
-        self.done = 0  # blocks packed so far
         self._thread = threading.Thread(target=self._run, name="block-offload-pack", daemon=True)
 
     def start(self) -> None:
@@ -95,7 +94,6 @@ class PackingThread:
             except BaseException as error:  # noqa: BLE001 - handed to the streamer's thread, which raises it
                 self.error = error
                 return
-            self.done += 1
 
 
 def _go_on(stopping: threading.Event) -> None:
@@ -183,7 +181,7 @@ class BackgroundPacking:
             raise error
         if thread is not None and not thread.running:
             self._thread = None
-        if any(state.waiting and state.file_backed for state in self.blocks.values()):
+        if self._stamps and any(state.waiting and state.file_backed for state in self.blocks.values()):
             for stamp in self._stamps:
                 stamp.check()
 

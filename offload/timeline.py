@@ -180,13 +180,12 @@ class TimelineRecorder:
         if self.enabled:
             self._reads.append((block, start, end, nbytes))
 
-    def copy_started(self, stream: torch.Stream | None, nbytes: int, unpacked: bool = False) -> CopyRecord | None:
-        """``unpacked``: from a block still waiting to be packed (``CopyRecord.unpacked``)."""
+    def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
         # A copy issued now is for the open step or runs ahead for the next one: recorded if either is.
         if not self.enabled or (self._open is None and not self._next_recorded):
             return None
         record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
-        record.nbytes, record.unpacked = nbytes, unpacked
+        record.nbytes, record.unpacked = nbytes, False  # the copy's issuer says whether it is unpacked
         self.clock.mark(record.start, stream)
         return record
 

@@ -60,6 +60,13 @@ def _wait_for(streamer: BlockStreamer, waiting: int) -> None:
         time.sleep(0.005)
 
 
+def _stack(dim: int = 32, tokens: int = 5, batch: int = 1) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A stack of ``BLOCKS`` blocks, an input, and the stack's output for it, resident."""
+    model = transformer_stack(num_blocks=BLOCKS, dim=dim)
+    x = torch.randn(batch, tokens, dim)
+    return model, x, forward_steps(model, x, steps=1)[0]
+
+
 def _streamer(model, **kwargs) -> BlockStreamer:
     return BlockStreamer(model.blocks, CPU, range(BLOCKS), root=model, pack_in_background=True, **kwargs)
 
@@ -79,9 +86,7 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
     cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = PackingGate(monkeypatch)
-    model = transformer_stack(num_blocks=BLOCKS, dim=64)
-    x = torch.randn(2, 9, 64)
-    reference = forward_steps(model, x, steps=1)[0]
+    model, x, reference = _stack(dim=64, tokens=9, batch=2)
     before = snapshot(model)
     budget = PinnedMemoryBudget()
     recorder = TimelineRecorder(CPU)
@@ -115,9 +120,7 @@ def test_a_registration_refused_halfway_leaves_the_rest_pageable(
     cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = PackingGate(monkeypatch)
-    model = transformer_stack(num_blocks=BLOCKS, dim=32)
-    x = torch.randn(1, 5, 32)
-    reference = forward_steps(model, x, steps=1)[0]
+    model, x, reference = _stack()
     budget = PinnedMemoryBudget()
     streamer = _streamer(model, pin_budget=budget)
     streamer.enable()
@@ -142,9 +145,7 @@ def test_stopping_while_packing_gives_every_pin_back_and_restores_the_model(
     """ComfyUI unloading the model (or ``/free``) while the thread packs: it stops at its next copy, the block
     it was packing is dropped, every registration is undone and the budget is whole again."""
     gate = PackingGate(monkeypatch)
-    model = transformer_stack(num_blocks=BLOCKS, dim=32)
-    x = torch.randn(1, 5, 32)
-    reference = forward_steps(model, x, steps=1)[0]
+    model, x, reference = _stack()
     before = snapshot(model)
     budget = PinnedMemoryBudget()
     streamer = _streamer(model, pin_budget=budget)
@@ -164,9 +165,7 @@ def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     """Parking mid-packing (the next prompt's clone takes the model over): the packed blocks are parked
     pinned, the others keep their own tensors; the next streamer adopts the first and packs the rest."""
     gate = PackingGate(monkeypatch)
-    model = transformer_stack(num_blocks=BLOCKS, dim=32)
-    x = torch.randn(1, 5, 32)
-    reference = forward_steps(model, x, steps=1)[0]
+    model, x, reference = _stack()
     budget = PinnedMemoryBudget()
     lot = lot_of(model)
     first = _streamer(model, pin_budget=budget, parking=lot)
