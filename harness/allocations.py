@@ -6,9 +6,9 @@ through it, and each output that is not a view of one of the operator's inputs i
 (operator, shape, dtype) under the step it happened in: ``steps[0]`` is what ran before the diffusion model's
 first call (the load, the placement), ``steps[n]`` its ``n``-th call and what follows it. Logged apart:
 
-* ``patch_math``: inside ComfyUI's own patch arithmetic (``LoadedPatch``: ``cast_to_device``,
-  ``calculate_weight``, the rounding), which a LoRA on a streamed weight runs as each block arrives, as
-  ComfyUI's own lowvram path runs it at every step;
+* ``format_patch``: inside ComfyUI's own patch of a streamed weight (``loaded_patch.as_loaded``), which the
+  pack runs where it cannot patch in its scratch (``nodes/lora_scratch.py``): a weight in a quantized format,
+  dequantized, patched and re-quantized by the format's code, as ComfyUI's load does it;
 * ``paused``: under ``paused()``, what ``comfy.model_prefetch.pause_malloc_graph`` keeps out of the compiler's
   recording (``nodes/compiler.py``).
 """
@@ -31,7 +31,7 @@ class Step:
     """The allocations of one call of the diffusion model: the pack's and the model's, and those logged apart."""
 
     own: list[Allocation] = field(default_factory=list)
-    patch_math: list[Allocation] = field(default_factory=list)
+    format_patch: list[Allocation] = field(default_factory=list)
     paused: list[Allocation] = field(default_factory=list)
 
 
@@ -64,7 +64,7 @@ class AllocationLog(TorchDispatchMode):
 
     @contextmanager
     def scope(self, name: str) -> Iterator[None]:
-        """Allocations in this context are logged under ``name`` ("patch_math", "paused")."""
+        """Allocations in this context are logged under ``name`` ("format_patch", "paused")."""
         self._scopes.append(name)
         try:
             yield
@@ -75,26 +75,21 @@ class AllocationLog(TorchDispatchMode):
 def logged_steps(model, run: Callable[[], object], log: AllocationLog | None = None) -> list[Step]:
     """``run()`` (sampling ``model``, a ModelPatcher) with its allocations logged per call of its diffusion model,
     into ``log`` if given (its ``scope`` may be used while it runs)."""
-    from block_offload.nodes.loaded_patch import LoadedPatch
+    from block_offload.nodes import loaded_patch
 
     log = log if log is not None else AllocationLog()
-    methods = {name: getattr(LoadedPatch, name) for name in ("__call__", "write_in_place")}
+    as_loaded = loaded_patch.as_loaded
 
-    def in_patch_math(method: Callable) -> Callable:
-        def logged_apart(self, *args, **kwargs):
-            with log.scope("patch_math"):
-                return method(self, *args, **kwargs)
+    def logged_apart(*args, **kwargs):
+        with log.scope("format_patch"):
+            return as_loaded(*args, **kwargs)
 
-        return logged_apart
-
-    for name, method in methods.items():
-        setattr(LoadedPatch, name, in_patch_math(method))
+    loaded_patch.as_loaded = logged_apart
     handle = model.model.diffusion_model.register_forward_pre_hook(lambda *_: log.step())
     try:
         with log:
             run()
     finally:
         handle.remove()
-        for name, method in methods.items():
-            setattr(LoadedPatch, name, method)
+        loaded_patch.as_loaded = as_loaded
     return log.steps

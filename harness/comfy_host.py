@@ -36,7 +36,13 @@ import requests
 from .comfy_client import ComfyClient, ComfyHostError, RunResult, WsEvent
 
 REPO = Path(__file__).resolve().parent.parent
-HOST_DIR = REPO / ".host"
+#: What scripts/setup.sh lays out: the prepared hosts (hosts.tsv, comfyui_path) and the default base directory.
+SETUP_DIR = REPO / ".host"
+BASE_DIR_ENV = "BLOCK_OFFLOAD_BASE_DIR"
+#: The base directory the servers run in (models, outputs, user data, custom_nodes): ``.host/``, or the folder
+#: ``BASE_DIR_ENV`` names. scripts/test.sh gives each ComfyUI host its own, so the two suites run side by side
+#: without one server's start (ComfyUI empties its temp folder) or the planner's cost cache reaching the other.
+HOST_DIR = Path(os.environ[BASE_DIR_ENV]).resolve() if os.environ.get(BASE_DIR_ENV) else SETUP_DIR
 LOOPBACK = "127.0.0.1"
 DEFAULT_UI_PORT = 8188
 LOG_TAIL_LINES = 40
@@ -71,7 +77,7 @@ class ServerExitedError(StartupError):
     """The server died while in use; carries the log's tail."""
 
 
-def resolve_comfyui_path(explicit: str | os.PathLike[str] | None = None, host_dir: Path = HOST_DIR) -> Path:
+def resolve_comfyui_path(explicit: str | os.PathLike[str] | None = None, host_dir: Path = SETUP_DIR) -> Path:
     """The ComfyUI folder: ``explicit``, else $COMFYUI_PATH, else ``.host/comfyui_path``."""
     if explicit is not None:
         path, source = Path(explicit), "the ComfyUI folder given"
@@ -176,6 +182,12 @@ class ComfyHost:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_open(self) -> bool:
+        """Whether the host holds the server's log file open: from start() until stop() (or a failed start)
+        closes it."""
+        return self._log is not None
 
     @property
     def pid(self) -> int | None:

@@ -1,4 +1,5 @@
-"""Tiny Flux-like and other text-to-image diffusion models of ComfyUI (see ``tiny_dit.py``).
+"""Tiny Flux-like and other text-to-image diffusion models of ComfyUI: ``TinyDiT`` specs (``dit_spec.py``), which
+``tiny_dit.py`` builds.
 
 Flux, Flux 2, Chroma, Chroma Radiance, LongCat-Image, HunyuanImage 2.1, SD3 (MMDiT), Qwen-Image, HiDream,
 Lumina 2, Z-Image (latent and pixel space), and the two UNets SD 1.5 and SDXL.
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
+from .dit_spec import TinyDiT
 from .dits_video import HUNYUAN_VIDEO
-from .tiny_dit import TinyDiT
 
 
 class _Newer(Mapping[str, Any]):

@@ -1,6 +1,6 @@
-"""Tiny image diffusion transformers of ComfyUI (see ``tiny_dit.py``): AuraFlow, PixArt Sigma, Hunyuan-DiT,
-Lens, PixelDiT, OmniGen2, Ideogram 4, Krea 2, Mage-Flow, ERNIE-Image, Boogu, PiD and Stable Cascade (stages C
-and B).
+"""Tiny image diffusion transformers of ComfyUI, as ``TinyDiT`` specs (``dit_spec.py``) that ``tiny_dit.py``
+builds: AuraFlow, PixArt Sigma, Hunyuan-DiT, Lens, PixelDiT, OmniGen2, Ideogram 4, Krea 2, Mage-Flow, ERNIE-Image,
+Boogu, PiD and Stable Cascade (stages C and B).
 
 Each config is the one ComfyUI's detection gives for the model (``comfy/model_detection.py``), the widths shrunk
 and the keys detection leaves at the class default (head widths, rope axes, text width) set so that they fit.
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .tiny_dit import TinyDiT
+from .dit_spec import TinyDiT
 
 TOKENS = 7
 #: The latent of Flux 2's VAE (``latent_formats.Flux2``, 128 channels), which Lens, Ideogram 4, Mage-Flow and

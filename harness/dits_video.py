@@ -1,4 +1,5 @@
-"""Tiny video diffusion transformers of ComfyUI (see ``tiny_dit.py``): Wan, HunyuanVideo, LTX, Mochi, CogVideoX."""
+"""Tiny video diffusion transformers of ComfyUI, as ``TinyDiT`` specs (``dit_spec.py``) that ``tiny_dit.py``
+builds: Wan, HunyuanVideo, LTX, Mochi, CogVideoX."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .tiny_dit import TinyDiT
+from .dit_spec import TinyDiT
 
 
 class _HunyuanConfig(Mapping[str, Any]):

@@ -1,6 +1,7 @@
-"""Tiny newer video and image diffusion transformers of ComfyUI (see ``tiny_dit.py``): Cosmos 1, Cosmos Predict2,
-Anima (its LLM adapter built tiny inside ``anima_tiny_adapter()``), Kandinsky 5 (video and image), MiniMax H3
-(audio-video), SeedVR2, HiDream-O1 and JoyImage."""
+"""Tiny newer video and image diffusion transformers of ComfyUI, as ``TinyDiT`` specs (``dit_spec.py``) that
+``tiny_dit.py`` builds: Cosmos 1, Cosmos Predict2, Anima (its LLM adapter built tiny inside
+``anima_tiny_adapter()``), Kandinsky 5 (video and image), MiniMax H3 (audio-video), SeedVR2, HiDream-O1 and
+JoyImage."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .tiny_dit import TinyDiT
+from .dit_spec import TinyDiT
 
 # Qwen3-VL / HiDream-O1 chat-template token ids (comfy.text_encoders.hidream_o1).
 _IM_START, _IM_END, _USER, _ASSISTANT, _NEWLINE = 151644, 151645, 872, 77091, 198

@@ -1,5 +1,6 @@
-"""Tiny variants of Wan whose diffusion model has its own class (see ``tiny_dit.py``): Causal Forcing (Causal-WAN),
-Fun Camera, HuMo, S2V, Animate, Animate-2, SCAIL, SCAIL-2 and WanDancer.
+"""Tiny variants of Wan whose diffusion model has its own class, as ``TinyDiT`` specs (``dit_spec.py``) that
+``tiny_dit.py`` builds: Causal Forcing (Causal-WAN), Fun Camera, HuMo, S2V, Animate, Animate-2, SCAIL, SCAIL-2 and
+WanDancer.
 
 Each gets the conditioning its nodes give, so that its extra modules run (audio, pose, face, camera, music); where a
 module ComfyUI builds has widths no config key reaches (a CLIP-vision projection 1280 wide, HuMo's whisper
@@ -14,8 +15,8 @@ from typing import Any
 
 import torch
 
+from .dit_spec import TinyDiT, no_extra
 from .dits_video import WAN_21
-from .tiny_dit import TinyDiT, no_extra
 
 _CONTEXT = (7, 24)
 #: The width of the CLIP-vision features the i2v-shaped variants project (``MLPProj``, 1280 in ComfyUI).

@@ -1,11 +1,11 @@
 """Tiny random-weight instances of ComfyUI's own diffusion models, built from its own classes and configs.
 
-Each ``TinyDiT`` names a ``comfy.supported_models`` class (what ComfyUI's loader would detect) and the
-config its detection would produce, shrunk to a few channels; ``build`` makes the model as
+Each ``TinyDiT`` (``dit_spec.py``) names a ``comfy.supported_models`` class (what ComfyUI's loader would detect)
+and the config its detection would produce, shrunk to a few channels; ``build`` makes the model as
 ``comfy.sd.load_diffusion_model_state_dict`` does after detection (the config's ``get_model``, weights
 loaded, a ``ModelPatcher``), with seeded random weights; ``sample`` runs ComfyUI's sampler on it with a
-latent and a conditioning of the shapes the model takes. The families are listed in ``dits_*.py``;
-``zoo()`` gathers them.
+latent and a conditioning of the shapes the model takes. The families are listed in ``dits_*.py`` (data: they
+import ``dit_spec.py``, not this builder); ``zoo()`` gathers them.
 
 Run ``python -m harness.tiny_dit [NAME ...]`` (ComfyUI on ``sys.path``, see ``inprocess.py``) to build and
 sample each once and see its size and time; ``--readme README.md`` writes the README's table of them
@@ -17,55 +17,19 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from . import dits_flux_like, dits_image, dits_video, dits_video_image, dits_wan_variants
+from .dit_spec import TinyDiT
+
 #: Sampler steps: enough for the engine to learn the call order, then stream.
 STEPS = 2
 SEED = 20251125
 WEIGHT_STD = 0.02
-
-
-def no_extra(generator: torch.Generator) -> dict[str, Any]:
-    return {}
-
-
-def no_fill(diffusion_model: torch.nn.Module) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class TinyDiT:
-    """One of ComfyUI's diffusion models at tiny width.
-
-    ``config``: the ``comfy.supported_models`` class ComfyUI detects for it; ``unet_config``: the whole config
-    that detection would give (the model class's keyword arguments, ``image_model`` included), tiny;
-    ``latent``: the shape of the latent the sampler starts from; ``context``: (tokens, width) of the text
-    conditioning; ``extra``: the conditioning's
-    other entries (``pooled_output``, ``guidance``, ...), made from the generator given; ``fill``: sets what a
-    checkpoint holds and random parameters do not (a buffer ComfyUI makes with ``torch.empty``); ``building``: a
-    context the model is built in (for sizes no config key reaches).
-    """
-
-    name: str
-    config: str
-    unet_config: Mapping[str, Any]
-    latent: tuple[int, ...]
-    context: tuple[int, int]
-    extra: Callable[[torch.Generator], dict[str, Any]] = field(default=no_extra)
-    fill: Callable[[torch.nn.Module], None] = field(default=no_fill)
-    building: Callable[[], AbstractContextManager[Any]] = field(default=nullcontext)
-
-    def available(self) -> bool:
-        """Whether this ComfyUI has the model's class."""
-        import comfy.supported_models
-
-        return hasattr(comfy.supported_models, self.config)
 
 
 def _seed(name: str) -> int:
@@ -156,8 +120,6 @@ def sample(spec: TinyDiT, model: Any, seed: int = 5) -> torch.Tensor:
 
 def zoo() -> list[TinyDiT]:
     """Every tiny model, in the order of the ``dits_*`` files."""
-    from . import dits_flux_like, dits_image, dits_video, dits_video_image, dits_wan_variants
-
     return [
         *dits_video.SPECS,
         *dits_wan_variants.SPECS,

@@ -9,7 +9,7 @@ from .versions import log_version_notice
 
 class BlockOffloadExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return NODES
+        return list(NODES)
 
 
 async def comfy_entrypoint() -> BlockOffloadExtension:

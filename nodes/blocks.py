@@ -8,10 +8,11 @@ one answer to which units an engine streams (``Units``), which the placement and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import nn
 
@@ -27,10 +28,12 @@ _FOUND_IN_THIS_LOAD: ContextVar[dict[int, tuple[nn.Module, FoundBlocks]] | None]
 
 #: Diffusion models (by class, subclasses included) whose blocks must not stream as blocks, and why: the engine
 #: streams a block around its calls as a module, which these models never make.
-MODULE_BY_MODULE: dict[str, str] = {
-    "WanAnimate2Model": "the model never calls its blocks as modules, only their forward_pose and forward_gen "
-    "methods, which a block's hooks do not see",
-}
+MODULE_BY_MODULE: Mapping[str, str] = MappingProxyType(
+    {
+        "WanAnimate2Model": "the model never calls its blocks as modules, only their forward_pose and forward_gen "
+        "methods, which a block's hooks do not see",
+    }
+)
 
 
 def find_blocks(diffusion_model: nn.Module) -> FoundBlocks:

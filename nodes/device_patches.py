@@ -22,9 +22,11 @@ import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher
 
+from . import dynamic_vram
 from .blocks import inside
-from .loaded_patch import LoadedPatch, compute_dtype
+from .loaded_patch import LoadedPatch, compute_dtype, scratch_bytes
 from .patch_routes import is_plain, patched_parameters, stored_by_layer
+from .request import OffloadRequest
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,30 @@ def patch_streamed_weights(
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
     return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host), tuple(on_arrival))
+
+
+def twin_patches_as_cast(model: ModelPatcher, request: OffloadRequest) -> Callable[[str, torch.nn.Module], bool] | None:
+    """For a Dynamic VRAM model's twin, which of its modules that model patches as it casts them (by name)."""
+    return functools.partial(dynamic_vram.patched_as_cast, model.model) if request.dynamic_vram_twin else None
+
+
+def patch_scratch_bytes(
+    model: ModelPatcher,
+    streamed: frozenset[str],
+    device: torch.device,
+    patched_as_cast: Callable[[str, torch.nn.Module], bool] | None,
+) -> int:
+    """The engine's scratch for the ``streamed`` modules' patches where they arrive (``LoadedPatch.write_in_place``
+    of plain LoRAs): the largest weight's, as they run one at a time."""
+    twin_dtype = compute_dtype(model) if patched_as_cast is not None else None
+    largest = 0
+    for name, module, routes in patched_parameters(model, streamed):
+        computed_in = twin_dtype if patched_as_cast is not None and patched_as_cast(name, module) else None
+        for param, _, route in routes:
+            if route == "arrival":
+                need = scratch_bytes(module, param, f"{name}.{param}", model.patches, device, computed_in)
+                largest = max(largest, need)
+    return largest
 
 
 class ArrivalPatches:

@@ -30,7 +30,7 @@ import comfy.utils
 import torch
 from comfy.model_patcher import ModelPatcher, get_key_weight
 
-from ..offload import FileSlice
+from ..offload import PROCESS_STATE, FileSlice
 from .blocks import inside
 from .loaded_patch import as_loaded, compute_dtype, string_to_seed
 from .patch_routes import is_plain
@@ -61,22 +61,38 @@ def keep_fast_disk(source: ModelPatcher, cloned: ModelPatcher) -> None:
         cloned.fast_disk = source.fast_disk
 
 
-# Per Dynamic VRAM model (its nn.Module, shared by all its clones): its twin, as ``clone(model_override=...)``
-# takes it. A LoRA or another patch node before ours makes a new dynamic clone at each change; the twin is
-# built once, not once per change. The entry goes when the dynamic model does (the loader's output is
-# replaced or freed).
-_CLASSIC_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+class _Twins:
+    """The classic twins of Dynamic VRAM models, kept across prompts: ComfyUI hands a node a new dynamic clone
+    at each change before it (a LoRA, another patch node), the same nn.Module under each."""
+
+    def __init__(self) -> None:
+        # Per Dynamic VRAM model (its nn.Module, shared by all its clones): its twin, as
+        # ``clone(model_override=...)`` takes it, built once, not once per change. The entry goes when the
+        # dynamic model does (the loader's output is replaced or freed).
+        self.of_model: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+        # Per twin (its nn.Module): its plain weights as views of their checkpoint file, by name. A real unload
+        # points what ComfyUI moved back to the host at them again, so the twin holds no copy of them in RAM.
+        self.file_views: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+
+def _twins() -> _Twins:
+    return PROCESS_STATE.entry(
+        "dynamic vram twins", _Twins, "a twin outlives the prompt and the clone it was built for, as its model does"
+    )
 
 
 def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     """A clone of ``model`` whose weights ComfyUI loads the classic way (partial load, ``_load_list``)."""
     if not uses_dynamic_vram(model):
         return model.clone()
-    twin = _CLASSIC_TWINS.get(model.model)
+    twins = _twins()
+    twin = twins.of_model.get(model.model)
     if twin is None:
-        twin = _CLASSIC_TWINS[model.model] = _file_backed_twin(model, node)
+        twin = twins.of_model[model.model] = _file_backed_twin(model, node)
         # Tensors of their own over the file's bytes: a Parameter's data is replaced as ComfyUI loads it.
-        _FILE_VIEWS[twin[0]] = {
+        twins.file_views[twin[0]] = {
             name: tensor.detach() for name, tensor in _plain_tensors(twin[0]) if file_slice(tensor) is not None
         }
     classic = model.clone(disable_dynamic=True, model_override=twin)
@@ -243,14 +259,9 @@ def _plain_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name, tensor
 
 
-# Per twin (its nn.Module): its plain weights as views of their checkpoint file, by name. A real unload points
-# what ComfyUI moved back to the host at them again, so the twin holds no copy of them in RAM.
-_FILE_VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
-
-
 def file_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A twin's weights as views of its checkpoint file, by name (empty for any other model)."""
-    return _FILE_VIEWS.get(model, {})
+    return _twins().file_views.get(model, {})
 
 
 def back_to_file(model: torch.nn.Module) -> None:

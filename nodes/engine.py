@@ -9,7 +9,6 @@ engine starts and stops.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import weakref
@@ -22,6 +21,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload import (
     GIB,
+    PROCESS_STATE,
     OffloadPlan,
     ParkingLot,
     Runner,
@@ -31,8 +31,15 @@ from ..offload import (
 )
 from . import extension
 from .blocks import Units, inside
-from .device_patches import AdapterStaging, ArrivalPatches, patch_streamed_weights, write_patches_to_host
-from .dynamic_vram import on_fast_disk, patched_as_cast
+from .device_patches import (
+    AdapterStaging,
+    ArrivalPatches,
+    patch_scratch_bytes,
+    patch_streamed_weights,
+    twin_patches_as_cast,
+    write_patches_to_host,
+)
+from .dynamic_vram import on_fast_disk
 from .engine_runner import CallOrder, PatchHistory, decide_baking, file_tier_options, make_runner
 from .pack_progress import pack_progress
 from .pinned_memory import PINNED_LIMIT_ENV
@@ -138,7 +145,7 @@ class Engine:
     def stop(self, park: bool = False) -> None:
         """``park``: the streamed blocks keep their host buffers, for the next engine to adopt."""
         self.runner.disable(park)
-        _live_runners.discard(self.runner)
+        _live_runners().discard(self.runner)
         watcher = _engine_watcher()
         if watcher is not None:
             watcher.engine_stopped(self)
@@ -159,8 +166,11 @@ def _engine_watcher() -> EngineWatcher | None:
     return watcher if isinstance(watcher, EngineWatcher) else None
 
 
-# Every engine's runner while it streams: the host buffers they hold count against the pack's host cap.
-_live_runners: weakref.WeakSet[Runner] = weakref.WeakSet()
+def _live_runners() -> weakref.WeakSet[Runner]:
+    """Every engine's runner while it streams."""
+    return PROCESS_STATE.entry(
+        "live runners", weakref.WeakSet, "the host buffers every streaming engine holds count against one host cap"
+    )
 
 
 def start_engine(
@@ -185,14 +195,14 @@ def start_engine(
     streamed = Units.streamed(model.model.diffusion_model, placement.plan)
     units, recurse = streamed.modules, streamed.recurse
     fast_disk = on_fast_disk(model)
-    held = sum(runner.host_bytes for runner in _live_runners if runner.enabled)
+    held = sum(runner.host_bytes for runner in _live_runners() if runner.enabled)
     file_options, in_host = file_tier_options(request, units, recurse, fast_disk, held)
     read_each_step = file_options.get("read_each_step", frozenset())
     baking = decide_baking(model, request, placement, units, read_each_step, in_host, history, parking)
     baked = baking.blocks if baking is not None else frozenset()
     # Only a block plan bakes: the sequential wrapper's model may have no block list.
     baked_names = frozenset(block_names(model)[index] for index in baked) if baked else frozenset()
-    as_cast = functools.partial(patched_as_cast, model.model) if request.dynamic_vram_twin else None
+    as_cast = twin_patches_as_cast(model, request)
     patching = patch_streamed_weights(model, placement.streamed, device, baked_names, as_cast)
     patches = model.patches_uuid if patching.loaded or patching.on_host else None
     contents = dict.fromkeys(baked, patches)
@@ -204,6 +214,7 @@ def start_engine(
         "contents": contents,
         "transforms": arrival.transforms(),
         "parking": parking,
+        "scratch_bytes": patch_scratch_bytes(model, placement.streamed, device, as_cast),
     }
     runner = make_runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
     adapters.bind(runner)
@@ -218,7 +229,7 @@ def start_engine(
     except torch.OutOfMemoryError:
         runner.disable()  # half-written buffers go with it: the blocks point at their file again
         raise
-    _live_runners.add(runner)
+    _live_runners().add(runner)
     bandwidth = read_bandwidth(runner.file_slices())
     summary = placement.summary + patching.describe() + packing_clause(runner, packing_s) + pageable_clause(runner)
     if request.dynamic_vram_twin:

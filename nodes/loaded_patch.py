@@ -24,6 +24,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
+from .lora_scratch import PlainLora, ScratchLayout, patch_plain_loras, plain_loras, round_into
 from .patch_adapters import host_tensors, with_host_tensors
 from .patch_routes import is_plain, stored_by_layer
 from .patch_shapes import overwrite_in_place
@@ -117,16 +118,38 @@ class LoadedPatch:
         """Writes the patched weight over the module's own tensor where it is now (a streamed block's region of
         the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
         its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
-        format's own kernel, and no weight function."""
+        format's own kernel, and no weight function. A plain LoRA is computed in the engine's scratch
+        (``lora_scratch.py``), allocating nothing."""
         module = self._live_module()
         current = getattr(module, self.param)
         patches = self._staged_patches()
+        if self._patched_in_scratch(module, current, patches):
+            return
         # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
         # takes it as its working copy): the copy in the ring is the engine's own, to be copied afresh anyway.
         work = current if is_plain(current) and not stored_by_layer(module) else None
         patched = as_loaded(module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram)
         self._form = overwrite_in_place(current, patched, self.key)
         self.put_back()
+
+    def _patched_in_scratch(self, module: torch.nn.Module, current: torch.Tensor, patches: list) -> bool:
+        runner = self._runner() if self._runner is not None else None
+        scratch = runner.scratch if runner is not None else None
+        plan = in_scratch(module, self.param, current, patches, self.dynamic_vram)
+        if scratch is None or plan is None:
+            return False
+        loras, work_dtype, intermediate = plan
+        if (
+            ScratchLayout.of(current, loras, work_dtype, intermediate, current.dtype == work_dtype).nbytes
+            > scratch.numel()
+        ):
+            return False  # counted for another dtype than the one it arrived in: ComfyUI's code, allocating
+        patched = patch_plain_loras(current, loras, work_dtype, intermediate, scratch)
+        if not round_into(current, patched):  # fp8: ComfyUI's seeded stochastic rounding
+            rounded = comfy.float.stochastic_rounding(patched, current.dtype, seed=self._seed)
+            overwrite_in_place(current, rounded, self.key)
+        self._form = None
+        return True
 
     def put_back(self) -> None:
         """Where the re-quantized weight's own description differs from the stored one's (0.3.75 records the
@@ -145,6 +168,41 @@ class LoadedPatch:
         on_device = host.to(device, copy=True)
         patches, handed = self.patches[self.key], on_device if self.dynamic_vram is None else None
         host.copy_(as_loaded(module, self.param, on_device, self.key, patches, self._seed, handed, self.dynamic_vram))
+
+
+def in_scratch(
+    module: torch.nn.Module, param: str, current: torch.Tensor, patches: list, dynamic_vram: torch.dtype | None
+) -> tuple[list[PlainLora], torch.dtype, torch.dtype] | None:
+    """How ``write_in_place`` patches ``module``'s ``param`` (``current``, stored as it streams) in the engine's
+    scratch: its plain LoRAs, the dtype the weight is patched in and the one the products are computed in, as
+    ``as_loaded`` would compute them; None where ``as_loaded`` does it (not plain LoRAs only, a layer's own
+    ``convert_``/``set_`` function, a weight that is not plain)."""
+    if not is_plain(current) or stored_by_layer(module) or hasattr(module, f"set_{param}"):
+        return None
+    if dynamic_vram is None and hasattr(module, f"convert_{param}"):
+        return None
+    loras = plain_loras(patches, current.shape)
+    if not loras:
+        return None
+    if dynamic_vram is None:  # ``calculate_weight``'s own intermediate dtype
+        return loras, _lora_dtype(current.device), torch.float32
+    return loras, dynamic_vram, dynamic_vram
+
+
+def scratch_bytes(
+    module: torch.nn.Module, param: str, key: str, patches: dict, device: torch.device, dynamic_vram: torch.dtype | None
+) -> int:
+    """The scratch ``write_in_place`` needs for ``module``'s ``param`` on ``device`` (0: none)."""
+    weight = getattr(module, param)
+    plan = in_scratch(module, param, weight, patches[key], dynamic_vram)
+    if plan is None:
+        return 0
+    loras, work_dtype, intermediate = plan
+    if dynamic_vram is None:
+        work_dtype = _lora_dtype(device)  # chosen for the device the weight streams to, not the host
+    # A Dynamic VRAM twin's weight may arrive cast from its file's dtype: room for a working copy all the same.
+    in_place = weight.dtype == work_dtype and dynamic_vram is None
+    return ScratchLayout.of(weight, loras, work_dtype, intermediate, in_place).nbytes
 
 
 def compute_dtype(model: ModelPatcher) -> torch.dtype:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TypedDict
 
 import comfy.model_management
@@ -14,19 +16,21 @@ from .request import streaming_allowed
 
 # The placing nodes' default policy: the planner picks the resident blocks and the prefetch depth.
 AUTO_POLICY = "auto"
-POLICIES = [AUTO_POLICY, *(p.value for p in ResidencyPolicy)]
+POLICIES = (AUTO_POLICY, *(p.value for p in ResidencyPolicy))
 # The widgets' ranges. A node that validates an input itself is not range-checked by ComfyUI, so
 # ``validate_inputs`` checks them against these too (API clients can send any value).
 MAX_PREFETCH = 8
 MAX_RESIDENT_BLOCKS = 1000
 MAX_GIB = 1024.0
-STORAGE_DTYPES: dict[str, torch.dtype | None] = {
-    "as loaded": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+STORAGE_DTYPES: Mapping[str, torch.dtype | None] = MappingProxyType(
+    {
+        "as loaded": None,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp8_e4m3fn": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }
+)
 
 MODEL_INPUT = io.Model.Input("model", tooltip="The diffusion model to stream. The model you connect stays unchanged.")
 OUTPUT = io.Model.Output(tooltip="A copy of the model that streams its blocks when it runs.")

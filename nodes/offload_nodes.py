@@ -111,7 +111,7 @@ class AsyncBlockOffload(io.ComfyNode):
                 PIN_INPUT,
                 io.Combo.Input(
                     "policy",
-                    options=POLICIES,
+                    options=list(POLICIES),
                     default=AUTO_POLICY,
                     optional=True,  # workflows and API prompts from before it still load, planned
                     tooltip="Which of the resident blocks stay: the first (leading), the last (trailing), or spread "
@@ -176,7 +176,7 @@ class PartialGPUResidency(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "policy",
-                    options=POLICIES,
+                    options=list(POLICIES),
                     default=AUTO_POLICY,
                     tooltip="Which blocks stay: the first (leading), the last (trailing), or spread evenly "
                     "(strided), which gives each streamed block's copy a resident block to hide behind. "
@@ -272,4 +272,4 @@ class SequentialOffloadWrapper(io.ComfyNode):
         return _prepare(model, request)
 
 
-NODES: list[type[io.ComfyNode]] = [AsyncBlockOffload, PartialGPUResidency, SequentialOffloadWrapper]
+NODES: tuple[type[io.ComfyNode], ...] = (AsyncBlockOffload, PartialGPUResidency, SequentialOffloadWrapper)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from comfy.model_patcher import ModelPatcher
 
-from ..offload import device_ms
+from ..offload import PROCESS_STATE, device_ms
 from ..offload.layout import TensorForm
 from .dynamic_vram import recorded_dtype
 from .loaded_patch import as_loaded, compute_dtype, string_to_seed
@@ -23,12 +23,24 @@ from .patch_adapters import host_tensors, unit_named, with_host_tensors
 from .patch_routes import is_plain, patched_parameters, stored_by_layer
 from .patch_shapes import overwrite_in_place
 
-#: Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), kept for the process: the
-#: same LoRA then plans the same placement at every load, not one that moves with a new measurement's noise.
-_patch_ms: dict[tuple, float] = {}
 _PATCH_KINDS_KEPT = 256
-#: Kinds of patched weight the probe failed on: logged once, not timed again.
-_untimable: set[tuple] = set()
+
+
+class PatchTimings:
+    """Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), and the kinds the probe
+    failed on (logged once, not timed again)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[tuple, float] = {}
+        self.untimable: set[tuple] = set()
+
+
+def patch_timings() -> PatchTimings:
+    return PROCESS_STATE.entry(
+        "patch timings",
+        PatchTimings,
+        "the same LoRA plans the same placement at every load, not one that moves with a new measurement's noise",
+    )
 
 
 def patch_ms_per_unit(
@@ -72,25 +84,26 @@ def _cost(
     except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
         _warn_untimable(key, error)
         return None
-    if kind in _untimable:
+    timings = patch_timings()
+    if kind in timings.untimable:
         return None
-    if kind not in _patch_ms:
-        if len(_patch_ms) >= _PATCH_KINDS_KEPT:
-            _patch_ms.clear()
+    if kind not in timings.ms:
+        if len(timings.ms) >= _PATCH_KINDS_KEPT:
+            timings.ms.clear()
         try:
-            _patch_ms[kind] = _time_patch(model, module, param, key, device)
+            timings.ms[kind] = _time_patch(model, module, param, key, device)
         except torch.OutOfMemoryError:
             # The device is full as the model is placed: the plan goes without this cost (counted as none, as
             # before the planner knew it), and the next placement times it again.
             logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
             return None
         except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
-            if len(_untimable) >= _PATCH_KINDS_KEPT:
-                _untimable.clear()
-            _untimable.add(kind)
+            if len(timings.untimable) >= _PATCH_KINDS_KEPT:
+                timings.untimable.clear()
+            timings.untimable.add(kind)
             _warn_untimable(key, error)
             return None
-    return _patch_ms[kind]
+    return timings.ms[kind]
 
 
 def _warn_untimable(key: str, error: Exception) -> None:

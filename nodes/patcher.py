@@ -31,7 +31,7 @@ from comfy.model_patcher import ModelPatcher
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from torch import nn
 
-from ..offload import GIB, OffloadPlan, place_falling_back
+from ..offload import GIB, PROCESS_STATE, OffloadPlan, place_falling_back
 from . import report
 from .blocks import inside, one_tree_per_load
 from .dynamic_vram import (
@@ -79,16 +79,28 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     return patched
 
 
-_CLASSES: dict[type, type] = {}
-_PATCHER_IDS = itertools.count(1)
+class _PatcherKinds:
+    """Our subclass of each patcher class, made once, so every clone of a model is of one class; and the numbers
+    given to patcher objects (``patcher_id``), never reused in the process."""
+
+    def __init__(self) -> None:
+        self.classes: dict[type, type] = {}
+        self.ids = itertools.count(1)
+
+
+def _patcher_kinds() -> _PatcherKinds:
+    return PROCESS_STATE.entry(
+        "patcher classes", _PatcherKinds, "a patcher class and a patcher's number are shared by all its clones"
+    )
 
 
 def _offload_class(base: type) -> type:
     if issubclass(base, BlockOffloadPatcher):
         return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"BlockOffload{base.__name__}", (BlockOffloadPatcher, base), {})
-    return _CLASSES[base]
+    classes = _patcher_kinds().classes
+    if base not in classes:
+        classes[base] = type(f"BlockOffload{base.__name__}", (BlockOffloadPatcher, base), {})
+    return classes[base]
 
 
 class LoadEntry(NamedTuple):
@@ -132,7 +144,7 @@ class BlockOffloadPatcher(ModelPatcher):
         weak reference still readable in ``__del__`` when the cycle collector frees the patcher."""
         number = self.__dict__.get("_block_offload_id")
         if number is None:
-            number = self.__dict__["_block_offload_id"] = next(_PATCHER_IDS)
+            number = self.__dict__["_block_offload_id"] = next(_patcher_kinds().ids)
         return number
 
     # -- what ComfyUI's loader may touch -----------------------------------------------------

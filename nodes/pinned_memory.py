@@ -23,7 +23,14 @@ import psutil
 import torch
 from comfy.cli_args import args
 
-from ..offload import GIB, CudaHostRegistrar, PinnedMemoryBudget, can_pin_memory, use_host_registrar
+from ..offload import (
+    GIB,
+    PROCESS_STATE,
+    CudaHostRegistrar,
+    PinnedMemoryBudget,
+    can_pin_memory,
+    use_host_registrar,
+)
 
 # A cap, in GiB, on the page-locked RAM the pack takes (below ComfyUI's own pinned-memory budget).
 PINNED_LIMIT_ENV = "BLOCK_OFFLOAD_MAX_PINNED_GB"
@@ -78,8 +85,9 @@ def host_buffer_room(held: int) -> int:
     return max(0, min(rooms))
 
 
-def _ram_admits(nbytes: int) -> bool:
-    """ComfyUI's available-RAM check before pinning (it may unpin its own Dynamic VRAM buffers to pass)."""
+def ram_admits(nbytes: int) -> bool:
+    """ComfyUI's available-RAM check before pinning (it may unpin its own Dynamic VRAM buffers to pass). Public for
+    the tests, which call it and patch it (the budget below looks the name up at each call, so a patch takes)."""
     ensure_pin_budget = getattr(comfy.model_management, "ensure_pin_budget", None)
     if ensure_pin_budget is not None:
         return ensure_pin_budget(nbytes)
@@ -100,6 +108,10 @@ def comfyui_registrar() -> CudaHostRegistrar:
     return CudaHostRegistrar(getattr(comfy.model_management, "discard_cuda_async_error", None))
 
 
-PINNED_MEMORY = PinnedMemoryBudget(_pinned_limit, admit=lambda nbytes: _ram_admits(nbytes), on_change=_count_in_comfyui)
+PINNED_MEMORY = PROCESS_STATE.entry(
+    "pin budget",
+    lambda: PinnedMemoryBudget(_pinned_limit, admit=lambda nbytes: ram_admits(nbytes), on_change=_count_in_comfyui),
+    "ComfyUI's pinned-memory limit is one for the process, shared by the models that stream",
+)
 if torch.cuda.is_available():
     use_host_registrar(comfyui_registrar())

@@ -37,6 +37,7 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .blocks import Units, find_blocks
+from .device_patches import patch_scratch_bytes, twin_patches_as_cast
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
 from .patch_adapters import adapter_bytes
@@ -84,14 +85,22 @@ def place(
     saying which of ComfyUI's loaders the weights came from (see ``_place``)."""
     staging = _cast_staging(request, model)
     placement = _place(request, model, budget - staging, loader_need)
-    adapters = _adapters_in_ring(request, model, placement)
-    if adapters:  # placed again with the room they take: more blocks may stream, so counted on that placement
-        placement = _place(request, model, budget - staging - adapters, loader_need)
-        adapters = _adapters_in_ring(request, model, placement)
+    patches = _room_for_patches(request, model, placement)
+    if patches:  # placed again with the room they take: more blocks may stream, so counted on that placement
+        placement = _place(request, model, budget - staging - patches, loader_need)
+        patches = _room_for_patches(request, model, placement)
     summary = f"{placement.summary}; weights from {request.loader}"
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
-    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging + adapters)
+    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging + patches)
+
+
+def _room_for_patches(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
+    """Device bytes the streamed units' patches take: their adapters in the ring, and the scratch the engine
+    patches plain LoRAs in where the weights arrive (``lora_scratch.py``)."""
+    return _adapters_in_ring(request, model, placement) + patch_scratch_bytes(
+        model, placement.streamed, model.load_device, twin_patches_as_cast(model, request)
+    )
 
 
 def _adapters_in_ring(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
@@ -186,7 +195,7 @@ def _blocks(
             unplanned = (
                 f"; {len(untimed)} patched weights could not be timed ({untimed[0]}, ...): planned without their cost"
             )
-        cache, key = _cost_cache(), _costs_key(model, sizes)
+        cache, key = cost_cache(), _costs_key(model, sizes)
         costs = cache.get(key)
         if costs is None or costs.block_bytes != tuple(sizes):
             measuring = True
@@ -202,7 +211,7 @@ def _blocks(
                     resident_count=None if budget_bytes is not None else count,
                     prefetch_choices=_prefetch_choices(request),
                     pin_memory=pin_memory,
-                    inline_copies=_inline(model),
+                    inline_copies=copies_inline(model),
                 )
             except ValueError as error:  # not even the stream buffers fit: the fallback decides
                 unplanned += f"; the planner found no placement: {error}"
@@ -238,7 +247,7 @@ def bake(
         candidates,
         steps_run,
         least_step_ms=least_step_ms,
-        inline_copies=_inline(model),
+        inline_copies=copies_inline(model),
     )
 
 
@@ -280,7 +289,7 @@ def remember_costs(
     plan = placement.plan
     if not request.auto_placement or plan is None:
         return
-    cache = _cost_cache()
+    cache = cost_cache()
     key = _costs_key(model, plan.block_bytes)
     bandwidth = None if step is None else step.packed_bandwidth_gbps
     if step is None or bandwidth is None or cache.get(key) is not None:
@@ -289,7 +298,7 @@ def remember_costs(
         return
     if len({span.block for span in step.spans}) < len(plan.block_bytes):
         return  # a step cut short (an interrupted prompt) would make every later plan wrong
-    recorded = StackCosts.from_timeline(step, plan.block_bytes, bandwidth, inline_copies=_inline(model))
+    recorded = StackCosts.from_timeline(step, plan.block_bytes, bandwidth, inline_copies=copies_inline(model))
     costs = dataclasses.replace(recorded, patch_ms=placement.patch_ms).without_patches(plan.streamed)
     cache.put(key, costs)
     logging.info(
@@ -310,11 +319,13 @@ def _costs_key(model: ModelPatcher, block_bytes: Sequence[int]) -> str:
     return cache_key(device_name(model.load_device), _model_class(model), block_bytes)
 
 
-def _inline(model: ModelPatcher) -> bool:
-    """Without an accelerator the engine copies inline, on the host, between two computes."""
+def copies_inline(model: ModelPatcher) -> bool:
+    """Whether the engine copies inline, on the host, between two computes: without an accelerator. Public for
+    the tests, which patch it to plan as for a device with a copy stream."""
     return model.load_device.type == "cpu"
 
 
-def _cost_cache() -> CostCache:
-    """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts)."""
+def cost_cache() -> CostCache:
+    """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts). Public for
+    the tests, which clear it, seed it with given costs and read what a run measured."""
     return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")

@@ -8,6 +8,7 @@
 * ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
 * ``find_blocks`` finds a model's transformer blocks from its module tree.
 * ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
+* ``PROCESS_STATE`` holds what belongs to the process, not to an engine, each entry with why.
 """
 
 from .bake import BakeDecision, bake_decision
@@ -22,6 +23,7 @@ from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
 from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
 from .planner import PREFETCH_CHOICES, best_plan
+from .process_state import PROCESS_STATE
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
@@ -34,6 +36,7 @@ from .timeline import TimelineRecorder
 __all__ = [
     "GIB",
     "PREFETCH_CHOICES",
+    "PROCESS_STATE",
     "BlockSpan",
     "BlockStreamer",
     "FoundBlocks",

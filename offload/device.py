@@ -16,9 +16,12 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, TypeAlias, cast
 
 import torch
+
+from .process_state import PROCESS_STATE
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -26,10 +29,12 @@ def is_accelerator(device: torch.device) -> bool:
 
 
 # torch.accelerator's name for a function -> the name the device modules (torch.cuda, torch.xpu) give it.
-_DEVICE_MODULE_NAMES = {
-    "current_device_index": "current_device",
-    "get_memory_info": "mem_get_info",
-}
+_DEVICE_MODULE_NAMES = MappingProxyType(
+    {
+        "current_device_index": "current_device",
+        "get_memory_info": "mem_get_info",
+    }
+)
 # What the engine calls on an accelerator.
 _DEVICE_FUNCTIONS = (
     "current_device_index",
@@ -85,9 +90,10 @@ def unsupported_torch(device: torch.device) -> str | None:
     )
 
 
-# One copy stream per device, shared by every engine on it: a new stream per engine would come from
-# torch's round-robin pool, which ComfyUI's own offload streams share (and they wait on the compute stream).
-_COPY_STREAMS: dict[torch.device, torch.Stream] = {}
+_COPY_STREAMS_WHY = (
+    "one copy stream per device, shared by every engine on it: a new stream per engine would come from torch's "
+    "round-robin pool, which ComfyUI's own offload streams share (and they wait on the compute stream)"
+)
 
 
 def copy_stream(device: torch.device) -> torch.Stream | None:
@@ -96,9 +102,10 @@ def copy_stream(device: torch.device) -> torch.Stream | None:
         return None
     if device.index is None:
         device = torch.device(device.type, _call(device, "current_device_index"))
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.Stream(device=device)
-    return _COPY_STREAMS[device]
+    streams: dict[torch.device, torch.Stream] = PROCESS_STATE.entry("copy streams", dict, _COPY_STREAMS_WHY)
+    if device not in streams:
+        streams[device] = torch.Stream(device=device)
+    return streams[device]
 
 
 def current_stream(device: torch.device) -> torch.Stream | None:

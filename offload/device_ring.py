@@ -38,7 +38,8 @@ def _cached_views(
 class DeviceRing:
     """The ring the ``host``'s blocks are copied into: ``prefetch`` blocks ahead and ``nesting`` running by
     default, or ``ring_bytes``; allocated at the first copy (or ``allocate``), under ``persistent_allocations``
-    (see ``BlockStreamer``). File-tier blocks are copied from ``reader``'s staging slots."""
+    (see ``BlockStreamer``), with ``scratch_bytes`` of scratch for a host's transforms. File-tier blocks are
+    copied from ``reader``'s staging slots."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class DeviceRing:
         ring_bytes: int | None,
         recorder: TimelineRecorder | None,
         persistent_allocations: Callable[[], AbstractContextManager[object]],
+        scratch_bytes: int = 0,
     ) -> None:
         self.device = device
         self.host = host
@@ -64,6 +66,8 @@ class DeviceRing:
         self.books: ByteRing | None = None
         self.memory: torch.Tensor | None = None  # the ring's bytes
         self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
+        self.scratch_bytes = scratch_bytes
+        self.scratch: torch.Tensor | None = None  # where a host's transforms work (``BlockStreamer.transforms``)
         self.holds_all = False  # the ring holds every streamed block at once (then a block copied once stays)
 
     @property
@@ -77,8 +81,9 @@ class DeviceRing:
 
     @property
     def device_buffer_bytes(self) -> int:
-        """Device bytes the ring (and its staging buffer) hold now (0 before the first copy and after ``free``)."""
-        return sum(buffer.numel() for buffer in (self.memory, self._staging) if buffer is not None)
+        """Device bytes the ring (its staging buffer and scratch too) hold now (0 before the first copy and after
+        ``free``)."""
+        return sum(buffer.numel() for buffer in (self.memory, self._staging, self.scratch) if buffer is not None)
 
     def recount(self) -> None:
         """Whether the ring holds every streamed block, again (after blocks left the host side)."""
@@ -89,15 +94,19 @@ class DeviceRing:
         casting = [state.storage.nbytes for state in self.host.blocks.values() if cast_on_device(state)]
         staging = max(casting, default=0)
         free = free_device_bytes(self.device)
-        if free is not None and capacity + staging > free:
+        needed = capacity + staging + self.scratch_bytes
+        if free is not None and needed > free:
             raise torch.OutOfMemoryError(
-                f"the device ring needs {capacity + staging} bytes and {self.device} has {free} free: allocated "
+                f"the device ring needs {needed} bytes and {self.device} has {free} free: allocated "
                 "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
             )
         with self.persistent_allocations():
             self.memory = torch.empty(capacity, dtype=torch.uint8, device=self.device)
             # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
             self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
+            # One scratch serves every transform: they run in turn on the compute stream.
+            scratch = self.scratch_bytes
+            self.scratch = torch.empty(scratch, dtype=torch.uint8, device=self.device) if scratch else None
         self.books = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
         self.recount()
         if is_accelerator(self.device):
@@ -118,7 +127,7 @@ class DeviceRing:
             if state.companions is not None:
                 state.companions.views.clear()
         with self.persistent_allocations():
-            self.books = self.memory = self._staging = None
+            self.books = self.memory = self._staging = self.scratch = None
 
     def region_of(self, index: int) -> tuple[int, int] | None:
         """The bytes of the ring (start, end) holding block ``index``, or None while it is only on the host."""

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from .device import accelerator_available
+from .process_state import PROCESS_STATE
 
 
 class HostRegistrar(Protocol):
@@ -64,20 +65,38 @@ class CudaHostRegistrar:
         return False
 
 
-_registrar: HostRegistrar | None = None
+class PageLocks:
+    """The host memory the engine has page-locked in place, and what locks it. Process-wide as the driver's
+    registrations are: a buffer registered by one engine may be freed under another's, or on the packing
+    thread (``offload/packing_thread.py``)."""
+
+    def __init__(self) -> None:
+        self.registrar: HostRegistrar | None = None
+        # Bytes registered and not yet given back (see filled_host_buffer).
+        self.registered_bytes = 0
+        # Each registered buffer's unregistration, by address: run when its storage is freed, or by unpin.
+        self.registrations: dict[int, weakref.finalize[..., Any]] = {}
+        # Both change on the packing thread as on the streamer's; a buffer's last reference may go on either.
+        self.lock = threading.RLock()
+
+
+def _page_locks() -> PageLocks:
+    return PROCESS_STATE.entry(
+        "page locks", PageLocks, "the driver's registrations of host memory belong to the process, not an engine"
+    )
 
 
 def use_host_registrar(registrar: HostRegistrar | None) -> None:
     """Pins through ``registrar`` from now on (a host's own error handling; None: back to the default)."""
-    global _registrar
-    _registrar = registrar
+    _page_locks().registrar = registrar
 
 
 def host_registrar() -> HostRegistrar | None:
     """What pins host buffers in place: CUDA's registration; None where torch's pinned allocator is used."""
-    if _registrar is None and torch.cuda.is_available():
-        use_host_registrar(CudaHostRegistrar())
-    return _registrar
+    locks = _page_locks()
+    if locks.registrar is None and torch.cuda.is_available():
+        locks.registrar = CudaHostRegistrar()
+    return locks.registrar
 
 
 def can_pin_memory() -> bool:
@@ -93,19 +112,10 @@ def pinned_allocation_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
-# Bytes of host memory the engine has page-locked itself and not yet given back (see filled_host_buffer).
-_registered_bytes = 0
-# Each registered buffer's unregistration, by address: run when its storage is freed, or earlier by unpin.
-_REGISTRATIONS: dict[int, weakref.finalize[..., Any]] = {}
-# Both change on the packing thread (``offload/packing_thread.py``) as on the streamer's; a buffer's last
-# reference may go on either.
-_REGISTRATIONS_LOCK = threading.RLock()
-
-
 def pinned_bytes() -> int:
     """Host bytes page-locked by ``filled_host_buffer`` and still alive: what this process really pins for
     the engine (torch's caching host allocator, used by others, is not in it)."""
-    return _registered_bytes
+    return _page_locks().registered_bytes
 
 
 def pinned_host_buffer(nbytes: int) -> torch.Tensor | None:
@@ -150,32 +160,33 @@ def filled_host_buffer(
 
 def _register(registrar: HostRegistrar, host: torch.Tensor) -> bool:
     """Page-locks ``host`` (a whole storage) in place until its storage is freed or ``unpin_host_buffer``."""
-    global _registered_bytes
     nbytes = host.numel()
     if nbytes == 0:
         return True
     pointer = host.data_ptr()
     if not registrar.register(pointer, nbytes):
         return False
-    with _REGISTRATIONS_LOCK:
-        _registered_bytes += nbytes
-        _REGISTRATIONS[pointer] = weakref.finalize(host.untyped_storage(), _unregister, registrar, pointer, nbytes)
+    locks = _page_locks()
+    with locks.lock:
+        locks.registered_bytes += nbytes
+        locks.registrations[pointer] = weakref.finalize(
+            host.untyped_storage(), _unregister, locks, registrar, pointer, nbytes
+        )
     return True
 
 
 def unpin_host_buffer(host: torch.Tensor) -> bool:
     """Unlocks a buffer ``filled_host_buffer`` registered, now; its memory stays valid, pageable. False if
     there is nothing to unregister (torch's pinned allocator cannot give back part of a buffer)."""
-    registration = _REGISTRATIONS.get(host.data_ptr())
+    registration = _page_locks().registrations.get(host.data_ptr())
     if registration is None or not registration.alive:
         return False
     registration()
     return True
 
 
-def _unregister(registrar: HostRegistrar, pointer: int, nbytes: int) -> None:
-    global _registered_bytes
-    with _REGISTRATIONS_LOCK:
-        _REGISTRATIONS.pop(pointer, None)
-        _registered_bytes -= nbytes
+def _unregister(locks: PageLocks, registrar: HostRegistrar, pointer: int, nbytes: int) -> None:
+    with locks.lock:
+        locks.registrations.pop(pointer, None)
+        locks.registered_bytes -= nbytes
     registrar.unregister(pointer)

@@ -80,6 +80,12 @@ class Runner(Protocol):
         ...
 
     @property
+    def scratch(self) -> torch.Tensor | None:
+        """The device bytes a host's transforms work in (``scratch_bytes``), allocated with the ring; None when
+        none were asked for, before the first call and after a release."""
+        ...
+
+    @property
     def last_order(self) -> tuple[int, ...]:
         """The units' calls in the last finished step (list order before the first)."""
         ...

@@ -111,12 +111,14 @@ class SequentialOffloader:
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
         pack_in_background: bool = False,
+        scratch_bytes: int = 0,
     ) -> None:
         """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
         ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
         ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
         module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
-        ``persistent_allocations``, ``parking`` and ``pack_in_background``: see ``BlockStreamer``."""
+        ``persistent_allocations``, ``parking``, ``pack_in_background`` and ``scratch_bytes``: see
+        ``BlockStreamer``."""
         self.root = root
         self.on_promote = on_promote
         self.modules = [module for _, module in streamed_modules(root)]
@@ -143,6 +145,7 @@ class SequentialOffloader:
             persistent_allocations=persistent_allocations,
             parking=parking,
             pack_in_background=pack_in_background,
+            scratch_bytes=scratch_bytes,
         )
         self._promotion_hook: RemovableHandle | None = None
 
@@ -178,6 +181,7 @@ class SequentialOffloader:
     background_packing = _streamers("background_packing")
     staging_bytes = _streamers("staging_bytes")
     companion_bytes = _streamers("companion_bytes")
+    scratch = _streamers("scratch")
     last_order = _streamers("last_order")
     needs_content = _streamers("needs_content")
 

@@ -11,6 +11,7 @@ the host has for it. On some devices streaming cannot gain at all (``platform_as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -38,13 +39,15 @@ def step_aside(model_bytes: int, room_bytes: int, streams_any: bool) -> StepAsid
 
 
 # Devices where the engine's copies cannot pay: why, for the log and the panel.
-_NO_GAIN = {
-    "mps": "Apple Silicon's memory is unified (the GPU computes from the same RAM the blocks would stream from), "
-    "and its copies run on the compute stream, so streaming costs RAM and copies and saves no memory; ComfyUI's "
-    "own loading is the better choice there",
-    "privateuseone": "DirectML has no copy stream or events for a copy to overlap compute, so every block would "
-    "wait for its own copy; ComfyUI's own loading (--lowvram) is the better choice there",
-}
+_NO_GAIN = MappingProxyType(
+    {
+        "mps": "Apple Silicon's memory is unified (the GPU computes from the same RAM the blocks would stream from), "
+        "and its copies run on the compute stream, so streaming costs RAM and copies and saves no memory; ComfyUI's "
+        "own loading is the better choice there",
+        "privateuseone": "DirectML has no copy stream or events for a copy to overlap compute, so every block would "
+        "wait for its own copy; ComfyUI's own loading (--lowvram) is the better choice there",
+    }
+)
 
 
 def platform_aside(device: torch.device) -> StepAside | None:

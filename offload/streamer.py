@@ -93,7 +93,8 @@ class BlockStreamer(StreamerViews):
     call's compute; ``copied`` at the first call after each copy, when the region holds the bytes as packed
     (ComfyUI's patches of quantized weights are re-quantized in place then, as ComfyUI re-quantizes them at
     load; later calls only put the re-quantized tensors back). A transform that raises leaves the region to be
-    copied afresh.
+    copied afresh. ``scratch_bytes``: device memory the transforms work in (``scratch``), allocated with the ring,
+    so no call allocates.
     ``holders``: per block, the module whose call brings it in, where that is not the block itself (``hooks.py``).
     ``persistent_allocations``: a context entered around each device allocation the engine keeps from one call
     to the next (its ring and staging buffer, a block made resident) and around their frees, some of which
@@ -133,6 +134,7 @@ class BlockStreamer(StreamerViews):
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
         pack_in_background: bool = False,
+        scratch_bytes: int = 0,
     ) -> None:
         self.blocks = list(blocks)
         self.device = torch.device(device)
@@ -168,6 +170,7 @@ class BlockStreamer(StreamerViews):
             ring_bytes=ring_bytes,
             recorder=recorder,
             persistent_allocations=persistent_allocations,
+            scratch_bytes=scratch_bytes,
         )
         self.copy_stream = self.ring.copy_stream
         self.files = FileTier(self.host, self.ring, staging_slots, recorder)

@@ -34,6 +34,10 @@ class StreamerViews:
         return self.ring.companions(index)
 
     @property
+    def scratch(self) -> torch.Tensor | None:
+        return self.ring.scratch
+
+    @property
     def ring_memory(self) -> torch.Tensor | None:
         """The ring's device memory (None before the first call and after a release): what the streamed
         blocks' weights are views of while they run."""

@@ -10,6 +10,7 @@ import gc
 import pytest
 import torch
 
+from harness.private_views import gpu_sleep
 from harness.stack_offloader import BlockOffloader
 from harness.transformer_stack import snapshot, transformer_stack
 
@@ -157,7 +158,7 @@ def test_a_fresh_slot_is_not_written_before_the_compute_stream_is_done_with_its_
     for _ in range(3):
         streamer.release_device_buffers()
         ones = torch.ones(nbytes, dtype=torch.uint8, device=CUDA)
-        torch.cuda._sleep(2_000_000_000)  # compute-stream work queued ahead of the read
+        gpu_sleep(2_000_000_000)  # compute-stream work queued ahead of the read
         total = ones.sum(dtype=torch.int64)
         del ones  # back to the allocator, reusable on the compute stream at once
         streamer.allocate_device_buffers()

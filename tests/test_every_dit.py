@@ -139,7 +139,7 @@ def test_fp8_weights_on_new_models(comfy: SimpleNamespace, name: str) -> None:
 
 def test_partial_gpu_residency_auto_plans_a_discovered_model(comfy: SimpleNamespace) -> None:
     spec, model = built("Cosmos Predict2 T2I")  # on both hosts
-    cache = comfy.placement._cost_cache()
+    cache = comfy.placement.cost_cache()
     cache.path.unlink(missing_ok=True)  # measured on its first run, planned from the second
     found = comfy.placement.find_blocks(model.model.diffusion_model)
     outside = model.model_size() - found.nbytes

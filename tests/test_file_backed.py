@@ -431,7 +431,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     found = comfy.placement.find_blocks(model.model.diffusion_model)
     blocks = found.blocks
     sizes = [comfy.placement.module_bytes(block, comfy.placement.recorded_dtype) for _, block in blocks]
-    cache = comfy.placement._cost_cache()
+    cache = comfy.placement.cost_cache()
     cache.path.unlink(missing_ok=True)
     key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), found.model_class, sizes)
     costs = StackCosts(tuple(sizes), tuple(range(len(sizes))), (0.01,) * len(sizes), (0.0,) * len(sizes), 0.0, 1e3)

@@ -162,7 +162,7 @@ def test_failed_start_shows_the_log_tail(tmp_path: Path) -> None:
     assert "exited with code" in message
     assert "unrecognized arguments: --no-such-flag" in message  # from the log's tail
     assert "unrecognized arguments" in caught.value.log_tail
-    assert not host.running and host._log is None  # stopped, log closed
+    assert not host.running and not host.log_open  # stopped, log closed
 
 
 def test_run_result_helpers() -> None:

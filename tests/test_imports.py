@@ -71,9 +71,16 @@ def test_nodes_modules_import_no_cycle() -> None:
     assert find_cycle(graph) is None, f"import cycle in nodes/: {' -> '.join(find_cycle(graph))}"
 
 
+def test_the_harness_imports_no_cycle() -> None:
+    """The tiny models' specs (``dits_*.py``) are data the builder (``tiny_dit.py``) reads: none imports it back."""
+    graph = sibling_graph(REPO / "harness")
+    assert {"tiny_dit", "dit_spec", "dits_video"} <= graph.keys() and "tiny_dit" not in graph["dits_video"]
+    assert find_cycle(graph) is None, f"import cycle in harness/: {' -> '.join(find_cycle(graph))}"
+
+
 def test_the_engine_never_imports_the_panel() -> None:
-    """The engine tells the panel the extension set up (``nodes/extension.py``, which imports nothing of the
-    pack) as it starts and stops; it calls, never imports it."""
+    """The engine tells the panel the extension set up (``nodes/extension.py``, which imports none of the
+    nodes) as it starts and stops; it calls, never imports it."""
     graph = sibling_graph(REPO / "nodes")
     assert "report" not in graph["engine"]
     assert "engine" in graph["report"]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.parking import lot_of
+from harness.private_views import plain_torch_function, wrapper_subclass
 from harness.transformer_stack import Stack, forward_steps, transformer_stack
 
 from block_offload.offload import BlockStreamer, SequentialOffloader, module_bytes
@@ -29,7 +30,7 @@ class RowScaled(torch.Tensor):
 
     @staticmethod
     def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> RowScaled:
-        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=dtype, device=qdata.device)
+        return wrapper_subclass(cls, qdata.shape, dtype, qdata.device)
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         self.qdata, self.scale = qdata, scale
@@ -55,11 +56,11 @@ class ScaledBytes(torch.Tensor):
     """int8 values whose scale is a Python attribute, read at compute time: a subclass with memory of its
     own and no dispatch of its own, as ComfyUI-GGUF's GGMLTensor (raw bytes plus ``tensor_type``)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops on it give plain tensors
+    __torch_function__ = plain_torch_function  # ops on it give plain tensors
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: float) -> ScaledBytes:
-        return torch.Tensor._make_subclass(cls, data)
+        return data.as_subclass(cls)
 
     def __init__(self, data: torch.Tensor, scale: float) -> None:
         self.scale = scale
@@ -76,7 +77,7 @@ class DispatchOnly(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> DispatchOnly:
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        return wrapper_subclass(cls, inner.shape, inner.dtype)
 
     def __init__(self, inner: torch.Tensor) -> None:
         self.inner = inner
@@ -226,8 +227,8 @@ def test_parameters_made_in_inference_mode_stay_usable_after_streaming_stops_out
     model = transformer_stack()
     with torch.inference_mode():
         for module in model.modules():
-            for name, param in list(module._parameters.items()):
-                module._parameters[name] = nn.Parameter(param.detach().clone(), requires_grad=False)
+            for name, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(param.detach().clone(), requires_grad=False))
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
     assert all(p.is_inference() for p in model.parameters())

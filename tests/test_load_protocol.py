@@ -23,6 +23,7 @@ import torch
 
 from harness.device_limit import limited
 from harness.inprocess import async_offload, count_packs, sample, wan
+from harness.private_views import load_list
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -110,7 +111,7 @@ def streaming_load(calls: ComfyCalls, name: str = "node"):
 
 def resident_part(comfy: SimpleNamespace, patcher) -> int:
     """What ComfyUI's loader was offered, the streamed blocks hidden: all it may count as loaded."""
-    return sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in patcher._load_list())
+    return sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(patcher))
 
 
 def count_loads(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness.inprocess import async_offload, sample, wan
+from harness.private_views import load_list
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -30,7 +31,7 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
     with caplog.at_level(logging.INFO):
         comfy.mm.load_models_gpu([patched])
     plan = patched.offload_engine.plan
-    listed = sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in patched._load_list())
+    listed = sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(patched))
     # ComfyUI counted exactly what its loader was offered: everything but the streamed blocks.
     assert patched.loaded_size() == listed
     assert patched.model_size() == model.model_size()  # the model's size stays true
@@ -230,7 +231,7 @@ def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(c
         model, vram_budget_gb=0.0, policy="leading", prefetch_blocks=1, pin_memory=True
     ).result[0]
     partial.partially_load(torch.device("cpu"), tight)
-    offered = sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in partial._load_list())
+    offered = sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(partial))
     assert partial.loaded_size() == offered and not partial.offload_engine.notices
     assert len(partial.offload_engine.plan.resident) < 2  # the headroom cost a resident block
     comfy.mm.unload_all_models()
@@ -238,7 +239,7 @@ def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(c
 
     forced = async_offload(comfy, model, resident=4)
     forced.partially_load(torch.device("cpu"), tight)
-    assert forced.loaded_size() < sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in forced._load_list())
+    assert forced.loaded_size() < sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(forced))
     (notice,) = forced.offload_engine.notices
     assert "planned resident; the rest is cast per layer by ComfyUI" in notice
     forced.detach()

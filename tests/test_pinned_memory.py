@@ -60,7 +60,7 @@ def cudart(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         monkeypatch.setattr(comfy.mm, "discard_cuda_async_error", lambda: cleared.append(1))
     else:  # 0.3.75 has none: the engine's
         monkeypatch.setattr(page_lock, "discard_async_error", lambda: cleared.append(1))
-    monkeypatch.setattr(comfy.pinned, "_ram_admits", lambda nbytes: True)
+    monkeypatch.setattr(comfy.pinned, "ram_admits", lambda nbytes: True)
     use_host_registrar(comfy.pinned.comfyui_registrar())
     fake.cleared = cleared
     yield fake
@@ -161,7 +161,7 @@ def test_comfyuis_own_pins_and_available_ram_leave_the_pack_less(
     comfy.mm.unload_all_models()
     monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 0)
     # Available RAM below ComfyUI's headroom: nothing is pinned.
-    monkeypatch.setattr(comfy.pinned, "_ram_admits", lambda nbytes: False)
+    monkeypatch.setattr(comfy.pinned, "ram_admits", lambda nbytes: False)
     assert torch.equal(sample(comfy, patched), reference)
     assert len(patched.offload_engine.runner.refused_pinning) == STREAMED and cudart.pinned == 0
 
@@ -174,9 +174,9 @@ def test_the_available_ram_check_is_comfyuis(comfy: SimpleNamespace, monkeypatch
     monkeypatch.setattr(
         comfy.pinned.psutil, "virtual_memory", lambda: SimpleNamespace(available=available["bytes"], total=2**36)
     )
-    assert comfy.pinned._ram_admits(1 * 2**30)
+    assert comfy.pinned.ram_admits(1 * 2**30)
     available["bytes"] = 2 * 2**30
-    assert not comfy.pinned._ram_admits(1 * 2**30)
+    assert not comfy.pinned.ram_admits(1 * 2**30)
 
 
 def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_memory(

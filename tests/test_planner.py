@@ -515,7 +515,7 @@ def test_auto_placement_measures_then_plans_and_keeps_the_latent(comfy_host: Com
 
 @pytest.mark.usefixtures("allow_cpu_streaming")
 def test_async_block_offload_plans_which_of_its_blocks_stay(comfy: SimpleNamespace) -> None:
-    cache = comfy.placement._cost_cache()
+    cache = comfy.placement.cost_cache()
     cache.path.unlink(missing_ok=True)  # this model must not have been measured on this "device" yet
     model = wan(comfy)
     reference = sample(comfy, model)
@@ -559,11 +559,11 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     n, compute_ms = len(sizes), 100.0
     bandwidth_gbps = statistics.mean(sizes) / (2 * compute_ms * 1e6)
     costs = StackCosts(tuple(sizes), tuple(range(n)), (compute_ms,) * n, (0.0,) * n, 0.0, bandwidth_gbps)
-    cache = comfy.placement._cost_cache()
+    cache = comfy.placement.cost_cache()
     cache.path.unlink(missing_ok=True)
     device = comfy.placement.device_name(model.load_device)
     cache.put(comfy.placement.cache_key(device, found.model_class, sizes), costs)
-    monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
+    monkeypatch.setattr(comfy.placement, "copies_inline", lambda model: False)
     node = comfy.nodes.PartialGPUResidency
     patched = node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
     patched = patched.result[0]
@@ -614,13 +614,13 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     sizes = [module_bytes(block) for _, block in blocks]
     outside = model.model_size() - sum(sizes)
     budget_gb = (outside + 2 * max(sizes) + 2 * aligned(max(sizes))) / GIB  # two resident blocks, a two-slot ring
-    cache = comfy.placement._cost_cache()
+    cache = comfy.placement.cost_cache()
     key = comfy.placement.cache_key(comfy.placement.device_name(model.load_device), found.model_class, sizes)
     # Compute-bound: 100 ms a block, each copy a tenth of that; any two resident blocks tie without the LoRA.
     costs = StackCosts.uniform(len(sizes), 100.0, max(sizes), bandwidth_gbps=max(sizes) / 10e6)
     cache.path.unlink(missing_ok=True)
     cache.put(key, replace(costs, block_bytes=tuple(sizes)))
-    monkeypatch.setattr(comfy.placement, "_inline", lambda model: False)
+    monkeypatch.setattr(comfy.placement, "copies_inline", lambda model: False)
     node = comfy.nodes.PartialGPUResidency
     planned = node.execute(patched, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
     planned = planned.result[0]
@@ -637,7 +637,7 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     assert torch.equal(sample(comfy, measuring), reference)
     engine = measuring.offload_engine
     assert engine.placement.measuring and {0, 2} <= engine.placement.plan.streamed
-    inline = comfy.placement._inline(measuring)
+    inline = comfy.placement.copies_inline(measuring)
     recorded = StackCosts.from_timeline(engine.recorder.latest(), sizes, inline_copies=inline)
     comfy.mm.unload_all_models()  # the unload keeps the measurement
     kept = cache.get(key)
@@ -656,10 +656,10 @@ def test_a_device_too_full_to_time_the_patches_places_without_their_cost(
     def device_full(*_: object) -> float:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 270.00 MiB")
 
-    monkeypatch.setattr(patch_costs, "_patch_ms", {})
+    monkeypatch.setattr(patch_costs.patch_timings(), "ms", {})
     monkeypatch.setattr(patch_costs, "_time_patch", device_full)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     patched = comfy.sd.load_lora_for_models(wan(comfy), None, lora, 1.0, 0)[0]
     names = [f"diffusion_model.{name}" for name, _ in comfy.placement.find_blocks(patched.model.diffusion_model).blocks]
     assert patch_costs.patch_ms_per_unit(patched, names, CPU) == ()
-    assert patch_costs._patch_ms == {}
+    assert patch_costs.patch_timings().ms == {}

@@ -137,7 +137,9 @@ def held_bytes(module: nn.Module, name: str, stored: dict[str, int], recurse: bo
     nbytes = count = 0
     for owner_name, owner in module.named_modules() if recurse else [("", module)]:
         layer = ".".join(part for part in (name, owner_name) if part)
-        tensors = {attr: t for attr, t in [*owner._parameters.items(), *owner._buffers.items()] if t is not None}
+        params = owner.named_parameters(recurse=False, remove_duplicate=False)
+        buffers = owner.named_buffers(recurse=False, remove_duplicate=False)
+        tensors = dict([*params, *buffers])  # what it holds itself, by each name; unset (None) ones are left out
         plain = {attr: t for attr, t in tensors.items() if type(t) in (torch.Tensor, nn.Parameter)}
         nbytes += sum(t.numel() * t.element_size() for t in plain.values())
         count += len(plain)

@@ -156,8 +156,8 @@ def test_a_patch_cost_probe_that_fails_plans_without_it(
         raise NotImplementedError("an adapter type of another custom node")
 
     monkeypatch.setattr(patch_costs, "_time_patch", unknown_adapter)
-    monkeypatch.setattr(patch_costs, "_patch_ms", {})
-    monkeypatch.setattr(patch_costs, "_untimable", set())
+    monkeypatch.setattr(patch_costs.patch_timings(), "ms", {})
+    monkeypatch.setattr(patch_costs.patch_timings(), "untimable", set())
     name = tm.WAN21_FP8_METADATA
     with torch.inference_mode(), caplog.at_level(logging.INFO):
         model = with_lora(comfy, loader(name))

@@ -19,6 +19,7 @@ import torch
 
 from harness.device_limit import limited
 from harness.inprocess import async_offload, sample, wan
+from harness.private_views import load_list
 
 from block_offload.offload import streamer as streamer_module
 
@@ -113,7 +114,7 @@ def test_out_of_memory_falls_back_to_more_streaming(
     # ComfyUI counts what is really on the device: what its loader was offered, as for a clean placement.
     assert (
         patched.loaded_size()
-        == sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in patched._load_list())
+        == sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(patched))
         == loaded
     )
     assert engine.runner.device_buffer_bytes == buffers

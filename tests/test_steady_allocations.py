@@ -5,8 +5,10 @@ block call and replays them; a custom node that allocates inside a block call, d
 breaks the recording. From the third step on, every node's hooks, ring copies, file-tier reads and casts use
 memory allocated at placement: the allocations of each step (``harness/allocations.py``: every operator
 output that is not a view of its inputs, on the CPU) are those of the same model loaded the classic way and
-fully resident, operator for operator. A LoRA on a streamed weight is ComfyUI's own patch arithmetic at every
-step (what its lowvram path runs too): logged apart, and the same at every step.
+fully resident, operator for operator. A LoRA on a streamed weight is patched where it arrives, in scratch the
+engine allocated at placement (``nodes/lora_scratch.py``), so it counts like the rest. A weight in a quantized
+format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized, patched and re-quantized by its format's own
+code, as ComfyUI's load does it: logged apart, and the same at every step.
 
 On a GPU (``tests/test_engine_cuda.py``, ``test_a_streamed_step_allocates_no_device_memory_of_its_own``), the
 caching allocator's own counts.
@@ -83,10 +85,10 @@ def test_a_streamed_step_allocates_what_the_resident_step_allocates(
         assert runner.read_each_step, "no block was read from the file"
     for index in range(STEADY + 1, STEPS + 1):
         assert streamed[index].own == resident[index].own, f"step {index}: {diff(streamed[index], resident[index])}"
-        assert not resident[index].patch_math
-        # The LoRA's arithmetic, ComfyUI's own, the same at every step: what a recording replays.
-        assert streamed[index].patch_math == streamed[STEADY + 1].patch_math
-    assert bool(streamed[STEADY + 1].patch_math) == kind.endswith("LoRA")
+        assert not resident[index].format_patch
+        # The format's own code, the same at every step: what a recording replays.
+        assert streamed[index].format_patch == streamed[STEADY + 1].format_patch
+    assert bool(streamed[STEADY + 1].format_patch) == (kind == "fp8 + LoRA")
     comfy.mm.unload_all_models()
 
 

@@ -356,8 +356,9 @@ def test_quantized_wan_is_what_comfyui_makes(comfy: SimpleNamespace, models: dic
         for key in quantized:
             weight = unet.get_submodule(key.removesuffix(".weight")).weight
             assert isinstance(weight, QuantizedTensor), f"{key}: {type(weight).__name__}"
-            assert weight._layout_cls == layout, f"{key}: {weight._layout_cls}"
-            assert {field: getattr(weight._params, field) for field in options} == options, key
+            layout_name = weight.__tensor_flatten__()[1]["layout_cls"]  # the name its layout is registered under
+            assert layout_name == layout, f"{key}: {layout_name}"
+            assert {field: getattr(weight.params, field) for field in options} == options, key
         # Rounded to nearest, the scales recomputed from the weight, the layout's options taken from the loaded
         # Params: the first block (both FFN shapes) and the 64-row head, whose NVFP4/MXFP8 block scales are padded.
         for key in [*(key for key in quantized if key.startswith("blocks.0.")), "head.head.weight"]:
