@@ -39,10 +39,33 @@ REPO = Path(__file__).resolve().parent.parent
 #: What scripts/setup.sh lays out: the prepared hosts (hosts.tsv, comfyui_path) and the default base directory.
 SETUP_DIR = REPO / ".host"
 BASE_DIR_ENV = "BLOCK_OFFLOAD_BASE_DIR"
-#: The base directory the servers run in (models, outputs, user data, custom_nodes): ``.host/``, or the folder
-#: ``BASE_DIR_ENV`` names. scripts/test.sh gives each ComfyUI host its own, so the two suites run side by side
-#: without one server's start (ComfyUI empties its temp folder) or the planner's cost cache reaching the other.
-HOST_DIR = Path(os.environ[BASE_DIR_ENV]).resolve() if os.environ.get(BASE_DIR_ENV) else SETUP_DIR
+
+
+def _base_dir() -> Path:
+    """The base directory the servers run in (models, outputs, user data, custom_nodes): ``.host/``, or the folder
+    ``BASE_DIR_ENV`` names, one more per pytest-xdist worker. scripts/test.sh gives each suite its own, so they run
+    side by side without one server's start (ComfyUI empties its temp folder) or the planner's cost cache reaching
+    another's."""
+    named = os.environ.get(BASE_DIR_ENV)
+    if not named:
+        return SETUP_DIR
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return Path(f"{named}-{worker}" if worker else named).resolve()
+
+
+HOST_DIR = _base_dir()
+
+
+def share_setup_dir(base: Path) -> None:
+    """Lays out a base directory of its own that shares ``.host/``'s custom_nodes (this pack, ComfyUI-GGUF) and
+    models (the tiny checkpoints, written once for all: each file is written whole, then renamed into place)."""
+    base.mkdir(parents=True, exist_ok=True)
+    for shared in ("custom_nodes", "models"):
+        link = base / shared
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(SETUP_DIR / shared, target_is_directory=True)
+
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_UI_PORT = 8188
 LOG_TAIL_LINES = 40

@@ -248,7 +248,9 @@ def start_engine(
         baked=baked,
         packing_s=packing_s,
     )
-    engine.note(pinning_notices(runner))
+    # The cap's refusals are final once the blocks are recorded; the driver's, once every block is packed: while
+    # the thread packs, a count so far would be a second notice beside the final one (``note_packing``).
+    engine.note(pinning_notices(runner, driver=not runner.waiting_bytes))
     watcher = _engine_watcher()
     if watcher is not None:
         watcher.engine_started(engine)

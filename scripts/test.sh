@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Runs the test suite on every prepared ComfyUI host (0.33.0 and 0.3.75) at the same time, each in its own
-# environment and its own base directory (.host/tests-NAME/: models, outputs, user data; custom_nodes shared):
+# Runs the test suite on every prepared ComfyUI host at the same time (0.33.0 on two workers, and 0.3.75), each
+# in its own environment and base directory (.host/tests-NAME*/: outputs, user data; custom_nodes and models are
+# .host/'s):
 #   scripts/test.sh [--host NAME] [pytest args...]
 # e.g. scripts/test.sh tests/test_host.py -k latent -x;  scripts/test.sh --host 0.3.75
 # The first host's output streams; each other host's goes to .host/tests-NAME.log, shown when it ends.
-# Two at once: most of a test's time is a ComfyUI server or a tiny model's Python on one core.
+# Side by side: most of a test's time is a ComfyUI server or a tiny model's Python on one core.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
@@ -20,17 +21,21 @@ else
   mapfile -t hosts < <(host_names)
 fi
 
-# run_suite NAME ARGS...: pytest on host NAME in its own base directory; its exit status.
+# run_suite NAME ARGS...: pytest on host NAME in its own base directory (its tests lay it out, sharing .host/'s
+# custom_nodes and models); its exit status.
 run_suite() {
   local name="$1" base="$repo/.host/tests-$1"
   shift
   use_host "$name"
-  mkdir -p "$base"
-  ln -sfn ../custom_nodes "$base/custom_nodes"
   echo "test.sh: ComfyUI $HOST_NAME ($COMFYUI_PATH), base directory $base" >&2
   BLOCK_OFFLOAD_BASE_DIR="$base" "$HOST_PYTHON" -m pytest "$@"
 }
 
+# One compute thread per suite (their servers inherit it): two suites of torch's default two threads each on two
+# cores spin on each other's cores (OpenMP waits by spinning) and run several times slower than one at a time.
+if [[ ${#hosts[@]} -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
+  export OMP_NUM_THREADS=1
+fi
 declare -A pids logs
 trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
 for host in "${hosts[@]:1}"; do
@@ -39,8 +44,14 @@ for host in "${hosts[@]:1}"; do
   pids[$host]=$!
 done
 declare -A statuses
+# The first host's suite, the longest, on two workers file by file (pytest-xdist), beside the other's: three
+# processes on two cores, both kept busy to the end. Not for a run of named tests.
+workers=()
+if [[ ${#hosts[@]} -gt 1 ]] && ! printf '%s\n' "$@" | grep -q '^tests'; then
+  workers=(-n 2 --dist loadfile)
+fi
 statuses[${hosts[0]}]=0
-run_suite "${hosts[0]}" "$@" || statuses[${hosts[0]}]=$?
+run_suite "${hosts[0]}" "${workers[@]}" "$@" || statuses[${hosts[0]}]=$?
 for host in "${hosts[@]:1}"; do
   statuses[$host]=0
   wait "${pids[$host]}" || statuses[$host]=$?

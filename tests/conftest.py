@@ -28,10 +28,12 @@ from harness.comfy_host import (
     CLASSIC_CACHE,
     HOST_DIR,
     REPO,
+    SETUP_DIR,
     ComfyHost,
     ComfyHostError,
     ensure_tiny_models,
     resolve_comfyui_path,
+    share_setup_dir,
 )
 from harness.dynamic_vram import STORED, DynamicVram
 from harness.inprocess import in_process_comfy
@@ -57,6 +59,11 @@ GPU_MODES: dict[str, tuple[str, ...]] = (
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 #: Parameters for tests that run on the session's CPU server and on a GPU server in each mode.
 DEVICES = ["cpu", *(pytest.param(f"cuda-{mode}", marks=NEEDS_CUDA, id=f"cuda-{mode}") for mode in GPU_MODES)]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if HOST_DIR != SETUP_DIR:  # a base directory of this suite's own (scripts/test.sh)
+        share_setup_dir(HOST_DIR)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -401,7 +401,9 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, node: str
 ) -> None:
     """Every streamed weight's patch is computed from adapter copies in the device ring, staged with its
-    block (packed once per set of patches), not from the LoRA's tensors in host memory; bitwise the same."""
+    block (packed once per set of patches), not from the LoRA's tensors in host memory; bitwise the same. Both
+    ways a patch is computed are watched: in the engine's scratch (a plain LoRA, ``lora_scratch.py``) and by
+    ComfyUI's ``calculate_weight`` (anything else)."""
     model = wan(comfy)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     patched = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
@@ -410,15 +412,23 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     streaming = offloaded(comfy, node, patched)
     import comfy.lora as comfy_lora  # importable once the ``comfy`` fixture has set ComfyUI up
 
+    from block_offload.nodes import loaded_patch
+
     calls: list[tuple[str, list[int]]] = []
-    calculate_weight = comfy_lora.calculate_weight
+    in_scratch: list[list[int]] = []
+    calculate_weight, patch_plain_loras = comfy_lora.calculate_weight, loaded_patch.patch_plain_loras
 
     def spy(patches, weight, key, *args, **kwargs):
         tensors = [t for entry in patches for t in _tensors(entry)]
         calls.append((key, [t.data_ptr() for t in tensors]))
         return calculate_weight(patches, weight, key, *args, **kwargs)
 
+    def scratch_spy(current, loras, *args):  # only ever a streamed weight, where it arrives
+        in_scratch.append([tensor.data_ptr() for lora in loras for tensor in (lora.up, lora.down)])
+        return patch_plain_loras(current, loras, *args)
+
     monkeypatch.setattr(comfy_lora, "calculate_weight", spy)
+    monkeypatch.setattr(loaded_patch, "patch_plain_loras", scratch_spy)
     assert torch.equal(sample(comfy, streaming), reference)
     engine = streaming.offload_engine
     runner = engine.runner
@@ -426,8 +436,8 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     inside = range(ring.data_ptr(), ring.data_ptr() + ring.numel())
     streamed = [
         (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)
-    ]
-    assert streamed and runner.companion_bytes > 0
+    ] + [("in scratch", ptrs) for ptrs in in_scratch]
+    assert in_scratch and runner.companion_bytes > 0  # the tiny Wan's LoRA is a plain one
     # ComfyUI counted the ring the adapters made larger.
     assert runner.device_buffer_bytes <= engine.placement.buffer_bytes, (runner.device_buffer_bytes, engine.placement)
     assert all(ptrs and all(ptr in inside for ptr in ptrs) for _, ptrs in streamed), streamed[:3]

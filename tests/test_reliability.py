@@ -210,7 +210,9 @@ def cosmos_predict2(comfy: SimpleNamespace) -> str:
         model = MiniTrainDIT(**config, operations=comfy.ops.disable_weight_init)
         generator = torch.Generator().manual_seed(0)
         tensors = {k: torch.randn(v.shape, generator=generator) * 0.02 for k, v in model.state_dict().items()}
-        save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(path))
+        written = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole, then renamed: suites run side by side
+        save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(written))
+        os.replace(written, path)
     return COSMOS_FILE
 
 
