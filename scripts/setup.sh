@@ -75,7 +75,7 @@ prepare_host() {
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${TORCH_PINS[@]}" -r "$repo/requirements-dev.txt"
     touch "$dev_stamp"
   fi
-  printf '%s\t%s\t%s\n' "$name" "$venv" "$comfy_dir" >> "$HOST_DIR/hosts.tsv.new"
+  printf '%s\t%s\t%s\n' "$name" "$venv" "$comfy_dir" > "$HOST_DIR/hosts.tsv.$name"
 }
 
 command -v python3 >/dev/null || die "python3 is not on PATH; install Python 3.10 or newer."
@@ -83,23 +83,34 @@ python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
   die "$(python3 -V 2>&1) is too old; ComfyUI and this pack need Python 3.10 or newer as python3."
 
 mkdir -p "$HOST_DIR"
-rm -f "$HOST_DIR/hosts.tsv.new"
+rm -f "$HOST_DIR"/hosts.tsv.*
+hosts=()
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
   [[ -f "$COMFYUI_PATH/main.py" && -d "$COMFYUI_PATH/comfy" ]] ||
     die "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py and comfy/ there). Point it at the folder that holds ComfyUI's main.py, or unset it to use the bundled ComfyUI 0.3.75 and 0.33.0."
   prepare_host own "$repo/.venv-own" "$(cd "$COMFYUI_PATH" && pwd)" in-place
+  hosts=(own)
 else
-  # 0.33.0 first: it is what users run now, so the demo and the UI default to it.
+  # The two hosts install side by side, each into its own venv (one's downloads overlap the other's unpacking).
+  # 0.33.0 is listed first: it is what users run now, so the demo and the UI default to it.
+  pids=()
   if [[ -f "$SHARED_033/main.py" ]]; then
-    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" "$(cd "$SHARED_033" && pwd)"
+    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" "$(cd "$SHARED_033" && pwd)" &
+    pids+=($!) hosts+=(0.33.0)
   elif [[ -f "$repo/.comfyui-0.33.0/main.py" ]]; then
-    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" in-place
+    prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" in-place &
+    pids+=($!) hosts+=(0.33.0)
   else
     echo "setup: ComfyUI 0.33.0 skipped: its source is not at $SHARED_033. Put it there, or set COMFYUI_PATH to a ComfyUI of your own." >&2
   fi
-  prepare_host 0.3.75 "$repo/.venv" "$repo/.comfyui" horde
+  prepare_host 0.3.75 "$repo/.venv" "$repo/.comfyui" horde &
+  pids+=($!) hosts+=(0.3.75)
+  for pid in "${pids[@]}"; do
+    wait "$pid" || die "a host's first-time install failed (its messages are above); run scripts/setup.sh again."
+  done
 fi
-mv "$HOST_DIR/hosts.tsv.new" "$HOST_DIR/hosts.tsv"
+for name in "${hosts[@]}"; do cat "$HOST_DIR/hosts.tsv.$name"; done > "$HOST_DIR/hosts.tsv"
+rm -f "$HOST_DIR"/hosts.tsv.*
 
 # The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
 if [[ ! -x /usr/bin/chromium ]]; then
