@@ -119,24 +119,30 @@ class LoadedPatch:
         the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
         its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
         format's own kernel, and no weight function. A plain LoRA is computed in the engine's scratch
-        (``lora_scratch.py``), allocating nothing."""
+        (``lora_scratch.py``): on a plain weight allocating nothing, on a quantized one only what the format's own
+        code allocates (its dequantized copy, its re-quantization)."""
         module = self._live_module()
         current = getattr(module, self.param)
         patches = self._staged_patches()
-        if self._patched_in_scratch(module, current, patches):
+        runner = self._runner() if self._runner is not None else None
+        scratch = runner.scratch if runner is not None else None
+        if scratch is not None and self._patched_in_scratch(module, current, patches, scratch):
             return
         # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
         # takes it as its working copy): the copy in the ring is the engine's own, to be copied afresh anyway.
         work = current if is_plain(current) and not stored_by_layer(module) else None
-        patched = as_loaded(module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram)
+        patched = as_loaded(
+            module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram, scratch
+        )
         self._form = overwrite_in_place(current, patched, self.key)
         self.put_back()
 
-    def _patched_in_scratch(self, module: torch.nn.Module, current: torch.Tensor, patches: list) -> bool:
-        runner = self._runner() if self._runner is not None else None
-        scratch = runner.scratch if runner is not None else None
+    def _patched_in_scratch(
+        self, module: torch.nn.Module, current: torch.Tensor, patches: list, scratch: torch.Tensor
+    ) -> bool:
+        """A plain weight's plain LoRAs, patched and rounded in ``scratch``; False where ``as_loaded`` patches."""
         plan = in_scratch(module, self.param, current, patches, self.dynamic_vram)
-        if scratch is None or plan is None:
+        if plan is None:
             return False
         loras, work_dtype, intermediate = plan
         if (
@@ -194,12 +200,13 @@ def scratch_bytes(
 ) -> int:
     """The scratch ``write_in_place`` needs for ``module``'s ``param`` on ``device`` (0: none)."""
     weight = getattr(module, param)
+    work_dtype = _lora_dtype(device) if dynamic_vram is None else dynamic_vram  # for the device it streams to
+    intermediate = torch.float32 if dynamic_vram is None else dynamic_vram
     plan = in_scratch(module, param, weight, patches[key], dynamic_vram)
-    if plan is None:
-        return 0
-    loras, work_dtype, intermediate = plan
-    if dynamic_vram is None:
-        work_dtype = _lora_dtype(device)  # chosen for the device the weight streams to, not the host
+    if plan is None:  # patched by ``as_loaded`` in its own working copy (a quantized format's dequantized one)
+        loras = plain_loras(patches[key], weight.shape)
+        return ScratchLayout.of(weight, loras, work_dtype, intermediate, True).nbytes if loras else 0
+    loras = plan[0]
     # A Dynamic VRAM twin's weight may arrive cast from its file's dtype: room for a working copy all the same.
     in_place = weight.dtype == work_dtype and dynamic_vram is None
     return ScratchLayout.of(weight, loras, work_dtype, intermediate, in_place).nbytes
@@ -219,6 +226,7 @@ def as_loaded(
     seed: int,
     handed: torch.Tensor | None = None,
     dynamic_vram: torch.dtype | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
     ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
@@ -231,7 +239,10 @@ def as_loaded(
     ``dynamic_vram``: the weight's model runs under Dynamic VRAM, which patches as it casts
     (``ModelPatcherDynamic``'s ``LowVramPatch``): in this compute dtype (``handed``'s at a call), the
     arithmetic included, no ``convert_`` function; then the same rounding to the stored dtype, which is what
-    the weight resident in its VRAM holds. The twin the nodes stream computes what the MODEL computes."""
+    the weight resident in its VRAM holds. The twin the nodes stream computes what the MODEL computes.
+
+    ``scratch``: the engine's scratch, where plain LoRAs are computed (``lora_scratch.py``) in place of
+    ``calculate_weight``, the same operations in the same dtypes, when it is large enough."""
     set_func = getattr(module, f"set_{param}", None)
     convert_func = getattr(module, f"convert_{param}", None) if dynamic_vram is None else None
     lora_dtype = _lora_dtype(stored.device) if dynamic_vram is None else dynamic_vram
@@ -246,11 +257,15 @@ def as_loaded(
         temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
     if convert_func is not None:
         temp = convert_func(temp, inplace=True)
-    if dynamic_vram is None:
-        patched = comfy.lora.calculate_weight(patches, temp, key)
-    else:
+    if dynamic_vram is not None:
         temp = temp if is_plain(temp) else temp.dequantize()
-        patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=temp.dtype)
+    intermediate = torch.float32 if dynamic_vram is None else temp.dtype  # ``calculate_weight``'s
+    loras = plain_loras(patches, temp.shape) if scratch is not None and is_plain(temp) else None
+    if loras and ScratchLayout.of(temp, loras, temp.dtype, intermediate, True).nbytes <= scratch.numel():
+        # The LoRA's arithmetic in the engine's scratch (the format's own casts stay as they are).
+        patched = patch_plain_loras(temp, loras, temp.dtype, intermediate, scratch)
+    else:
+        patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=intermediate)
     if set_func is None:
         return comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
     patched = set_func(patched, seed=seed, return_weight=True)

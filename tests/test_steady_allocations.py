@@ -7,8 +7,9 @@ memory allocated at placement: the allocations of each step (``harness/allocatio
 output that is not a view of its inputs, on the CPU) are those of the same model loaded the classic way and
 fully resident, operator for operator. A LoRA on a streamed weight is patched where it arrives, in scratch the
 engine allocated at placement (``nodes/lora_scratch.py``), so it counts like the rest. A weight in a quantized
-format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized, patched and re-quantized by its format's own
-code, as ComfyUI's load does it: logged apart, and the same at every step.
+format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized and re-quantized by its format's own code, as
+ComfyUI's load does it, the LoRA between the two in the scratch: that code is logged apart, the same at every
+step.
 
 On a GPU (``tests/test_engine_cuda.py``, ``test_a_streamed_step_allocates_no_device_memory_of_its_own``), the
 caching allocator's own counts.
@@ -86,8 +87,10 @@ def test_a_streamed_step_allocates_what_the_resident_step_allocates(
     for index in range(STEADY + 1, STEPS + 1):
         assert streamed[index].own == resident[index].own, f"step {index}: {diff(streamed[index], resident[index])}"
         assert not resident[index].format_patch
-        # The format's own code, the same at every step: what a recording replays.
+        # The format's own code, the same at every step: what a recording replays. The LoRA's arithmetic is in
+        # the engine's scratch even there: no product of up and down is allocated.
         assert streamed[index].format_patch == streamed[STEADY + 1].format_patch
+        assert not [a for a in streamed[index].format_patch if a[0] == "aten.mm.default"], streamed[index].format_patch
     assert bool(streamed[STEADY + 1].format_patch) == (kind == "fp8 + LoRA")
     comfy.mm.unload_all_models()
 
