@@ -261,7 +261,11 @@ def as_loaded(
         temp = temp if is_plain(temp) else temp.dequantize()
     intermediate = torch.float32 if dynamic_vram is None else temp.dtype  # ``calculate_weight``'s
     loras = plain_loras(patches, temp.shape) if scratch is not None and is_plain(temp) else None
-    if loras and ScratchLayout.of(temp, loras, temp.dtype, intermediate, True).nbytes <= scratch.numel():
+    if (
+        scratch is not None
+        and loras
+        and ScratchLayout.of(temp, loras, temp.dtype, intermediate, True).nbytes <= scratch.numel()
+    ):
         # The LoRA's arithmetic in the engine's scratch (the format's own casts stay as they are).
         patched = patch_plain_loras(temp, loras, temp.dtype, intermediate, scratch)
     else:
