@@ -24,7 +24,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
-from .lora_scratch import PlainLora, ScratchLayout, patch_plain_loras, plain_loras, round_into
+from .lora_scratch import PlainLora, ScratchLayout, fits, patch_plain_loras, plain_loras, round_into
 from .patch_adapters import host_tensors, with_host_tensors
 from .patch_routes import is_plain, stored_by_layer
 from .patch_shapes import overwrite_in_place
@@ -145,11 +145,8 @@ class LoadedPatch:
         if plan is None:
             return False
         loras, work_dtype, intermediate = plan
-        if (
-            ScratchLayout.of(current, loras, work_dtype, intermediate, current.dtype == work_dtype).nbytes
-            > scratch.numel()
-        ):
-            return False  # counted for another dtype than the one it arrived in: ComfyUI's code, allocating
+        if not fits(current, loras, work_dtype, intermediate, scratch):
+            return False  # counted for another dtype than it arrived in, or unstaged adapters: ComfyUI's code
         patched = patch_plain_loras(current, loras, work_dtype, intermediate, scratch)
         if not round_into(current, patched):  # fp8: ComfyUI's seeded stochastic rounding
             rounded = comfy.float.stochastic_rounding(patched, current.dtype, seed=self._seed)
@@ -261,11 +258,7 @@ def as_loaded(
         temp = temp if is_plain(temp) else temp.dequantize()
     intermediate = torch.float32 if dynamic_vram is None else temp.dtype  # ``calculate_weight``'s
     loras = plain_loras(patches, temp.shape) if scratch is not None and is_plain(temp) else None
-    if (
-        scratch is not None
-        and loras
-        and ScratchLayout.of(temp, loras, temp.dtype, intermediate, True).nbytes <= scratch.numel()
-    ):
+    if scratch is not None and loras and fits(temp, loras, temp.dtype, intermediate, scratch):
         # The LoRA's arithmetic in the engine's scratch (the format's own casts stay as they are).
         patched = patch_plain_loras(temp, loras, temp.dtype, intermediate, scratch)
     else:

@@ -107,7 +107,23 @@ class ScratchLayout:
         return scratch[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def _as(tensor: torch.Tensor, dtype: torch.dtype, layout: ScratchLayout, scratch: torch.Tensor, name: str):
+def fits(
+    weight: torch.Tensor,
+    loras: Sequence[PlainLora],
+    work_dtype: torch.dtype,
+    intermediate: torch.dtype,
+    scratch: torch.Tensor,
+) -> bool:
+    """Whether ``patch_plain_loras`` can patch ``weight`` in ``scratch``: room enough, and the adapters where the
+    scratch is (staged with their block; a host copy is ComfyUI's code's to cast)."""
+    layout = ScratchLayout.of(weight, loras, work_dtype, intermediate, weight.dtype == work_dtype)
+    on_device = all(t.device == scratch.device for lora in loras for t in (lora.up, lora.down))
+    return on_device and layout.nbytes <= scratch.numel()
+
+
+def _as(
+    tensor: torch.Tensor, dtype: torch.dtype, layout: ScratchLayout, scratch: torch.Tensor, name: str
+) -> torch.Tensor:
     """``tensor`` flattened to two dimensions in ``dtype``: itself, or its cast into the scratch (as
     ``cast_to_device`` casts the adapters)."""
     flat = tensor.flatten(1)
