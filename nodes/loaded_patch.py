@@ -24,7 +24,7 @@ import torch
 from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
-from .lora_scratch import PlainLora, ScratchLayout, fits, patch_plain_loras, plain_loras, round_into
+from .lora_scratch import PlainLora, ScratchLayout, layout_in, patch_plain_loras, plain_loras, round_into
 from .patch_adapters import host_tensors, with_host_tensors
 from .patch_routes import is_plain, stored_by_layer
 from .patch_shapes import overwrite_in_place
@@ -145,9 +145,10 @@ class LoadedPatch:
         if plan is None:
             return False
         loras, work_dtype, intermediate = plan
-        if not fits(current, loras, work_dtype, intermediate, scratch):
+        layout = layout_in(scratch, current, loras, work_dtype, intermediate)
+        if layout is None:
             return False  # counted for another dtype than it arrived in, or unstaged adapters: ComfyUI's code
-        patched = patch_plain_loras(current, loras, work_dtype, intermediate, scratch)
+        patched = patch_plain_loras(current, loras, layout, scratch)
         if not round_into(current, patched):  # fp8: ComfyUI's seeded stochastic rounding
             rounded = comfy.float.stochastic_rounding(patched, current.dtype, seed=self._seed)
             overwrite_in_place(current, rounded, self.key)
@@ -185,11 +186,15 @@ def in_scratch(
     if dynamic_vram is None and hasattr(module, f"convert_{param}"):
         return None
     loras = plain_loras(patches, current.shape)
-    if not loras:
-        return None
-    if dynamic_vram is None:  # ``calculate_weight``'s own intermediate dtype
-        return loras, _lora_dtype(current.device), torch.float32
-    return loras, dynamic_vram, dynamic_vram
+    return (loras, *_patch_dtypes(current.device, dynamic_vram)) if loras else None
+
+
+def _patch_dtypes(device: torch.device, dynamic_vram: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype ``as_loaded`` patches a weight on ``device`` in, and the one its LoRA products are computed in
+    (``calculate_weight``'s own, fp32, for a loaded weight; Dynamic VRAM's compute dtype for both)."""
+    if dynamic_vram is None:
+        return _lora_dtype(device), torch.float32
+    return dynamic_vram, dynamic_vram
 
 
 def scratch_bytes(
@@ -197,8 +202,7 @@ def scratch_bytes(
 ) -> int:
     """The scratch ``write_in_place`` needs for ``module``'s ``param`` on ``device`` (0: none)."""
     weight = getattr(module, param)
-    work_dtype = _lora_dtype(device) if dynamic_vram is None else dynamic_vram  # for the device it streams to
-    intermediate = torch.float32 if dynamic_vram is None else dynamic_vram
+    work_dtype, intermediate = _patch_dtypes(device, dynamic_vram)  # for the device it streams to, not the host
     plan = in_scratch(module, param, weight, patches[key], dynamic_vram)
     if plan is None:  # patched by ``as_loaded`` in its own working copy (a quantized format's dequantized one)
         loras = plain_loras(patches[key], weight.shape)
@@ -258,9 +262,10 @@ def as_loaded(
         temp = temp if is_plain(temp) else temp.dequantize()
     intermediate = torch.float32 if dynamic_vram is None else temp.dtype  # ``calculate_weight``'s
     loras = plain_loras(patches, temp.shape) if scratch is not None and is_plain(temp) else None
-    if scratch is not None and loras and fits(temp, loras, temp.dtype, intermediate, scratch):
+    layout = layout_in(scratch, temp, loras, temp.dtype, intermediate) if scratch is not None and loras else None
+    if scratch is not None and loras and layout is not None:
         # The LoRA's arithmetic in the engine's scratch (the format's own casts stay as they are).
-        patched = patch_plain_loras(temp, loras, temp.dtype, intermediate, scratch)
+        patched = patch_plain_loras(temp, loras, layout, scratch)
     else:
         patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=intermediate)
     if set_func is None:

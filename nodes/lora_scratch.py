@@ -65,10 +65,13 @@ def plain_loras(patches: Sequence, weight_shape: torch.Size) -> list[PlainLora] 
 
 @dataclass(frozen=True)
 class ScratchLayout:
-    """Where each intermediate of one weight's patch lies in the scratch, by (offset, dtype, shape)."""
+    """Where each intermediate of one weight's patch lies in the scratch, by (offset, dtype, shape); the dtype the
+    weight is patched in and the one the products are computed in."""
 
     parts: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
     nbytes: int
+    work_dtype: torch.dtype
+    intermediate: torch.dtype
 
     @classmethod
     def of(
@@ -97,7 +100,7 @@ class ScratchLayout:
             parts[name] = (offset, dtype, shape)
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        return cls(parts, offset)
+        return cls(parts, offset, work_dtype, intermediate)
 
     def view(self, scratch: torch.Tensor, name: str, shape: Sequence[int] | None = None) -> torch.Tensor:
         """Part ``name`` of ``scratch``, at ``shape`` (its full shape if None)."""
@@ -107,18 +110,19 @@ class ScratchLayout:
         return scratch[offset : offset + nbytes].view(dtype).view(shape)
 
 
-def fits(
+def layout_in(
+    scratch: torch.Tensor,
     weight: torch.Tensor,
     loras: Sequence[PlainLora],
     work_dtype: torch.dtype,
     intermediate: torch.dtype,
-    scratch: torch.Tensor,
-) -> bool:
-    """Whether ``patch_plain_loras`` can patch ``weight`` in ``scratch``: room enough, and the adapters where the
-    scratch is (staged with their block; a host copy is ComfyUI's code's to cast)."""
+) -> ScratchLayout | None:
+    """The layout ``patch_plain_loras`` patches ``weight`` by (in place where it is in ``work_dtype``), or None
+    where ``scratch`` cannot take it: too small, or the adapters not where it is (staged with their block; a
+    host copy is ComfyUI's code's to cast)."""
     layout = ScratchLayout.of(weight, loras, work_dtype, intermediate, weight.dtype == work_dtype)
     on_device = all(t.device == scratch.device for lora in loras for t in (lora.up, lora.down))
-    return on_device and layout.nbytes <= scratch.numel()
+    return layout if on_device and layout.nbytes <= scratch.numel() else None
 
 
 def _as(
@@ -133,18 +137,13 @@ def _as(
 
 
 def patch_plain_loras(
-    current: torch.Tensor,
-    loras: Sequence[PlainLora],
-    work_dtype: torch.dtype,
-    intermediate: torch.dtype,
-    scratch: torch.Tensor,
+    current: torch.Tensor, loras: Sequence[PlainLora], layout: ScratchLayout, scratch: torch.Tensor
 ) -> torch.Tensor:
     """``current`` (a weight's copy where it arrived) patched by ``loras`` as ``calculate_weight`` patches it,
-    all in ``scratch`` (at least ``ScratchLayout.of(...).nbytes``). Returns the patched weight in
-    ``work_dtype``: ``current`` itself, or a view of the scratch for the caller to round into it."""
-    in_place = current.dtype == work_dtype
-    layout = ScratchLayout.of(current, loras, work_dtype, intermediate, in_place)
-    work = current if in_place else layout.view(scratch, "work").copy_(current)
+    all in ``scratch`` as ``layout`` (``layout_in``) lays it out. Returns the patched weight in the layout's work
+    dtype: ``current`` itself, or a view of the scratch for the caller to round into it."""
+    work_dtype, intermediate = layout.work_dtype, layout.intermediate
+    work = layout.view(scratch, "work").copy_(current) if "work" in layout.parts else current
     for lora in loras:
         if lora.strength_model != 1.0:
             work.mul_(lora.strength_model)

@@ -40,7 +40,7 @@ def test_a_plain_lora_in_the_scratch_is_calculate_weight_bit_for_bit(
     import comfy.lora
     import comfy.weight_adapter
 
-    from block_offload.nodes.lora_scratch import ScratchLayout, fits, patch_plain_loras, plain_loras
+    from block_offload.nodes.lora_scratch import ScratchLayout, layout_in, patch_plain_loras, plain_loras
 
     weight = (torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.1).to(weight_dtype)
     patches = [
@@ -55,10 +55,11 @@ def test_a_plain_lora_in_the_scratch_is_calculate_weight_bit_for_bit(
     in_place = weight.dtype == work_dtype
     nbytes = ScratchLayout.of(weight, loras, work_dtype, intermediate, in_place).nbytes
     scratch = torch.empty(nbytes, dtype=torch.uint8)
-    assert fits(weight, loras, work_dtype, intermediate, scratch)
-    assert not fits(weight, loras, work_dtype, intermediate, scratch[:-1])  # counted to the byte
+    layout = layout_in(scratch, weight, loras, work_dtype, intermediate)
+    assert layout is not None and layout.nbytes == nbytes
+    assert layout_in(scratch[:-1], weight, loras, work_dtype, intermediate) is None  # counted to the byte
     current = weight.clone()
-    patched = patch_plain_loras(current, loras, work_dtype, intermediate, scratch)
+    patched = patch_plain_loras(current, loras, layout, scratch)
     assert patched.dtype == work_dtype and torch.equal(patched, reference)
     assert (patched.data_ptr() == current.data_ptr()) == in_place  # else a view of the scratch
     if not in_place:
