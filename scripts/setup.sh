@@ -4,7 +4,8 @@
 #   0.33.0   .venv-0.33.0/  + .comfyui-0.33.0/   (Dynamic VRAM by default on NVIDIA; from ../shared/comfyui-0.33.0)
 # With COMFYUI_PATH naming a ComfyUI of your own, that one alone ("own": .venv-own/, used in place).
 #   .host/      the base directory ComfyUI runs in: custom_nodes/ links this pack;
-#               .host/hosts.tsv lists the prepared hosts (name, venv, ComfyUI folder), default first.
+#               .host/hosts.tsv lists the prepared hosts (name, venv, ComfyUI folder), default first;
+#               .host/frontends/VERSION/ the newest ComfyUI frontend, for tests/test_browser.py.
 # A second run does nothing but check.
 set -euo pipefail
 
@@ -120,6 +121,50 @@ if [[ ! -x /usr/bin/chromium ]]; then
   else
     echo "setup: /usr/bin/chromium is missing and this is not a root Debian shell; install the chromium package (tests/test_browser.py skips without it)." >&2
   fi
+fi
+
+# The newest ComfyUI frontend (harness/browser.py's NEWEST_FRONTEND, the one place its version is named), beside
+# each host's pinned one: tests/test_browser.py serves it through ComfyUI's own --front-end-root. Only the wheel's
+# static/ is kept, in .host/frontends/VERSION/; a failure (offline) is no failure of the set-up, the tests on that
+# frontend then skip saying so.
+newest_frontend="$(sed -n 's/^NEWEST_FRONTEND = "\(.*\)"$/\1/p' "$repo/harness/browser.py")"
+[[ -n "$newest_frontend" ]] || die "harness/browser.py names no NEWEST_FRONTEND = \"x.y.z\"."
+fetch_frontend() {
+  local version="$1" dest="$2" python="$3" tmp
+  tmp="$(mktemp -d)"
+  if ! "$python" -m pip download --quiet --disable-pip-version-check --no-deps "comfyui-frontend-package==$version" \
+      -d "$tmp" >"$tmp/pip.log" 2>&1; then
+    echo "setup: the newest frontend skipped: pip could not download comfyui-frontend-package==$version (offline?):" >&2
+    tail -n 3 "$tmp/pip.log" >&2
+    echo "setup: tests/test_browser.py runs on the hosts' pinned frontends only; run scripts/setup.sh again online." >&2
+    rm -rf "$tmp"
+    return 0
+  fi
+  # Unpacked beside its destination and renamed into place: a half-unpacked frontend is never found there.
+  "$python" - "$tmp"/comfyui_frontend_package-*.whl "$dest" <<'PY' ||
+import pathlib, shutil, sys, zipfile
+wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
+prefix = "comfyui_frontend_package/static/"
+partial = dest.with_name(dest.name + ".partial")
+shutil.rmtree(partial, ignore_errors=True)
+with zipfile.ZipFile(wheel) as zf:
+    for name in zf.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = partial / name[len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(name))
+if not (partial / "index.html").is_file():
+    sys.exit(f"{wheel} holds no {prefix}index.html")
+shutil.rmtree(dest, ignore_errors=True)
+partial.rename(dest)
+PY
+    echo "setup: the newest frontend skipped: comfyui-frontend-package==$version could not be unpacked (above)." >&2
+  rm -rf "$tmp"
+}
+if [[ ! -f "$HOST_DIR/frontends/$newest_frontend/index.html" ]]; then
+  mkdir -p "$HOST_DIR/frontends"
+  timed "the newest frontend ($newest_frontend)" fetch_frontend "$newest_frontend" \
+    "$HOST_DIR/frontends/$newest_frontend" "$(head -n1 "$HOST_DIR/hosts.tsv" | cut -f2)/bin/python"
 fi
 
 # The host's base directory: ComfyUI reads models from it and writes outputs to it,

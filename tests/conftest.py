@@ -7,6 +7,8 @@
   ``comfy``/``nodes`` in-process. Nothing here imports comfy at module level.
 * ``comfy``: ComfyUI and this pack in the test process (``harness/inprocess.py``);
   ``allow_cpu_streaming``: the nodes stream on the CPU too.
+* ``served_frontend``: the browser tests' frontends (``harness/browser.py``), the host's pinned one on the
+  session's server and the newest one on a server of its own; the test id names it.
 
 The helpers the tests share live in ``harness/``, which the tests import like any package (the
 repository root is on ``sys.path``, pyproject's ``pythonpath``); importing it makes the pack
@@ -24,6 +26,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.browser import (
+    NEWEST_FRONTEND,
+    PINNED,
+    ServedFrontend,
+    frontend_args,
+    frontend_missing,
+    pinned_frontend_version,
+)
 from harness.comfy_host import (
     CLASSIC_CACHE,
     HOST_DIR,
@@ -122,6 +132,30 @@ def comfy_host() -> Iterator[ComfyHost]:
         yield host
     finally:
         host.stop()
+
+
+#: The frontends the browser tests run on, each named in the test id: the host's pinned one, then the newest.
+FRONTENDS = (
+    pytest.param(PINNED, id=f"frontend-pinned-{pinned_frontend_version()}"),
+    pytest.param(NEWEST_FRONTEND, id=f"frontend-{NEWEST_FRONTEND}"),
+)
+
+
+@pytest.fixture(scope="session", params=FRONTENDS)
+def served_frontend(request: pytest.FixtureRequest) -> Iterator[ServedFrontend]:
+    """A frontend and the server serving it: the pinned one is the session's ``comfy_host``; the newest gets a
+    server of its own, started like that one (same base directory and flags) plus ``--front-end-root``, and
+    stopped when the tests on it are done."""
+    name: str = request.param
+    missing = frontend_missing(name)
+    if missing is not None:
+        pytest.skip(missing)
+    if name == PINNED:
+        yield ServedFrontend(name, pinned_frontend_version(), (), request.getfixturevalue("comfy_host"))
+        return
+    args = frontend_args(name)
+    with ComfyHost(env=server_env(), extra_args=(*CLASSIC_CACHE, *args)) as host:
+        yield ServedFrontend(name, name, args, host)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """The live panel in a real browser: headless Chromium (Debian's ``chromium``, driven by Playwright)
-opens the real ComfyUI frontend served by the session's server, with the pack loaded.
+opens the real ComfyUI frontend served by a real ComfyUI with the pack loaded, on two frontends
+(``served_frontend``, tests/conftest.py): the host's pinned one, served by the session's server, and
+the newest (``harness.browser.NEWEST_FRONTEND``) through ComfyUI's ``--front-end-root``. Each page
+first proves it runs the frontend asked for.
 
 The test loads the Wan example workflow into the canvas, opens the panel's bottom-panel tab, queues
 the workflow's API twin through the server's API, and reads what the panel drew from data
@@ -9,6 +12,7 @@ leaves the page: no work while hidden), runs a second prompt, reopens the tab (t
 from GET /block_offload/report), and drops the websocket (the panel refetches on "reconnected").
 A screenshot goes to the test's tmp dir; with BLOCK_OFFLOAD_SCREENSHOT=<path> also to that path
 (docs/panel.png for the README). A server of its own, on which nothing has run, shows the empty state.
+The nodes' input tooltips reach each frontend (its node definitions) and show when the mouse rests on a widget.
 
 scripts/setup.sh installs Chromium (apt) and Playwright (pip); Playwright never downloads a browser
 here, it drives /usr/bin/chromium (or $CHROMIUM).
@@ -18,74 +22,51 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.browser import (
+    ServedFrontend,
+    browser_page,
+    chromium_missing,
+    frontend_root,
+    hover_widget_tooltip,
+    launch_browser,
+    page_frontend_version,
+)
 from harness.comfy_host import CLASSIC_CACHE, REPO, ComfyHost
 from harness.panel import BLOCKS, NODE_NAME, check_status, wan_prompt
 
 playwright = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
 
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 UI_WORKFLOW = REPO / "example_workflows" / "async_block_offload_wan21_t2v.json"
 TAB_COMMAND = "Workspace.ToggleBottomPanelTab.block-offload"
 PANEL = "[data-testid=block-offload-panel]"
 STEPS = 40
-TIMEOUT_MS = 120_000
+#: The pack's nodes (nodes/offload_nodes.py), whose inputs declare tooltips.
+PACK_NODES = ("AsyncBlockOffload", "PartialGPUResidency", "SequentialOffloadWrapper")
 
 pytestmark = [
     pytest.mark.usefixtures("tiny_models"),
-    pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason=f"no Chromium at {CHROMIUM}: run scripts/setup.sh"),
+    pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing())),
 ]
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    with playwright.sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@contextmanager
-def browser_page(browser: Any, host: ComfyHost) -> Iterator[Any]:
-    """ComfyUI's frontend from ``host`` in a fresh browser context, first-run dialogs and banners settled."""
-    # A user who has seen the tutorial gets no template browser on load (ComfyUI's own setting).
-    host.post("/api/settings/Comfy.TutorialCompleted", True).raise_for_status()
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    try:
-        context.add_init_script("localStorage.setItem('vueNodesBannerDismissed', 'true')")
-        page = context.new_page()
-        page.errors = []  # type: ignore[attr-defined]
-        page.on("pageerror", lambda error: page.errors.append(f"{error}\n{error.stack}"))
-        page.goto(host.url)
-        page.wait_for_function("window.app?.extensionManager && window.app.graph", timeout=TIMEOUT_MS)
-        page.keyboard.press("Escape")  # any dialog the frontend opened on its own
-        yield page
-    finally:
-        context.close()
+    with launch_browser() as browser:
+        yield browser
 
 
 @pytest.fixture(scope="module")
-def page(browser: Any, comfy_host: ComfyHost) -> Iterator[Any]:
-    """The session's server in the browser, the Wan example workflow on the canvas."""
-    with browser_page(browser, comfy_host) as page:
+def page(browser: Any, served_frontend: ServedFrontend) -> Iterator[Any]:
+    """The frontend's server in the browser, the Wan example workflow on the canvas."""
+    with browser_page(browser, served_frontend.host) as page:
+        # Every test on this page runs on the frontend asked for, or none passes.
+        assert page_frontend_version(page) == served_frontend.version
         page.evaluate("data => window.app.loadGraphData(data)", json.loads(UI_WORKFLOW.read_text()))
         yield page
 
@@ -117,11 +98,47 @@ def painted_pixels(page: Any) -> int:
     )
 
 
-def test_panel_draws_a_run_live(page: Any, comfy_host: ComfyHost, tmp_path: Path) -> None:
+def test_the_page_runs_the_frontend_asked_for(page: Any, served_frontend: ServedFrontend) -> None:
+    """The page reports the frontend's own version, and the server says it serves it from where it was told: a
+    --front-end-root ComfyUI ignored would serve the pinned frontend and fail here."""
+    assert page_frontend_version(page) == served_frontend.version
+    assert f"web root: {frontend_root(served_frontend.name)}\n" in served_frontend.host.log_text()
+
+
+def test_the_nodes_tooltips_reach_the_frontend(page: Any, served_frontend: ServedFrontend) -> None:
+    """Every input tooltip the pack's nodes declare is in the frontend's definition of the node (what it shows on
+    hover), and the canvas shows one when the mouse rests on its widget."""
+    declared = {
+        node: {
+            name: spec[1]["tooltip"]
+            for section in ("required", "optional")
+            for name, spec in served_frontend.host.object_info(node)[node]["input"].get(section, {}).items()
+            if len(spec) > 1 and "tooltip" in spec[1]
+        }
+        for node in PACK_NODES
+    }
+    assert all(declared.values()), f"a node of the pack declares no input tooltip: {declared}"
+    received = page.evaluate(
+        """nodes => Object.fromEntries(nodes.map((node) => {
+            const input = window.LiteGraph.registered_node_types[node]?.nodeData?.input ?? {};
+            const specs = {...input.required, ...input.optional};
+            return [node, Object.fromEntries(Object.entries(specs).map(([name, spec]) => [name, spec[1]?.tooltip]))];
+        }))""",
+        list(PACK_NODES),
+    )
+    for node, tooltips in declared.items():
+        assert {name: received[node].get(name) for name in tooltips} == tooltips, node
+
+    shown = hover_widget_tooltip(page, "AsyncBlockOffload", "resident_blocks")
+    assert shown.split() == declared["AsyncBlockOffload"]["resident_blocks"].split(), shown
+    page.mouse.move(5, 5)  # off the canvas: the tooltip goes
+
+
+def test_panel_draws_a_run_live(page: Any, served_frontend: ServedFrontend, tmp_path: Path) -> None:
     toggle_tab(page)
     wait_for_panel(page, "Number(d.reports) > 0 && (d.state === 'empty' || d.state === 'idle')")
 
-    result = comfy_host.run(wan_prompt(STEPS), timeout=300)
+    result = served_frontend.host.run(wan_prompt(STEPS), timeout=300)
     assert result.ok, result.error_text()
     data = wait_for_panel(page, f"d.prompt === '{result.prompt_id}' && d.state === 'idle'")
     assert int(data["messages"]) >= 2 and int(data["stepsReceived"]) >= 1, data
@@ -146,14 +163,16 @@ def test_panel_draws_a_run_live(page: Any, comfy_host: ComfyHost, tmp_path: Path
     assert not [e for e in page.errors if "block_offload" in e], page.errors
 
 
-def test_panel_does_no_work_while_closed_and_survives_reopen_and_reconnect(page: Any, comfy_host: ComfyHost) -> None:
+def test_panel_does_no_work_while_closed_and_survives_reopen_and_reconnect(
+    page: Any, served_frontend: ServedFrontend
+) -> None:
     if panel_data(page).get("state") is None:
         toggle_tab(page)
     before = wait_for_panel(page, "d.state === 'idle'")
     toggle_tab(page)  # close
     page.wait_for_function(f"!document.querySelector('{PANEL}')")
 
-    result = comfy_host.run(wan_prompt(STEPS), timeout=300)
+    result = served_frontend.host.run(wan_prompt(STEPS), timeout=300)
     assert result.ok, result.error_text()
     toggle_tab(page)  # reopen after the run: the report describes it
     data = wait_for_panel(page, f"d.prompt === '{result.prompt_id}' && d.state === 'idle' && d.blocksDrawn === '5'")
@@ -197,16 +216,18 @@ def test_panel_does_no_work_while_closed_and_survives_reopen_and_reconnect(page:
     assert not [e for e in page.errors if "block_offload" in e], page.errors
 
 
-def test_panel_empty_state_on_a_fresh_server(browser: Any) -> None:
+def test_panel_empty_state_on_a_fresh_server(browser: Any, served_frontend: ServedFrontend) -> None:
     """Before anything streamed (a server of its own: the session's has run models by now) the routes
     answer an empty run and the panel says what it is for; this CPU-only server has no CUDA device."""
-    with ComfyHost(env={**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}, extra_args=CLASSIC_CACHE) as fresh:
+    env = {**os.environ, "BLOCK_OFFLOAD_ALLOW_CPU": "1"}
+    with ComfyHost(env=env, extra_args=(*CLASSIC_CACHE, *served_frontend.server_args)) as fresh:
         report = fresh.get_json("/block_offload/report")
         check_status(report, "report")
         assert report["node"] is None and report["timeline"] is None and report["models"] == [], report
         assert not report["accelerator"] and report["memory"]["process_rss"] > 0
         assert fresh.get_json("/block_offload/timeline")["steps"] == []
         with browser_page(browser, fresh) as page:
+            assert page_frontend_version(page) == served_frontend.version
             toggle_tab(page)
             data = wait_for_panel(page, "Number(d.reports) > 0")
             assert data["state"] == "empty" and data["blocksDrawn"] == "0", data

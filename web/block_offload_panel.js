@@ -27,6 +27,9 @@ const RESIDENT = "R";
 const FROM_FILE = "F"; // streamed, read from the checkpoint file at every step (no host buffer)
 // The status schema this panel reads (status_schema.json's version); another one is not drawn.
 const SCHEMA_VERSION = 1;
+// The command web/stream_workflow.js registers (by id, not imported: ComfyUI loads that file as an extension of
+// its own, and a second import under another URL would register it twice).
+const STREAM_COMMAND_ID = "BlockOffload.StreamWorkflowModels";
 
 const COLORS = {
   resident: "#4f8fd6",
@@ -134,6 +137,7 @@ const STYLE = `
   font: 12px/1.35 system-ui, sans-serif; color: var(--fg-color); overflow: hidden; }
 .bo-head { display: flex; align-items: baseline; gap: 12px; flex-wrap: wrap; }
 .bo-title { font-weight: 600; }
+.bo-stream { font: inherit; padding: 1px 8px; cursor: pointer; }
 .bo-dim { color: var(--descrip-text, #999); }
 .bo-body { display: flex; gap: 14px; flex: 1; min-height: 0; }
 .bo-side { width: 300px; flex: none; display: flex; flex-direction: column; gap: 6px; overflow-y: auto; }
@@ -182,7 +186,11 @@ class PanelView {
     this.title = el("span", "bo-title", "Block Offload");
     this.headline = el("span");
     this.planLine = el("span", "bo-dim");
-    head.append(this.title, this.headline, this.planLine);
+    this.streamButton = el("button", "bo-stream", "Stream this workflow's models");
+    this.streamButton.dataset.testid = "block-offload-stream";
+    this.streamButton.title = "Puts the streaming node on every model path of the open workflow (one Ctrl+Z undoes it)";
+    this.streamButton.addEventListener("click", () => app.extensionManager.command.execute(STREAM_COMMAND_ID));
+    head.append(this.title, this.streamButton, this.headline, this.planLine);
 
     this.empty = el("div", "bo-empty bo-dim");
     const body = el("div", "bo-body");

@@ -1,0 +1,41 @@
+"""ComfyUI's official workflow templates, as the 0.33 host installs them (the ``comfyui-workflow-templates`` package
+and its ``comfyui_workflow_templates_json`` part). The 0.3.75 host pins an older template package without them,
+so its tests read the 0.33 host's copy from ``.venv-0.33.0`` where scripts/setup.sh put it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from .comfy_host import REPO
+
+PACKAGE = "comfyui_workflow_templates_json"
+
+
+class TemplateMissingError(FileNotFoundError):
+    pass
+
+
+def template_dirs() -> list[Path]:
+    """Where the templates are: this interpreter's package first, then the 0.33 host's environment."""
+    dirs = []
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is not None and spec.origin is not None:
+        dirs.append(Path(spec.origin).parent / "templates")
+    dirs += sorted(REPO.glob(f".venv-0.33.0/lib/python3*/site-packages/{PACKAGE}/templates"))
+    return [d for d in dirs if d.is_dir()]
+
+
+def official_template(name: str) -> dict[str, Any]:
+    """The UI workflow of the official template ``name`` (its file name without ``.json``)."""
+    for folder in template_dirs():
+        path = folder / f"{name}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    raise TemplateMissingError(
+        f"no official template {name!r} in {[str(d) for d in template_dirs()] or PACKAGE}: "
+        "run scripts/setup.sh (the 0.33.0 host installs the template package)"
+    )

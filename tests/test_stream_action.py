@@ -1,0 +1,212 @@
+"""The frontend action "Stream this workflow's models" (``web/stream_workflow.js``) in the real ComfyUI frontend,
+in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader to its
+sampler, inside the official templates' subgraphs, after the LoRA toggle and ModelSampling patch and before the
+sampler; says what it did; is undone by one Ctrl+Z; changes nothing the second time; and leaves alone, naming
+them, the models it cannot stream safely (a merge, a node of ours already there, no loader at all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from harness.browser import ServedFrontend, browser_page, chromium_missing, launch_browser, page_frontend_version
+from harness.comfy_host import REPO
+from harness.official_templates import official_template
+
+pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
+
+pytestmark = pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing()))
+
+MODULE = "/extensions/block_offload/stream_workflow.js"
+OUR_NODE = "PartialGPUResidency"
+# A message as each frontend draws it: PrimeVue's toast up to 1.49, reka-ui's in 1.58.
+TOAST = ".p-toast-message, [data-testid=toast]"
+CLEAR_TOASTS_JS = """() => {
+  const toast = window.app.extensionManager.toast;
+  (toast.dismissAll ?? toast.removeAll).call(toast);
+}"""
+TAB_COMMAND = "Workspace.ToggleBottomPanelTab.block-offload"
+COMMAND_LABEL = "Stream this workflow's models"
+
+# Per graph (root, then each subgraph definition by name): our nodes with what feeds them and what they feed.
+OUR_NODES_JS = """
+async (ourType) => {
+  const root = window.app.rootGraph ?? window.app.graph;
+  const graphs = [["root", root], ...[...(root.subgraphs?.values() ?? [])].map(g => [g.name, g])];
+  const link = (g, id) => g.links instanceof Map ? g.links.get(id) : g.links[id];
+  return graphs.map(([name, g]) => [name, g.nodes.filter(n => n.type === ourType).map(n => ({
+    from: g.getNodeById(link(g, n.inputs[0].link)?.origin_id)?.type ?? null,
+    to: (n.outputs[0].links ?? []).map(id => g.getNodeById(link(g, id).target_id).type),
+    budget: n.widgets.find(w => w.name === "vram_budget_gb").value,
+    policy: n.widgets.find(w => w.name === "policy").value,
+  }))]).filter(([, nodes]) => nodes.length);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with launch_browser() as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser: Any, served_frontend: ServedFrontend) -> Iterator[Any]:
+    """A fresh page on each frontend: the host's pinned one and the newest (tests/conftest.py)."""
+    # The templates name models this server lacks (and 0.3.75 lacks their ComfySwitchNode); 1.32.9 says so in a
+    # dialog over the page at every load.
+    for warning in ("Comfy.Workflow.ShowMissingModelsWarning", "Comfy.Workflow.ShowMissingNodesWarning"):
+        served_frontend.host.post(f"/api/settings/{warning}", False).raise_for_status()
+    with browser_page(browser, served_frontend.host) as page:
+        assert page_frontend_version(page) == served_frontend.version
+        page.wait_for_function(f"import('{MODULE}').then(() => true)")
+        yield page
+        assert not [e for e in page.errors if "stream_workflow" in e], page.errors
+
+
+def load(page: Any, workflow: dict[str, Any]) -> str:
+    """Loads ``workflow`` on the canvas; returns the graph as the frontend serializes it."""
+    page.evaluate("data => window.app.loadGraphData(data)", workflow)
+    page.wait_for_timeout(300)  # the change tracker takes the loaded graph as its first state
+    return serialized(page)
+
+
+def serialized(page: Any) -> str:
+    return page.evaluate("JSON.stringify((window.app.rootGraph ?? window.app.graph).serialize())")
+
+
+def graph_of(text: str) -> dict[str, Any]:
+    """The parts of a serialized graph an edit changes: nodes (id, type, links in and out) and links, per graph."""
+    data = json.loads(text)
+
+    def nodes_and_links(graph: dict[str, Any]) -> dict[str, Any]:
+        nodes = sorted(
+            (
+                str(n["id"]),
+                n["type"],
+                [i.get("link") for i in n.get("inputs", [])],
+                [o.get("links") for o in n.get("outputs", [])],
+            )
+            for n in graph["nodes"]
+        )
+        return {"nodes": nodes, "links": sorted(map(str, graph.get("links", [])))}
+
+    subgraphs = data.get("definitions", {}).get("subgraphs", [])
+    return {"root": nodes_and_links(data), **{s["name"]: nodes_and_links(s) for s in subgraphs}}
+
+
+def clear_messages(page: Any) -> None:
+    page.evaluate(CLEAR_TOASTS_JS)
+    page.wait_for_function(f"!document.querySelector('{TOAST}')")
+
+
+def run_action(page: Any) -> str:
+    """Runs the command as the menus do; returns the message it showed."""
+    page.evaluate(
+        "document.querySelectorAll('.p-toast-message-close-button, .p-toast-close-button').forEach(b => b.click())"
+    )
+    page.wait_for_function(f"!document.querySelector('{TOAST}')")
+    page.evaluate(f"import('{MODULE}').then(m => window.app.extensionManager.command.execute(m.COMMAND_ID))")
+    page.wait_for_selector(TOAST)
+    return page.inner_text(TOAST)
+
+
+def our_nodes(page: Any) -> list[Any]:
+    return page.evaluate(OUR_NODES_JS, OUR_NODE)
+
+
+def undo(page: Any) -> None:
+    page.keyboard.press("Control+z")
+    page.wait_for_timeout(500)  # the change tracker undoes on the next animation frame
+
+
+def test_both_wan22_experts_stream_after_their_lora_toggle_in_one_undo_step(page: Any) -> None:
+    template = official_template("video_wan2_2_14B_t2v")
+    before = load(page, template)
+    text = run_action(page)
+    assert (
+        "2 models now stream through Partial GPU Residency: wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors, "
+        "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors." in text
+    ), text
+    subgraph = template["definitions"]["subgraphs"][0]["name"]
+    # After each expert's LoRA switch and ModelSamplingSD3, before its KSamplerAdvanced; automatic budget and policy.
+    expected = {"from": "ModelSamplingSD3", "to": ["KSamplerAdvanced"], "budget": 0, "policy": "auto"}
+    assert our_nodes(page) == [[subgraph, [expected, expected]]]
+    after = serialized(page)
+
+    again = run_action(page)
+    assert "now stream" not in again and "Already streaming, left as they are" in again, again
+    assert graph_of(serialized(page)) == graph_of(after), "the second run changed the workflow"
+
+    undo(page)
+    assert graph_of(serialized(page)) == graph_of(before), "one Ctrl+Z did not give back the template"
+    assert our_nodes(page) == []
+
+
+def test_a_single_model_template_streams_between_its_patch_and_its_sampler(page: Any) -> None:
+    template = official_template("image_z_image_turbo")
+    load(page, template)
+    text = run_action(page)
+    assert "1 model now streams through Partial GPU Residency: z_image_turbo_bf16.safetensors." in text, text
+    subgraph = template["definitions"]["subgraphs"][0]["name"]
+    assert our_nodes(page) == [
+        [subgraph, [{"from": "ModelSamplingAuraFlow", "to": ["KSampler"], "budget": 0, "policy": "auto"}]]
+    ]
+
+
+def test_a_workflow_without_a_diffusion_model_is_left_unchanged(page: Any) -> None:
+    page.evaluate("(window.app.rootGraph ?? window.app.graph).clear()")
+    page.wait_for_timeout(300)
+    before = serialized(page)
+    text = run_action(page)
+    assert "This workflow loads no diffusion model: nothing to stream, nothing changed." in text, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
+def test_a_merge_and_a_model_already_streaming_are_left_alone_and_named(page: Any) -> None:
+    # The pack's own Wan example already streams its model through Async Block Offload.
+    load(page, json.loads((REPO / "example_workflows" / "async_block_offload_wan21_t2v.json").read_text()))
+    # Beside it, two loaders merged into one model before a sampler: streaming either input alone would be wrong.
+    page.evaluate(
+        """() => {
+            const g = window.app.rootGraph ?? window.app.graph;
+            const add = (type, title) => { const n = LiteGraph.createNode(type); n.title = title; g.add(n); return n; };
+            const a = add("UNETLoader", "expert A"), b = add("UNETLoader", "expert B");
+            const merge = add("ModelMergeSimple", "merge"), sampler = add("KSampler", "sampler");
+            a.connect(0, merge, 0); b.connect(0, merge, 1); merge.connect(0, sampler, 0);
+        }"""
+    )
+    page.wait_for_timeout(300)
+    before = serialized(page)
+    text = run_action(page)
+    assert "now stream" not in text, text
+    assert "Already streaming, left as they are: " in text and "(Async Block Offload (#" in text, text
+    assert text.count("meets another model in merge (#") == 2, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
+def test_the_panel_button_and_the_canvas_menu_run_the_action(page: Any) -> None:
+    template = official_template("image_qwen_image")
+    subgraph = template["definitions"]["subgraphs"][0]["name"]
+    load(page, template)
+    page.evaluate(f"window.app.extensionManager.command.execute('{TAB_COMMAND}')")
+    page.click("[data-testid=block-offload-stream]")
+    page.wait_for_selector(TOAST)
+    assert "1 model now streams through Partial GPU Residency: qwen_image_fp8_e4m3fn.safetensors." in page.inner_text(
+        TOAST
+    )
+    assert [name for name, _ in our_nodes(page)] == [subgraph]
+
+    load(page, template)
+    page.evaluate(f"window.app.extensionManager.command.execute('{TAB_COMMAND}')")  # closed: the canvas is free
+    clear_messages(page)
+    box = page.locator("#graph-canvas").bounding_box()
+    page.mouse.click(box["x"] + box["width"] - 60, box["y"] + box["height"] / 2, button="right")  # empty canvas
+    page.locator(".litecontextmenu .litemenu-entry", has_text=COMMAND_LABEL).click()
+    page.wait_for_selector(TOAST)
+    assert "1 model now streams" in page.inner_text(TOAST)
+    assert [name for name, _ in our_nodes(page)] == [subgraph]

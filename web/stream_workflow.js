@@ -1,0 +1,258 @@
+// "Stream this workflow's models": one action that puts a Block Offload node on every path from a diffusion model
+// loader to what samples with it, in the root graph and inside every subgraph (ComfyUI's official templates keep
+// their whole pipeline in one). Each path is walked from the loader through its chain of model patches (LoRA
+// loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else) and the node goes
+// where the chain ends, before it branches: LoRAs and patches stay upstream of the streaming clone, as ComfyUI
+// applies them. What the action cannot do safely it leaves as it is and names. The whole edit is one undo step.
+
+import { app } from "../../scripts/app.js";
+
+export const COMMAND_ID = "BlockOffload.StreamWorkflowModels";
+export const COMMAND_LABEL = "Stream this workflow's models";
+export const NODE_SETTING_ID = "BlockOffload.StreamAction.Node";
+
+const MODEL = "MODEL";
+// Our nodes by display name, in the order the setting offers them (the first is the default: auto placement).
+export const STREAM_NODES = Object.freeze({
+  "Partial GPU Residency": "PartialGPUResidency",
+  "Async Block Offload": "AsyncBlockOffload",
+  "Sequential Offload Wrapper": "SequentialOffloadWrapper",
+});
+const OUR_TYPES = new Set(Object.values(STREAM_NODES));
+// Paths from one loader to its samplers; past this the graph is not a workflow a person drew.
+const MAX_PATHS = 4096;
+// ComfyUI's group nodes (before subgraphs) register as "workflow>NAME" (older frontends: "workflow/NAME"); their
+// inner graph is not editable from outside.
+const GROUP_NODE_PREFIXES = ["workflow>", "workflow/"];
+
+function describe(node) {
+  return `${node.title || node.type} (#${node.id})`;
+}
+
+function linkById(graph, id) {
+  if (id == null) return null;
+  return (graph.links instanceof Map ? graph.links.get(id) : graph.links?.[id]) ?? null;
+}
+
+// A slot carries the model when it is typed MODEL, or when its link is (ComfySwitchNode and Reroute are typed "*").
+function modelInputLinks(graph, node) {
+  return (node.inputs ?? []).flatMap((input) => {
+    const link = linkById(graph, input?.link);
+    return input?.type === MODEL || link?.type === MODEL ? [link] : [];
+  });
+}
+
+function modelOutputSlot(graph, node) {
+  const slot = (node.outputs ?? []).findIndex(
+    (output) => output?.type === MODEL || (output?.links ?? []).some((id) => linkById(graph, id)?.type === MODEL),
+  );
+  return slot < 0 ? null : slot;
+}
+
+// What an output feeds: {node, slot} per link; node is null where the link leaves the graph (a subgraph's output).
+function consumers(graph, node, slot) {
+  return (node.outputs?.[slot]?.links ?? [])
+    .map((id) => linkById(graph, id))
+    .filter(Boolean)
+    .map((link) => ({ node: graph.getNodeById(link.target_id) ?? null, slot: link.target_slot }));
+}
+
+function isSubgraphNode(node) {
+  return Boolean(node.subgraph) || Boolean(node.isSubgraphNode?.());
+}
+
+function isGroupNode(node) {
+  return GROUP_NODE_PREFIXES.some((prefix) => String(node.type).startsWith(prefix));
+}
+
+// A loader makes a MODEL from nothing upstream: Load Diffusion Model, Load Checkpoint, Unet Loader (GGUF) and any
+// other pack's file loader alike.
+function isLoader(graph, node) {
+  return !isSubgraphNode(node) && modelOutputSlot(graph, node) !== null && modelInputLinks(graph, node).length === 0;
+}
+
+// A model patch takes the model and gives it back changed (LoRA loaders, ModelSampling*, attention patches); a
+// switch between the patched and the plain model (the templates' LoRA toggle) and the old Reroute node too.
+function isModelPatch(graph, node) {
+  return !isSubgraphNode(node) && modelInputLinks(graph, node).length > 0 && modelOutputSlot(graph, node) !== null;
+}
+
+// What samples with the model uses it and gives something else (a latent, a guider, sigmas). A node that saves the
+// model or sits in another graph is not that.
+function whyNotASampler(consumer) {
+  const node = consumer.node;
+  if (!node) return "leaves the subgraph it is in";
+  if (isSubgraphNode(node)) return `goes into the subgraph ${describe(node)}`;
+  if (isGroupNode(node)) return `goes into the group node ${describe(node)}`;
+  if (node.constructor?.nodeData?.output_node) return `goes to ${describe(node)}, which saves the model`;
+  return null;
+}
+
+function loaderFile(node) {
+  const named = (node.widgets ?? []).find((widget) => /_name$/.test(widget.name) && typeof widget.value === "string");
+  return named?.value ?? describe(node);
+}
+
+// Everything downstream of a loader that still carries its model: the patches (its region), the edges between them
+// (SINK: a sampler), and what stops the action (a model mixed in from elsewhere, a saver, a subgraph boundary).
+const SINK = "sink";
+
+function traceRegion(graph, loader) {
+  const region = { members: new Map([[loader.id, loader]]), edges: new Map(), problems: [], streamedBy: null };
+  const queue = [loader];
+  while (queue.length) {
+    const node = queue.shift();
+    const next = [];
+    region.edges.set(node.id, next);
+    for (const consumer of consumers(graph, node, modelOutputSlot(graph, node))) {
+      if (consumer.node && OUR_TYPES.has(consumer.node.type)) {
+        region.streamedBy = consumer.node;
+      } else if (consumer.node && isModelPatch(graph, consumer.node)) {
+        next.push(consumer.node.id);
+        if (!region.members.has(consumer.node.id)) {
+          region.members.set(consumer.node.id, consumer.node);
+          queue.push(consumer.node);
+        }
+      } else {
+        const why = whyNotASampler(consumer);
+        if (why) region.problems.push(why);
+        else next.push(SINK);
+      }
+    }
+  }
+  for (const member of region.members.values()) {
+    const foreign = modelInputLinks(graph, member).find((link) => link && !region.members.has(link.origin_id));
+    if (foreign) region.problems.push(`meets another model in ${describe(member)}`);
+  }
+  return region;
+}
+
+// The last node every path from the loader to a sampler passes through: the node goes right after it, so every
+// patch before it applies to the streamed clone and nothing after it branches.
+function lastSharedNode(region, loaderId) {
+  const paths = [];
+  const walk = (id, path) => {
+    if (paths.length > MAX_PATHS) return;
+    if (id === SINK) {
+      paths.push(path);
+      return;
+    }
+    for (const next of region.edges.get(id) ?? []) if (!path.includes(next)) walk(next, [...path, id]);
+  };
+  walk(loaderId, []);
+  if (!paths.length || paths.length > MAX_PATHS) return null;
+  const shared = paths[0].filter((id) => paths.every((path) => path.includes(id)));
+  return region.members.get(shared[shared.length - 1]);
+}
+
+function placeBelow(node, end) {
+  const [x, y] = end.pos ?? [0, 0];
+  const height = end.size?.[1] ?? 80;
+  node.pos = [x, y + height + 60];
+}
+
+function insertAfter(graph, end, nodeType) {
+  const node = globalThis.LiteGraph.createNode(nodeType);
+  if (!node) throw new Error(`ComfyUI does not know the node type ${nodeType}: is Block Offload loaded on the server?`);
+  const slot = modelOutputSlot(graph, end);
+  const targets = consumers(graph, end, slot);
+  graph.add(node);
+  placeBelow(node, end);
+  // Each consumer's input is re-linked to the node (connecting an input replaces its old link), then the end feeds
+  // the node.
+  for (const target of targets) node.connect(0, target.node, target.slot);
+  end.connect(slot, node, 0);
+  return node;
+}
+
+function graphsOf(root) {
+  return [root, ...(root.subgraphs ? root.subgraphs.values() : [])];
+}
+
+// Plans and applies the insertion over the whole workflow. Returns what it did, for the message and the tests:
+// streamed (files newly streamed), already (files already streamed by one of our nodes), leftAlone ({what, why}).
+export function streamWorkflowModels(root, nodeType) {
+  const report = { streamed: [], already: [], leftAlone: [], inserted: [] };
+  for (const graph of graphsOf(root)) {
+    for (const node of [...graph.nodes]) {
+      if (isGroupNode(node)) {
+        report.leftAlone.push({ what: describe(node), why: "is a group node: convert it to a subgraph to stream its model" });
+        continue;
+      }
+      if (!isLoader(graph, node)) continue;
+      const file = loaderFile(node);
+      const region = traceRegion(graph, node);
+      if (region.streamedBy) {
+        report.already.push(`${file} (${describe(region.streamedBy)})`);
+        continue;
+      }
+      if (region.problems.length) {
+        report.leftAlone.push({ what: file, why: region.problems[0] });
+        continue;
+      }
+      const end = lastSharedNode(region, node.id);
+      if (!end) {
+        report.leftAlone.push({ what: file, why: "feeds no sampler" });
+        continue;
+      }
+      report.inserted.push(insertAfter(graph, end, nodeType));
+      report.streamed.push(file);
+    }
+  }
+  return report;
+}
+
+function message(report, displayName) {
+  const lines = [];
+  if (report.streamed.length) {
+    const n = report.streamed.length;
+    const files = [...report.streamed].sort().join(", ");
+    lines.push(`${n} model${n > 1 ? "s" : ""} now stream${n > 1 ? "" : "s"} through ${displayName}: ${files}.`);
+  }
+  if (report.already.length) lines.push(`Already streaming, left as they are: ${report.already.join(", ")}.`);
+  for (const { what, why } of report.leftAlone) lines.push(`Left as it is: ${what} ${why}.`);
+  if (!lines.length) lines.push("This workflow loads no diffusion model: nothing to stream, nothing changed.");
+  return lines.join("\n");
+}
+
+function chosenNode() {
+  const chosen = app.extensionManager?.setting?.get(NODE_SETTING_ID);
+  const displayName = chosen in STREAM_NODES ? chosen : Object.keys(STREAM_NODES)[0];
+  return { displayName, nodeType: STREAM_NODES[displayName] };
+}
+
+// The command: one undo step (the change tracker records the graph once, after the whole edit), one message.
+export function runStreamCommand() {
+  const { displayName, nodeType } = chosenNode();
+  const tracker = app.extensionManager?.workflow?.activeWorkflow?.changeTracker;
+  tracker?.beforeChange();
+  let report;
+  try {
+    report = streamWorkflowModels(app.rootGraph ?? app.graph, nodeType);
+  } finally {
+    tracker?.afterChange();
+  }
+  app.canvas?.setDirty(true, true);
+  const severity = report.streamed.length ? "success" : report.leftAlone.length ? "warn" : "info";
+  app.extensionManager?.toast?.add({ severity, summary: COMMAND_LABEL, detail: message(report, displayName), life: 8000 });
+  return report;
+}
+
+app.registerExtension({
+  name: "block_offload.stream_workflow",
+  settings: [
+    {
+      id: NODE_SETTING_ID,
+      category: ["Block Offload", "Stream this workflow's models", "Node"],
+      name: "Node that \"Stream this workflow's models\" inserts",
+      type: "combo",
+      options: Object.keys(STREAM_NODES),
+      defaultValue: Object.keys(STREAM_NODES)[0],
+    },
+  ],
+  commands: [{ id: COMMAND_ID, label: COMMAND_LABEL, icon: "pi pi-bolt", function: runStreamCommand }],
+  menuCommands: [{ path: ["Extensions", "Block Offload"], commands: [COMMAND_ID] }],
+  getCanvasMenuItems() {
+    return [null, { content: COMMAND_LABEL, callback: () => runStreamCommand() }];
+  },
+});
