@@ -31,6 +31,8 @@ SHIPPED = (
     "image_qwen_image",
     "image_flux2_text_to_image",
     "image_krea2_turbo_t2i_int8",
+    "video_ltx2_3_t2v",
+    "video_minimax_h3_t2v",
 )
 PREFIX = "streamed_"
 MODULE = "/extensions/block_offload/stream_workflow.js"

@@ -23,8 +23,8 @@ pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: 
 EXAMPLES = REPO / "example_workflows"
 OUR_NODE = "PartialGPUResidency"
 LOADERS = {"UNETLoader", "CheckpointLoaderSimple"}
-# What takes the model in the shipped templates: the samplers, and Flux 2's guider.
-SAMPLERS = {"KSampler", "KSamplerAdvanced", "BasicGuider", "CFGGuider"}
+# What takes the model in the shipped templates: the samplers, the guiders and the scheduler of custom sampling.
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "BasicGuider", "CFGGuider", "BasicScheduler"}
 
 
 def api_twin(template: str) -> dict[str, Any]:
