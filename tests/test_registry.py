@@ -205,7 +205,12 @@ def registry_layout(base: Path, tmp_path: Path) -> Path:
     assert packed.returncode == 0 and (clone / "node.zip").is_file(), packed.stdout + packed.stderr
     folder = base / "custom_nodes" / pyproject()["project"]["name"]
     with zipfile.ZipFile(clone / "node.zip") as archive:
+        names = archive.namelist()
         archive.extractall(folder)
+    # .comfyignore: the archive carries what runs in ComfyUI and none of what develops the pack.
+    tops = {name.split("/", 1)[0] for name in names}
+    assert {"__init__.py", "nodes", "offload", "web", "example_workflows", "pyproject.toml", "LICENSE"} <= tops, tops
+    assert not tops & {"tests", "harness", "bench", "scripts", ".ci"}, tops
     return folder
 
 
