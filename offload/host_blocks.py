@@ -10,18 +10,18 @@ keeps (``offload/streamed_block.py``).
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from .block_parking import BlockParking
 from .companions import PackedCompanions
 from .file_source import FileSlice
 from .layout import BlockLayout, DtypeOf
 from .packing_thread import BackgroundPacking
 from .page_lock import pinned_allocation_bytes, unpin_host_buffer
-from .parking import ParkedBuffer, ParkingLot, leave, signature
+from .parking import ParkingLot
 from .pinning import HostMemory, PinnedShare
 from .reader import BlockRead
 from .streamed_block import StreamedBlock
@@ -49,7 +49,7 @@ class HostBlocks:
     is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
     the block packed again from its originals, so only a block packed from its file may hold content.
     ``parking``: where ``let_go(park=True)`` leaves the blocks' host buffers and ``pack`` takes them over from
-    (``offload/parking.py``); without one the streamer neither parks nor adopts."""
+    (``offload/parking.py``, through ``BlockParking``); without one the streamer neither parks nor adopts."""
 
     def __init__(
         self,
@@ -77,7 +77,15 @@ class HostBlocks:
         self.read_each_step = read_each_step
         self.contents = dict(contents)
         self._companion_tensors = dict(companions)
-        self.parking = parking
+        self.parking = BlockParking(
+            parking,
+            self.memory,
+            recurse=recurse,
+            dtype_of=dtype_of,
+            storage_dtype=storage_dtype,
+            read_each_step=read_each_step,
+            contents=self.contents,
+        )
         self.blocks: dict[int, StreamedBlock] = {}
         # Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
         # thread: none; the thread counts its own in ``background.packed_bytes``).
@@ -121,7 +129,7 @@ class HostBlocks:
         hold other content (both need its host buffer before the first step), or not in CPU memory."""
         if self.storage_dtype is not None or index in self.read_each_step or index in self.contents:
             return False
-        adopted = self._adopt(index, block)
+        adopted = self.parking.adopt(index, block)
         if adopted is not None:
             self.blocks[index], self.modules[index] = adopted, block
             self._pack_companions(index, adopted)
@@ -161,7 +169,7 @@ class HostBlocks:
 
     def check_can_park(self, park: bool) -> None:
         """Raises before anything is let go if ``park`` is asked without a lot to park into."""
-        if park and self.parking is None:
+        if park and self.parking.lot is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
 
     def let_go(self, park: bool) -> None:
@@ -180,7 +188,7 @@ class HostBlocks:
                 state.layout.point_at(state.host_views)
                 self.unpin(state)
             elif park and state.origin_device.type == "cpu":
-                self._park(module, state)
+                self.parking.park(module, state, self.unpin)
             elif state.file_backed:
                 state.point_at_originals()  # the file's views, as they were
                 self.unpin(state)
@@ -220,7 +228,7 @@ class HostBlocks:
         return sum(state.companions.host.numel() for state in self.blocks.values() if state.companions is not None)
 
     def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
-        adopted = self._adopt(index, block)
+        adopted = self.parking.adopt(index, block)
         if adopted is not None:
             return adopted
         layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
@@ -291,70 +299,6 @@ class HostBlocks:
         if state.companions is not None:
             self.memory.release(state.companions.reserved)
             state.companions = None
-
-    def _park(self, module: nn.Module, state: StreamedBlock) -> None:
-        """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
-        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
-        file at each step, or stored in a lossy dtype, goes back to its originals."""
-        if state.read is not None or (state.originals is not None and not state.file_backed):
-            state.point_at_originals()  # the rounded copy must not replace them
-            self.unpin(state)
-            return
-        storage = state.host.untyped_storage()
-        reservation = self.memory.park(state.pinned_bytes, storage) if state.pinned else None
-        assert self.parking is not None  # let_go refuses to park without one
-        self.parking.park(
-            module,
-            ParkedBuffer(
-                weakref.ref(storage),
-                state.host.numel(),
-                signature(state.layout),
-                state.pinned,
-                self.recurse,
-                reservation,
-                state.originals if state.file_backed else None,
-                state.content,
-            ),
-        )
-
-    def _adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
-        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
-        packed from its file points at the file's views again, to be packed from them (never from a buffer
-        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
-        parked = self.parking.take(block) if self.parking is not None else None
-        if parked is None:
-            return None
-        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
-        if adopted is None and parked.originals is not None:
-            leave(block, parked)
-        return adopted
-
-    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
-        """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned
-        bytes can move into this streamer's share; never for a block to be read from its file at each step."""
-        fits = (
-            None
-            if self.storage_dtype is not None or index in self.read_each_step
-            else parked.parts_for(layout, self.memory.pin_memory, self.contents.get(index))
-        )
-        if fits is None:
-            return None
-        if not self.memory.adopt(parked.reservation, parked.pinned):
-            return None
-        host, parts = fits
-        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
-        return StreamedBlock(
-            layout,
-            layout,
-            host,
-            layout.assemble(parts),
-            host.device,
-            parked.originals,
-            parked.pinned,
-            reserved,
-            file_backed=parked.originals is not None,
-            content=parked.content,
-        )
 
     @property
     def needs_content(self) -> frozenset[int]:

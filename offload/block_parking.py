@@ -1,0 +1,109 @@
+"""A streamer's side of parking (``offload/parking.py``): what ``HostBlocks`` leaves in the lot when it lets its
+blocks go with ``park``, and what it takes over from the lot instead of packing a block again."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Mapping
+
+import torch
+from torch import nn
+
+from .layout import BlockLayout, DtypeOf
+from .page_lock import pinned_allocation_bytes
+from .parking import ParkedBuffer, ParkingLot, leave, signature
+from .pinning import HostMemory
+from .streamed_block import StreamedBlock
+
+
+class BlockParking:
+    """Parks and adopts the host buffers of one streamer's blocks.
+
+    ``lot``: where they are parked and taken from (None: this streamer neither parks nor adopts). The other
+    arguments are the streamer's own (``HostBlocks``): a buffer is adopted only where this streamer would have
+    packed the same bytes (no storage dtype, not read from its file each step, the same ``contents``)."""
+
+    def __init__(
+        self,
+        lot: ParkingLot | None,
+        memory: HostMemory,
+        *,
+        recurse: bool,
+        dtype_of: DtypeOf | None,
+        storage_dtype: torch.dtype | None,
+        read_each_step: frozenset[int],
+        contents: Mapping[int, Hashable],
+    ) -> None:
+        self.lot = lot
+        self.memory = memory
+        self.recurse = recurse
+        self.dtype_of = dtype_of
+        self.storage_dtype = storage_dtype
+        self.read_each_step = read_each_step
+        self.contents = contents
+
+    def park(self, module: nn.Module, state: StreamedBlock, unpin: Callable[[StreamedBlock], None]) -> None:
+        """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
+        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
+        file at each step, or stored in a lossy dtype, goes back to its originals (``unpin`` gives back its
+        pinned bytes)."""
+        if state.read is not None or (state.originals is not None and not state.file_backed):
+            state.point_at_originals()  # the rounded copy must not replace them
+            unpin(state)
+            return
+        storage = state.host.untyped_storage()
+        reservation = self.memory.park(state.pinned_bytes, storage) if state.pinned else None
+        if self.lot is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        self.lot.park(
+            module,
+            ParkedBuffer(
+                weakref.ref(storage),
+                state.host.numel(),
+                signature(state.layout),
+                state.pinned,
+                self.recurse,
+                reservation,
+                state.originals if state.file_backed else None,
+                state.content,
+            ),
+        )
+
+    def adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
+        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
+        packed from its file points at the file's views again, to be packed from them (never from a buffer
+        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
+        parked = self.lot.take(block) if self.lot is not None else None
+        if parked is None:
+            return None
+        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
+        if adopted is None and parked.originals is not None:
+            leave(block, parked)
+        return adopted
+
+    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
+        """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned
+        bytes can move into this streamer's share; never for a block to be read from its file at each step."""
+        fits = (
+            None
+            if self.storage_dtype is not None or index in self.read_each_step
+            else parked.parts_for(layout, self.memory.pin_memory, self.contents.get(index))
+        )
+        if fits is None:
+            return None
+        if not self.memory.adopt(parked.reservation, parked.pinned):
+            return None
+        host, parts = fits
+        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
+        return StreamedBlock(
+            layout,
+            layout,
+            host,
+            layout.assemble(parts),
+            host.device,
+            parked.originals,
+            parked.pinned,
+            reserved,
+            file_backed=parked.originals is not None,
+            content=parked.content,
+        )
