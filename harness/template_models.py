@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,6 @@ from safetensors import safe_open
 
 from . import template_specs as ts
 from . import tiny_models as tm
-from .safetensors_writer import save_safetensors
 from .tiny_quantized import SAFETENSORS_QUANT, quantized
 from .tiny_specs import TensorSpec, wan21_lora_specs, wan21_specs
 
@@ -110,40 +108,20 @@ class TinyFile:
         return all(meta.get(key) == wanted[key] for key in (tm.META_VERSION, tm.META_NAME, META_DIGEST))
 
     def write(self, path: Path) -> None:
-        """Written to a temporary file renamed into place, so a reader never sees half a file."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            if self.quant is None:
-                artifact, specs = self.artifact, {spec.key: spec for spec in self.specs()}
-                layout = [(key, self.dtype, spec.shape) for key, spec in specs.items()]
-                # One tensor in memory at a time: the Z-Image is 2.2 GB.
-                save_safetensors(tmp, layout, lambda key: tm.make_tensor(artifact, specs[key]), self.metadata())
-            else:
-                tensors, metadata = self._quantized()
-                layout = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
-                save_safetensors(tmp, layout, tensors.__getitem__, metadata)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        tm.write_whole(path, self._write)
+
+    def _write(self, path: Path) -> None:
+        if self.quant is None:
+            tm.save_specs(path, self.artifact, self.specs(), self.dtype, self.metadata())  # the Z-Image is 2.2 GB
+        else:
+            tensors, metadata = self._quantized()
+            tm.save_tensors(path, tensors, metadata)
 
     def _quantized(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """As ``tiny_models.QuantizedArtifact.contents``: the chosen layers quantized, the layers' configs in the
         file's metadata where the format keeps them there."""
         assert self.quant is not None
-        quant = SAFETENSORS_QUANT[self.quant]
-        tensors = dict(quant.markers)
-        for key, tensor in tm.build_state_dict(self.artifact).items():
-            if self.quantize(key, tensor):
-                tensors.update(quant.layer(key.removesuffix(".weight"), tensor))
-            else:
-                tensors[key] = tensor
-        metadata = self.metadata()
-        if quant.config_in_metadata:
-            configs = {key.removesuffix(".comfy_quant"): key for key in tensors if key.endswith(".comfy_quant")}
-            layers = {layer: json.loads(tensors.pop(key).numpy().tobytes()) for layer, key in configs.items()}
-            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
-        return tensors, metadata
+        return tm.quantized_contents(tm.build_state_dict(self.artifact), self.quant, self.quantize, self.metadata())
 
 
 @dataclass(frozen=True)
@@ -294,12 +272,7 @@ def write_template_models(template: str, models_dir: Path, log: Callable[[str], 
         path = models_dir / file.relpath
         if isinstance(file, TinyFile) and file.needs is not None and not _importable(file.needs):
             raise ModuleNotFoundError(f"{file.name}: writing {file.quant} needs the {file.needs} package")
-        if file.is_current(path):
-            status = "up to date"
-        else:
-            start = time.monotonic()
-            file.write(path)
-            status = f"written in {time.monotonic() - start:.1f} s"
+        status = tm.refresh(file, path)
         if log is not None:
             log(f"{file.relpath} ({status})")
         paths[file.name] = path

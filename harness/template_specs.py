@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .tiny_specs import ALPHA, BIAS, LORA, LORA_RANK, NORM, SpecBuilder, TensorSpec
+from .tiny_specs import ALPHA, BIAS, LORA, LORA_RANK, NORM, SpecBuilder, TensorSpec, clip_specs
 
 # --- Z-Image (Lumina 2 NextDiT, Z-Image variant) --------------------------------------------------------------------
 
@@ -81,8 +81,6 @@ FLUX2_VAE_Z = 32
 CLIP_G_WIDTH = 1280
 CLIP_G_LAYERS = 32
 CLIP_G_MLP = 5120
-CLIP_VOCAB = 49408
-CLIP_POSITIONS = 77
 
 
 def zimage_specs() -> list[TensorSpec]:
@@ -339,18 +337,5 @@ def kl_vae_specs(
 
 
 def clip_g_specs() -> list[TensorSpec]:
-    """CLIP-G (SDXL's bigG text model) in the transformers key layout ComfyUI's CLIPLoader reads."""
-    s, w = SpecBuilder(), CLIP_G_WIDTH
-    s.tensor("text_model.embeddings.token_embedding.weight", (CLIP_VOCAB, w))
-    s.tensor("text_model.embeddings.position_embedding.weight", (CLIP_POSITIONS, w))
-    for i in range(CLIP_G_LAYERS):
-        p = f"text_model.encoder.layers.{i}"
-        s.norm(f"{p}.layer_norm1", w, bias=True)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            s.linear(f"{p}.self_attn.{proj}", w, w)
-        s.norm(f"{p}.layer_norm2", w, bias=True)
-        s.linear(f"{p}.mlp.fc1", CLIP_G_MLP, w)
-        s.linear(f"{p}.mlp.fc2", w, CLIP_G_MLP)
-    s.norm("text_model.final_layer_norm", w, bias=True)
-    s.linear("text_projection", w, w, bias=False)
-    return s.specs
+    """CLIP-G (SDXL's bigG text model), full size."""
+    return clip_specs(CLIP_G_WIDTH, CLIP_G_LAYERS, CLIP_G_MLP)

@@ -56,6 +56,7 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -279,18 +280,72 @@ def _up_to_date(path: Path, name: str) -> bool:
 
 
 def write_artifact(artifact: Artifact, path: Path) -> None:
-    """Generate and save one artifact atomically (temp file + rename), so an interrupted or
-    concurrent run never leaves a half-written file that looks finished."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    specs = {spec.key: spec for spec in artifact.specs()}
-    layout = [(key, artifact.dtype, spec.shape) for key, spec in specs.items()]
+    """Generate and save one artifact atomically (``write_whole``), so an interrupted or concurrent run never
+    leaves a half-written file that looks finished."""
     meta = {META_VERSION: GENERATOR_VERSION, META_NAME: artifact.name, "seed": str(artifact.seed)}
+    write_whole(path, lambda tmp: save_specs(tmp, artifact, artifact.specs(), artifact.dtype, meta))
+
+
+def save_specs(
+    path: Path, artifact: Artifact, specs: Iterable[TensorSpec], dtype: torch.dtype, meta: dict[str, str]
+) -> None:
+    """Generates ``artifact``'s tensors one at a time as they are written (a 2 GB file needs little memory)."""
+    by_key = {spec.key: spec for spec in specs}
+    layout = [(key, dtype, spec.shape) for key, spec in by_key.items()]
+    save_safetensors(path, layout, lambda key: make_tensor(artifact, by_key[key]), meta)
+
+
+class Writable(Protocol):
+    def is_current(self, path: Path) -> bool: ...
+    def write(self, path: Path) -> None: ...
+
+
+def refresh(file: Writable, path: Path, force: bool = False) -> str:
+    """Writes ``file`` at ``path`` unless it is there and up to date (or ``force``); says which, and how long."""
+    if not force and file.is_current(path):
+        return "up to date"
+    start = time.monotonic()
+    file.write(path)
+    return f"written in {time.monotonic() - start:.1f} s"
+
+
+def write_whole(path: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` writes a temporary file beside ``path`` that is then renamed into place: a reader (another suite's
+    server, another worker) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_safetensors(tmp, layout, lambda key: make_tensor(artifact, specs[key]), meta)
+        fill(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    layout = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+    save_safetensors(path, layout, tensors.__getitem__, metadata)
+
+
+def quantized_contents(
+    state: dict[str, torch.Tensor],
+    quant_name: str,
+    quantize: Callable[[str, torch.Tensor], bool],
+    metadata: dict[str, str],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``state`` in the safetensors format ``quant_name``: each layer ``quantize`` picks quantized, the others as
+    they are, and the layers' configs moved into ``metadata`` where the format keeps them there."""
+    quant = SAFETENSORS_QUANT[quant_name]
+    tensors = dict(quant.markers)
+    for key, tensor in state.items():
+        if quantize(key, tensor):
+            tensors.update(quant.layer(key.removesuffix(".weight"), tensor))
+        else:
+            tensors[key] = tensor
+    if quant.config_in_metadata:
+        configs = {key.removesuffix(".comfy_quant"): key for key in tensors if key.endswith(".comfy_quant")}
+        layers = {layer: json.loads(tensors.pop(key).numpy().tobytes()) for layer, key in configs.items()}
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
+    return tensors, metadata
 
 
 @dataclass(frozen=True)
@@ -330,33 +385,14 @@ class QuantizedArtifact:
 
     def contents(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A safetensors format's tensors (the source's, each Linear layer quantized) and metadata."""
-        quant = SAFETENSORS_QUANT[self.quant]
-        tensors = dict(quant.markers)
-        for key, tensor in build_state_dict(ARTIFACTS[self.source]).items():
-            if quantized(key, tensor):
-                tensors.update(quant.layer(key.removesuffix(".weight"), tensor))
-            else:
-                tensors[key] = tensor
-        metadata = self.metadata()
-        if quant.config_in_metadata:
-            configs = {key.removesuffix(".comfy_quant"): key for key in tensors if key.endswith(".comfy_quant")}
-            layers = {layer: json.loads(tensors.pop(key).numpy().tobytes()) for layer, key in configs.items()}
-            metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
-        return tensors, metadata
+        return quantized_contents(build_state_dict(ARTIFACTS[self.source]), self.quant, quantized, self.metadata())
 
     def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            if self.is_gguf:
-                self._write_gguf(tmp)
-            else:
-                tensors, metadata = self.contents()
-                layout = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
-                save_safetensors(tmp, layout, tensors.__getitem__, metadata)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_whole(path, self._write_gguf if self.is_gguf else self._write_safetensors)
+
+    def _write_safetensors(self, path: Path) -> None:
+        tensors, metadata = self.contents()
+        save_tensors(path, tensors, metadata)
 
     def _write_gguf(self, path: Path) -> None:
         """As ComfyUI-GGUF's convert.py writes one: architecture ``wan``, the Linear weights in the
@@ -460,12 +496,7 @@ def generate(
                 needs = _needs(name)
                 log(f"{name:<11} skipped: the {needs} package is not installed ({_INSTALL_HINT[needs]})")
             continue
-        if not force and artifact.is_current(path):
-            status = "up to date"
-        else:
-            t0 = time.monotonic()
-            artifact.write(path)
-            status = f"written in {time.monotonic() - t0:.1f} s"
+        status = refresh(artifact, path, force)
         if log is not None:
             log(f"{name:<11} {path} ({path.stat().st_size / 2**20:.1f} MiB, {status})")
         paths[name] = path

@@ -192,22 +192,27 @@ def sd3_specs() -> list[TensorSpec]:
     return s.specs
 
 
-def clip_l_specs() -> list[TensorSpec]:
-    """CLIP-L text model in the transformers key layout ComfyUI's CLIPLoader expects."""
-    s, w = SpecBuilder(), CLIP_L_WIDTH
+def clip_specs(width: int, layers: int, mlp: int) -> list[TensorSpec]:
+    """A CLIP text model (CLIP-L, CLIP-G) in the transformers key layout ComfyUI's CLIPLoader expects."""
+    s, w = SpecBuilder(), width
     s.tensor("text_model.embeddings.token_embedding.weight", (CLIP_L_VOCAB, w))
     s.tensor("text_model.embeddings.position_embedding.weight", (CLIP_L_POSITIONS, w))
-    for i in range(CLIP_L_LAYERS):
+    for i in range(layers):
         p = f"text_model.encoder.layers.{i}"
         s.norm(f"{p}.layer_norm1", w, bias=True)
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
             s.linear(f"{p}.self_attn.{proj}", w, w)
         s.norm(f"{p}.layer_norm2", w, bias=True)
-        s.linear(f"{p}.mlp.fc1", CLIP_L_MLP, w)
-        s.linear(f"{p}.mlp.fc2", w, CLIP_L_MLP)
+        s.linear(f"{p}.mlp.fc1", mlp, w)
+        s.linear(f"{p}.mlp.fc2", w, mlp)
     s.norm("text_model.final_layer_norm", w, bias=True)
     s.linear("text_projection", w, w, bias=False)
     return s.specs
+
+
+def clip_l_specs() -> list[TensorSpec]:
+    """CLIP-L, full size (ComfyUI's config fixes it)."""
+    return clip_specs(CLIP_L_WIDTH, CLIP_L_LAYERS, CLIP_L_MLP)
 
 
 def _lora(targets: Iterable[tuple[str, int, int]], up: str, down: str, alpha: bool) -> list[TensorSpec]:
