@@ -28,6 +28,8 @@ from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
 from block_offload.offload import StackCosts, release_freed_host_memory
 
+FAST_READS = 100e9  # bytes/s
+
 pytestmark = [
     pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"),
     pytest.mark.usefixtures("allow_cpu_streaming"),
@@ -418,12 +420,17 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     originals are the file's views (the file-tier blocks are still patched at each call). Each output is
     bitwise ComfyUI's classic full load; a clone with the same patches adopts the baked buffers as they are,
     and a strength change packs the baked blocks from the file again, and only them."""
+    from block_offload.nodes import engine as engine_module
     from block_offload.nodes.loaded_patch import LoadedPatch
 
     path, dtype = stored_wan["bf16"], torch.float16
     references = {s: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, s)) for s in (1.0, 0.5)}
     classic = dynamic_vram.load_classic(path, dtype)
     cap_host_buffers(monkeypatch, block_bytes(classic) // 2)
+    # The file tier's read speed is measured from the page cache as the model is placed, and bounds the step from
+    # below; on a loaded machine that bound can pass this 0.05 ms stack's whole step and hide the saving the test
+    # is about. A fixed speed keeps the bound under it.
+    monkeypatch.setattr(engine_module, "read_bandwidth", lambda slices: FAST_READS)
     comfy.mm.unload_all_models()
     del classic
 
