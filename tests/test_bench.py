@@ -566,3 +566,65 @@ def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
         with pytest.raises(SystemExit) as refused:
             pinning.main([])
         assert refused.value.code == 2 and "--dry-run" in capsys.readouterr().err
+
+
+#: The server benchmarks' smallest Wan (4 blocks of width 256) and one round: they are run, not timed.
+SERVER_BENCH_SIZE = ["--dim", "256", "--ffn", "512", "--layers", "4", "--rounds", "1"]
+
+
+def test_the_cold_prompt_benchmark_times_both_graphs_through_a_server(tmp_path: Path) -> None:
+    """``bench/cold_prompt.py`` through a real server (the times mean nothing here): every prompt of both graphs,
+    each after ``/free``, reached its first step before its end, and the table and the JSON hold both sides."""
+    from bench import cold_prompt
+    from bench.cold_prompt import LOADER, NODE, SAMPLER
+
+    ratios = cold_prompt.main([*SERVER_BENCH_SIZE, "--steps", "2", "--out", str(tmp_path), "--folder", str(tmp_path)])
+    assert len(ratios) == 4 and all(math.isfinite(ratio) for ratio in ratios.values()), ratios
+    data = json.loads((tmp_path / "cold_prompt.json").read_text())
+    # Two prompts a side in the round (after the other graph's, after its own), the warm-up's one of ComfyUI's and
+    # two of the node's (its measuring load and its search) beside them.
+    counts = {group: len(prompts) for group, prompts in data["prompts"].items()}
+    sides = {f"{side}, {after}": 1 for side in (COMFYUI, NODE) for after in ("after its own", "after the other's")}
+    assert counts == {**sides, f"warm-up, {COMFYUI}": 1, f"warm-up, {NODE}": 2}, counts
+    for group, prompts in data["prompts"].items():
+        for prompt in prompts:
+            (first, at), *later = prompt["steps_s"][SAMPLER]
+            assert first == 1 and 0 < prompt["started_s"][SAMPLER] < at <= prompt["end_s"], (group, prompt)
+            assert [step for step, _ in later] == [2], (group, prompt)  # the last step's message always comes
+            assert (NODE in prompt["stage_s"]) == (NODE in group) and LOADER in prompt["stage_s"]
+            assert bool(prompt["pack_steps"]) == (NODE in group), (group, prompt)  # the pack's record of its steps
+            assert prompt["anon_peak_bytes"] >= prompt["anon_before_bytes"] > 0
+    rows = {row["label"]: row["values"] for row in data["rows"]}
+    assert all(values[NODE] is not None for values in rows.values()), rows
+    # ComfyUI has no node to time, and the pack recorded only its own steps.
+    assert rows[NODE][COMFYUI] is None and rows["POST /prompt -> 1st step done"][COMFYUI] is not None, rows
+    table = (tmp_path / "cold_prompt.md").read_text()
+    assert f"| | {COMFYUI} | {NODE} |" in table and "| POST /prompt -> 1st step done (s) |" in table, table
+    assert data["meta"]["ComfyUI"] == HOST_VERSION
+    assert "load average" in data["meta"] and "4 Wan 2.1 blocks" in data["meta"]["checkpoint"]
+
+
+def test_the_model_switch_benchmark_runs_both_experts_warm_on_a_server_a_side(tmp_path: Path) -> None:
+    """``bench/model_switch.py`` (the times mean nothing here): each side's server ran its prompts, both experts
+    sampled in each (the high-noise one first), and the table and the JSON hold both sides with their memory."""
+    from bench import model_switch
+    from bench.cold_prompt import NODE
+    from bench.model_switch import HIGH, LOW, sampler_stage
+
+    args = [*SERVER_BENCH_SIZE, "--prompts", "2", "--out", str(tmp_path), "--folder", str(tmp_path)]
+    ratios = model_switch.main(args)
+    assert set(ratios) == {"warm prompt", "RssAnon peak"} and all(math.isfinite(r) for r in ratios.values()), ratios
+    data = json.loads((tmp_path / "model_switch.json").read_text())
+    counts = {group: len(prompts) for group, prompts in data["prompts"].items()}
+    assert counts == {COMFYUI: 1, NODE: 1, f"first prompt, {COMFYUI}": 1, f"first prompt, {NODE}": 1,
+                      f"warm-up, {NODE}": 2}, counts  # fmt: skip
+    for group, prompts in data["prompts"].items():
+        for prompt in prompts:
+            high, low = (prompt["steps_s"][sampler_stage(expert)] for expert in (HIGH, LOW))
+            assert len(high) == len(low) == 2 and high[-1][1] < low[0][1] <= prompt["end_s"], (group, prompt)
+    rows = {row["label"]: row["values"] for row in data["rows"]}
+    assert all(values[COMFYUI] is not None and values[NODE] is not None for values in rows.values()), rows
+    table = (tmp_path / "model_switch.md").read_text()
+    assert f"| | {COMFYUI} | {NODE} |" in table and "RssAnon, peak over the warm prompts (GiB)" in table, table
+    assert any(note.startswith("host memory: the node's RssAnon peak") for note in data["notes"]), data["notes"]
+    assert any("loaded an expert again" in note for note in data["notes"]), data["notes"]
