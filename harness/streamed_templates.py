@@ -22,6 +22,8 @@ from typing import Any
 from .browser import browser_page, launch_browser
 from .comfy_host import ComfyHost
 from .official_templates import official_template
+from .template_prompts import Prompt
+from .templates import api_prompt
 from .workflows import OUT_DIR, REPO, dump
 
 #: The templates shipped with the node in them, by the official template's name.
@@ -54,17 +56,9 @@ async ([modulePath, workflow]) => {
 """
 
 
-TEMPLATE_PROMPT_JS = """
-async (workflow) => {
-  await window.app.loadGraphData(workflow);
-  return (await window.app.graphToPrompt()).output;
-}
-"""
-
-
-def template_prompt(page: Any, template: str) -> dict[str, Any]:
+def template_prompt(page: Any, template: str) -> Prompt:
     """The API prompt of the official template ``template`` itself, without the node."""
-    return dict(page.evaluate(TEMPLATE_PROMPT_JS, official_template(template)))
+    return api_prompt(page, official_template(template))
 
 
 def example_name(template: str) -> str:
