@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return NO_CUDA_EXIT
-    device = torch.device("cpu") if args.smoke else torch.device("cuda")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     if args.smoke:
         torch.set_num_threads(1)  # tiny shapes: threads only add contention on a shared machine
     with (

@@ -126,6 +126,10 @@ def browser_page(browser: Any, host: ComfyHost) -> Iterator[Any]:
     ``page.errors`` collects the page's uncaught errors (message and stack)."""
     # A user who has seen the tutorial gets no template browser on load (ComfyUI's own setting).
     host.post("/api/settings/Comfy.TutorialCompleted", True).raise_for_status()
+    # Workflows naming models (or, on 0.3.75, nodes) this server lacks open a dialog over the canvas at each load,
+    # which takes the pointer's hover and clicks meant for the graph.
+    for warning in ("Comfy.Workflow.ShowMissingModelsWarning", "Comfy.Workflow.ShowMissingNodesWarning"):
+        host.post(f"/api/settings/{warning}", False).raise_for_status()
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     try:
         # 1.32's "try the new Vue nodes" banner (0.3.75's pin); later frontends show none.
@@ -135,6 +139,9 @@ def browser_page(browser: Any, host: ComfyHost) -> Iterator[Any]:
         page.on("pageerror", lambda error: page.errors.append(f"{error}\n{error.stack}"))
         page.goto(host.url)
         page.wait_for_function("window.app?.extensionManager && window.app.graph", timeout=TIMEOUT_MS)
+        # ``window.app`` exists before the frontend opens its first workflow (the default graph, for a browser
+        # with no saved tabs): a graph loaded before that is replaced by it, on a busy machine.
+        page.wait_for_function("(window.app.rootGraph ?? window.app.graph).nodes.length > 0", timeout=TIMEOUT_MS)
         page.keyboard.press("Escape")  # any dialog the frontend opened on its own
         yield page
     finally:

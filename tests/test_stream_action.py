@@ -57,10 +57,6 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def page(browser: Any, served_frontend: ServedFrontend) -> Iterator[Any]:
     """A fresh page on each frontend: the host's pinned one and the newest (tests/conftest.py)."""
-    # The templates name models this server lacks (and 0.3.75 lacks their ComfySwitchNode); 1.32.9 says so in a
-    # dialog over the page at every load.
-    for warning in ("Comfy.Workflow.ShowMissingModelsWarning", "Comfy.Workflow.ShowMissingNodesWarning"):
-        served_frontend.host.post(f"/api/settings/{warning}", False).raise_for_status()
     with browser_page(browser, served_frontend.host) as page:
         assert page_frontend_version(page) == served_frontend.version
         page.wait_for_function(f"import('{MODULE}').then(() => true)")
