@@ -8,6 +8,13 @@ import ctypes
 import ctypes.util
 import mmap
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from block_offload.offload import CudaHostRegistrar, use_host_registrar
 
 PAGE = mmap.PAGESIZE
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -33,17 +40,22 @@ class FakeCudart:
         self.flags: set[int] = set()
         self.fail = False
         self.failures = 0
+        self.calls = 0  # cudaHostRegister calls, refused ones included
         # By pointer, at each registration: the share of its pages already faulted in, and a checksum of its bytes.
         self.resident_at_registration: dict[int, float] = {}
         self.held_at_registration: dict[int, int] = {}
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls += 1
         self.flags.add(flags)
         self.resident_at_registration[pointer] = resident_share(pointer, nbytes)
         self.held_at_registration[pointer] = zlib.crc32(ctypes.string_at(pointer, nbytes))
         if self.fail:
             self.failures += 1
             return 2  # cudaErrorMemoryAllocation
+        if any(pointer < start + size and start < pointer + nbytes for start, size in self.registered.items()):
+            self.failures += 1
+            return 712  # cudaErrorHostMemoryAlreadyRegistered: the driver refuses a range registered already
         self.registered[pointer] = nbytes
         return 0
 
@@ -53,3 +65,15 @@ class FakeCudart:
     @property
     def pinned(self) -> int:
         return sum(self.registered.values())
+
+
+@contextmanager
+def engine_on_fake_cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
+    """The engine's own registrar (CUDA's, its errors' clearing left out) over a ``FakeCudart``, while it lasts."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    use_host_registrar(CudaHostRegistrar(discard_error=lambda: None))
+    try:
+        yield fake
+    finally:
+        use_host_registrar(None)

@@ -45,7 +45,8 @@ def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> st
     read = runner.read_each_step
     streamed = len(runner.streamed)
     host = runner.host_bytes / GIB
-    held = f"{streamed - len(read)} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB)"
+    in_ram = streamed - len(read)
+    held = f"{in_ram} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB of host buffers)"
     if fast_disk:
         kept = f"{PINNED_LIMIT_ENV} keeps" if os.environ.get(PINNED_LIMIT_ENV) else f"set {PINNED_LIMIT_ENV} to keep"
         held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"

@@ -11,7 +11,7 @@ from torch import nn
 
 from .layout import BlockLayout, DtypeOf
 from .page_lock import pinned_allocation_bytes
-from .parking import ParkedBuffer, ParkingLot, leave, signature
+from .parking import ParkedBuffer, ParkedInPlace, ParkingLot, leave, signature
 from .pinning import HostMemory
 from .streamed_block import StreamedBlock
 
@@ -69,17 +69,63 @@ class BlockParking:
             ),
         )
 
+    def park_in_place(self, module: nn.Module, state: StreamedBlock) -> None:
+        """Leaves a block pinned in place (``StreamedBlock.pinned_in_place``) as it is: its tensors stay registered
+        with the driver, and its reservation stays counted until it is adopted or its memory freed."""
+        if self.lot is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        storages = tuple(storage.untyped_storage() for storage in state.pinned_in_place)
+        reservation = self.memory.park(state.pinned_bytes, storages[0]) if storages else None
+        self.lot.park(
+            module,
+            ParkedInPlace(
+                tuple(weakref.ref(storage) for storage in storages),
+                state.pinned_bytes,
+                signature(state.layout),
+                self.recurse,
+                reservation,
+            ),
+        )
+        state.pinned_in_place, state.pinned_bytes = (), 0
+
     def adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
-        """The block's parked host buffer, taken over as it is (``_take_over``). One not taken over goes: a block
-        packed from its file points at the file's views again, to be packed from them (never from a buffer
-        that may hold other content, nor into a copy of its own that would outlive the streamer)."""
+        """The block's parked host buffer, taken over as it is (``_take_over``), or its tensors pinned in place as
+        they are. One not taken over goes: a block packed from its file points at the file's views again, to be
+        packed from them (never from a buffer that may hold other content, nor into a copy of its own that would
+        outlive the streamer); one pinned in place is unpinned, to be pinned or packed again."""
         parked = self.lot.take(block) if self.lot is not None else None
         if parked is None:
             return None
-        adopted = self._take_over(parked, BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of), index)
-        if adopted is None and parked.originals is not None:
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        if isinstance(parked, ParkedInPlace):
+            adopted = self._take_over_in_place(parked, layout, index)
+        else:
+            adopted = self._take_over(parked, layout, index)
+        if adopted is None and (isinstance(parked, ParkedInPlace) or parked.originals is not None):
             leave(block, parked)
         return adopted
+
+    def _take_over_in_place(self, parked: ParkedInPlace, layout: BlockLayout, index: int) -> StreamedBlock | None:
+        """A block pinned in place as this streamer would have pinned it: pinning asked, its own tensors streamed
+        as they are (no storage dtype, not read from its file each step), still on the storages parked."""
+        if self.storage_dtype is not None or index in self.read_each_step or not self.memory.pin_memory:
+            return None
+        storages = parked.parts_for(layout)
+        if storages is None or not self.memory.adopt(parked.reservation, True):
+            return None
+        current = layout.current()
+        return StreamedBlock(
+            layout,
+            layout,
+            torch.empty(0, dtype=torch.uint8),
+            layout.held(),
+            torch.device("cpu"),
+            pinned=True,
+            pinned_bytes=parked.nbytes,
+            sources=current,
+            in_place=True,
+            pinned_in_place=storages,
+        )
 
     def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
         """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned

@@ -226,8 +226,8 @@ class DeviceRing:
             target.copy_(host[:size], non_blocking=host.is_pinned())
         else:
             with self.host.lock:  # the packing thread hands a waiting block over between copies, not during one
-                unpacked = state.sources is not None
-                if state.sources is not None:  # waiting to be packed: part by part from where its bytes are
+                unpacked = state.waiting
+                if state.sources is not None:  # waiting, or pinned where its bytes lie: part by part from them
                     for view, source in zip(state.storage.part_views(target), state.sources, strict=True):
                         view.copy_(source, non_blocking=True)
                 else:

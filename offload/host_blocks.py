@@ -23,7 +23,6 @@ from .packing_thread import BackgroundPacking
 from .page_lock import pinned_allocation_bytes, unpin_host_buffer
 from .parking import ParkingLot
 from .pinning import HostMemory, PinnedShare
-from .reader import BlockRead
 from .streamed_block import StreamedBlock
 
 
@@ -187,6 +186,12 @@ class HostBlocks:
             if state.waiting:  # nothing was packed to park: its own tensors again, as it held them
                 state.layout.point_at(state.host_views)
                 self.unpin(state)
+            elif state.in_place:  # its own tensors: parked as they are where pinned there, or unpinned
+                state.layout.point_at(state.host_views)
+                if park and state.pinned_in_place:
+                    self.parking.park_in_place(module, state)
+                else:
+                    self.unpin(state)
             elif park and state.origin_device.type == "cpu":
                 self.parking.park(module, state, self.unpin)
             elif state.file_backed:
@@ -207,7 +212,7 @@ class HostBlocks:
                 freed += state.pinned_bytes  # its reservation: it will be packed pageable
                 self.unpin(state)
                 state.pageable_because = "cap"
-            elif state.pinned and unpin_host_buffer(state.host):
+            elif state.pinned_in_place or (state.pinned and unpin_host_buffer(state.host)):  # the same memory, pageable
                 freed += state.pinned_bytes
                 self.unpin(state)
                 state.pinned, state.pageable_because = False, "cap"
@@ -219,8 +224,13 @@ class HostBlocks:
 
     @property
     def buffer_bytes(self) -> int:
-        """The blocks' host buffers, those of blocks still waiting to be packed included."""
-        return sum(state.storage.nbytes if state.waiting else state.host.numel() for state in self.blocks.values())
+        """The blocks' host buffers, those of blocks still waiting to be packed included (a block pinned in place
+        has none: its own tensors)."""
+        return sum(
+            state.storage.nbytes if state.waiting else state.host.numel()
+            for state in self.blocks.values()
+            if not state.in_place
+        )
 
     @property
     def companion_bytes(self) -> int:
@@ -238,7 +248,8 @@ class HostBlocks:
         if index in self.read_each_step:
             if not file_backed:
                 raise ValueError(f"{self.unit} {index} is to be read from its file each step, but has no weight in one")
-            return self._file_tier(block, layout, current, slices)
+            stored = BlockLayout.of(block, recurse=self.recurse)
+            return StreamedBlock.read_from_file(layout, stored, current, slices, layout.device or self.device)
         storage = layout
         if self.storage_dtype is not None:
             storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
@@ -266,28 +277,6 @@ class HostBlocks:
             reserved,
             pageable_because=pageable_because,
             file_backed=file_backed,
-        )
-
-    def _file_tier(
-        self,
-        block: nn.Module,
-        layout: BlockLayout,
-        current: tuple[torch.Tensor, ...],
-        slices: list[FileSlice | None],
-    ) -> StreamedBlock:
-        """A block read from its file for each copy, in its stored dtypes: no host buffer, the module keeps
-        the file's views. Its parts not in the file (a host's converted tensors) are copied from memory."""
-        stored = BlockLayout.of(block, recurse=self.recurse)
-        storage = layout if stored.parts == layout.parts else stored
-        sources = tuple(
-            (part, tensor if source is None else source)
-            for part, source, tensor in zip(storage.parts, slices, current, strict=True)
-        )
-        views = layout.assemble(current)
-        host = torch.empty(0, dtype=torch.uint8)
-        origin = layout.device or self.device
-        return StreamedBlock(
-            layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
         )
 
     def _pack_companions(self, index: int, state: StreamedBlock) -> None:
@@ -322,7 +311,10 @@ class HostBlocks:
 
     def unpin(self, state: StreamedBlock) -> None:
         """Gives the block's pinned bytes (or a waiting block's reservation) back to the budget (its host buffer
-        is dropped with it)."""
+        is dropped with it); a block pinned in place is unregistered, its tensors left as they are."""
+        for storage in state.pinned_in_place:
+            unpin_host_buffer(storage)
+        state.pinned_in_place = ()
         if state.pinned or state.waiting:
             self.memory.release(state.pinned_bytes)
             state.pinned_bytes = 0

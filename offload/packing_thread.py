@@ -24,7 +24,7 @@ import torch
 
 from .file_source import FileSlice, FileStamp, stamps
 from .host_memory import release_freed_host_memory
-from .page_lock import filled_host_buffer
+from .page_lock import filled_host_buffer, pin_in_place, whole_storages
 from .pinning import HostMemory
 from .streamed_block import StreamedBlock
 
@@ -138,8 +138,8 @@ class BackgroundPacking:
     def pinning_progress(self) -> tuple[int, int]:
         """Bytes of blocks pinned now, and of those that will be once the waiting ones holding a reservation are
         packed (the driver may still refuse some)."""
-        pinned = sum(state.storage.nbytes for state in self.blocks.values() if state.pinned)
-        waiting = sum(state.storage.nbytes for state in self.blocks.values() if state.waiting and state.pinned_bytes)
+        pinned = sum(state.pinned_bytes for state in self.blocks.values() if state.pinned)
+        waiting = sum(state.pinned_bytes for state in self.blocks.values() if state.waiting)
         return pinned, pinned + waiting
 
     def start(self, order: Sequence[int], file_slice: Callable[[torch.Tensor], FileSlice | None] | None) -> None:
@@ -187,24 +187,55 @@ class BackgroundPacking:
 
     def _keep_books(self) -> None:
         """The pin budget's books for the blocks the thread handed over: a registration the driver refused gives
-        its reservation back."""
+        its reservation back, a block pinned in place what its reservation held beyond its tensors' bytes (the
+        alignment between them in a host buffer)."""
         while self._unsettled:
             state = self._unsettled.pop()
             if not state.pinned and state.pinned_bytes:
                 self.memory.release(state.pinned_bytes)
                 state.pinned_bytes = 0
+            elif state.pinned_in_place:
+                registered = sum(storage.numel() for storage in state.pinned_in_place)
+                self.memory.release(state.pinned_bytes - registered)
+                state.pinned_bytes = registered
+
+    def _kept_in_place(self, state: StreamedBlock, pin: bool) -> bool:
+        """Keeps a waiting block where its sources lie, when they are memory of the process (the classic loader's
+        tensors, not views of a file) holding exactly what it streams, page-locked there with ``pin``: twice as
+        fast as copying them into a fresh buffer and locking that (``bench/pinning.py``), and nothing copied or
+        held twice; without, a copy into a pageable buffer would gain nothing. The block streams from its sources
+        from now on. False (nothing done) where they are not, or the driver refuses them: it is packed."""
+        assert state.sources is not None
+        if state.file_backed:
+            return False
+        storages = whole_storages(state.sources)
+        if sum(storage.numel() for storage in storages) > state.storage.nbytes:
+            return False  # memory shared beyond the block, or stored in wider dtypes than it streams
+        if pin and not pin_in_place(storages):
+            return False
+        with self.lock:
+            state.in_place, state.pinned = True, pin
+            if pin:
+                state.pinned_in_place = storages
+            elif state.pinned_bytes:  # reserved, but the driver refused an earlier block
+                state.pageable_because = "driver"
+            self._unsettled.append(state)
+            self.packed_bytes += state.storage.nbytes
+        return True
 
     def pack_waiting(self, index: int, stopping: threading.Event) -> None:
         """On the thread: block ``index`` copied from its sources into a host buffer (page-locked where it holds a
         reservation and the driver has not refused), then handed over under ``lock``: its tensors point at the
         buffer from its next call on (now, between two calls)."""
         state = self.blocks.get(index)
-        if state is None or state.sources is None:
+        if state is None or not state.waiting:
             return
         if state.file_backed:
             for stamp in self._stamps:
                 stamp.check()
         wants_pin = bool(state.pinned_bytes) and not self._driver_refused
+        if self._kept_in_place(state, wants_pin):
+            return
         fill = functools.partial(
             state.storage.pack_into, parts=state.sources, between=functools.partial(_go_on, stopping)
         )

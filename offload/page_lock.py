@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -156,6 +156,41 @@ def filled_host_buffer(
     if fill is None:
         host.zero_()  # nothing to write yet (a staging slot): touched all the same, on torch's threads
     return host, _register(registrar, host)
+
+
+def byte_view(storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.Tensor:
+    """The first ``nbytes`` of ``storage`` (all of it by default) as a byte tensor."""
+    size = storage.nbytes() if nbytes is None else nbytes
+    # torch's stubs leave out set_'s (storage, offset, size) overload for an untyped storage.
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))  # type: ignore[call-overload,no-any-return]
+
+
+def whole_storages(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The storages under ``tensors``, each once, as byte tensors over the whole of it (what registering one in
+    place page-locks)."""
+    storages: dict[int, torch.Tensor] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in storages and storage.nbytes():
+            storages[storage.data_ptr()] = byte_view(storage)
+    return tuple(storages.values())
+
+
+def pin_in_place(storages: Sequence[torch.Tensor]) -> bool:
+    """Page-locks ``storages`` (``whole_storages``) where they lie, as ComfyUI's classic loader pins its weights:
+    nothing copied, no page faulted in, each unregistered when freed or by ``unpin_host_buffer``. All or none:
+    one the driver refuses (or one another holder registered already) unregisters the others; False then."""
+    registrar = host_registrar()
+    if registrar is None:
+        return False
+    done: list[torch.Tensor] = []
+    for storage in storages:
+        if not _register(registrar, storage):
+            for registered in done:
+                unpin_host_buffer(registered)
+            return False
+        done.append(storage)
+    return True
 
 
 def _register(registrar: HostRegistrar, host: torch.Tensor) -> bool:

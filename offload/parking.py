@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .layout import BlockLayout
+from .page_lock import byte_view, unpin_host_buffer
 
 #: What a parked buffer's parts must still be for a block to take it over: name, parameter or not, offset,
 #: shape and dtype of each, in order. No owner modules: a value of the weak lot must not keep its key alive.
@@ -62,8 +63,7 @@ class ParkedBuffer:
         storage = self.storage()
         if storage is None:
             return None
-        # torch's stubs leave out set_'s (storage, offset, size) overload for an untyped storage.
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (self.nbytes,))  # type: ignore[call-overload,no-any-return]
+        return byte_view(storage, self.nbytes)
 
     def parts_for(
         self, layout: BlockLayout, pinned: bool, content: Hashable
@@ -82,23 +82,55 @@ class ParkedBuffer:
         return host, parts
 
 
+@dataclass(frozen=True)
+class ParkedInPlace:
+    """A parked block pinned where its own tensors lie (``StreamedBlock.pinned_in_place``): its storages stay
+    registered with the driver, known weakly (the module's tensors keep them alive, and each is unregistered
+    when freed)."""
+
+    storages: tuple[weakref.ref[torch.UntypedStorage], ...]
+    nbytes: int  # its pinned bytes, reserved in the pin budget
+    signature: Signature
+    recurse: bool
+    # The reservation, released when its first storage is freed, or taken back by an adopting share.
+    reservation: weakref.finalize[..., Any] | None
+
+    def whole(self) -> tuple[torch.Tensor, ...] | None:
+        """Its storages as byte tensors over each (``page_lock.whole_storages``), or None once one is freed."""
+        alive = [storage() for storage in self.storages]
+        if any(storage is None for storage in alive):
+            return None
+        return tuple(byte_view(storage) for storage in alive if storage is not None)
+
+    def parts_for(self, layout: BlockLayout) -> tuple[torch.Tensor, ...] | None:
+        """Its storages, if the block's tensors are still exactly on them (laid out as parked)."""
+        whole = self.whole()
+        if whole is None or self.signature != signature(layout):
+            return None
+        current = {tensor.untyped_storage().data_ptr() for tensor in layout.current()}
+        return whole if current == {storage.data_ptr() for storage in whole} else None
+
+
+Parked = ParkedBuffer | ParkedInPlace
+
+
 class ParkingLot:
     """The parked buffers of some blocks, by block module (weakly)."""
 
     def __init__(self) -> None:
-        self._parked: weakref.WeakKeyDictionary[nn.Module, ParkedBuffer] = weakref.WeakKeyDictionary()
+        self._parked: weakref.WeakKeyDictionary[nn.Module, Parked] = weakref.WeakKeyDictionary()
 
-    def park(self, block: nn.Module, parked: ParkedBuffer) -> None:
+    def park(self, block: nn.Module, parked: Parked) -> None:
         self._parked[block] = parked
 
-    def take(self, block: nn.Module) -> ParkedBuffer | None:
+    def take(self, block: nn.Module) -> Parked | None:
         """The block's parked buffer, no longer in the lot (the taker adopts it, or lets it go with ``leave``)."""
         return self._parked.pop(block, None)
 
     def from_file(self, block: nn.Module) -> bool:
         """Whether ``block`` is parked on a host buffer packed from its file (whose views it goes back to)."""
         parked = self._parked.get(block)
-        return parked is not None and parked.originals is not None and parked.host() is not None
+        return isinstance(parked, ParkedBuffer) and parked.originals is not None and parked.host() is not None
 
     def unpark(self, modules: Iterable[nn.Module]) -> None:
         """Gives the parked blocks among ``modules`` memory of their own again (their file's views, or a copy of
@@ -109,9 +141,16 @@ class ParkingLot:
                 leave(module, parked)
 
 
-def leave(module: nn.Module, parked: ParkedBuffer) -> None:
+def leave(module: nn.Module, parked: Parked) -> None:
     """Points ``module``'s parts that are views of its parked buffer at memory of their own: its file's views
-    for a block packed from its file, else a copy."""
+    for a block packed from its file, else a copy. A block pinned in place keeps its tensors, unpinned, and its
+    reservation goes back to the budget."""
+    if isinstance(parked, ParkedInPlace):
+        for storage in parked.whole() or ():
+            unpin_host_buffer(storage)
+        if parked.reservation is not None:
+            parked.reservation()
+        return
     host = parked.host()
     if host is None:
         return

@@ -5,12 +5,13 @@ device side's few per-block fields (events, cached views, the copy that filled i
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .companions import PackedCompanions
+from .file_source import FileSlice
 from .layout import BlockLayout, aligned
 from .reader import BlockRead
 from .timeline import CopyRecord
@@ -52,6 +53,33 @@ class StreamedBlock:
     # (the loader's tensors, its file's views), copied from until its host buffer replaces them; None once packed.
     sources: tuple[torch.Tensor, ...] | None = None
     in_call: bool = False  # its tensors point at the ring (a call is open), not at ``host_views``
+    # Kept where its ``sources`` lie instead of packed (``BackgroundPacking``): the block streams from its own
+    # tensors, with no host buffer; ``pinned_in_place``: their storages, page-locked there (() if pageable).
+    in_place: bool = False
+    pinned_in_place: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def read_from_file(
+        cls,
+        layout: BlockLayout,
+        stored: BlockLayout,
+        current: tuple[torch.Tensor, ...],
+        slices: Sequence[FileSlice | None],
+        origin: torch.device,
+    ) -> StreamedBlock:
+        """A block read from its file for each copy, in its stored dtypes (``stored``: its layout as stored):
+        no host buffer, the module keeps the file's views. Its parts not in the file (a host's converted tensors)
+        are copied from memory."""
+        storage = layout if stored.parts == layout.parts else stored
+        sources = tuple(
+            (part, tensor if source is None else source)
+            for part, source, tensor in zip(storage.parts, slices, current, strict=True)
+        )
+        host = torch.empty(0, dtype=torch.uint8)
+        views = layout.assemble(current)
+        return cls(
+            layout, storage, host, views, origin, current, read=BlockRead(sources, storage.nbytes), file_backed=True
+        )
 
     def point_at_originals(self) -> None:
         """Points the block's tensors back at its originals: its file's views, or the copy a storage dtype kept."""
@@ -81,8 +109,8 @@ class StreamedBlock:
 
     @property
     def waiting(self) -> bool:
-        """Not packed yet: copied from its ``sources``."""
-        return self.sources is not None
+        """Not packed yet (nor kept in place): copied from its ``sources``."""
+        return self.sources is not None and not self.in_place
 
     @property
     def region_bytes(self) -> int:

@@ -7,6 +7,7 @@
   ``comfy``/``nodes`` in-process. Nothing here imports comfy at module level.
 * ``comfy``: ComfyUI and this pack in the test process (``harness/inprocess.py``);
   ``allow_cpu_streaming``: the nodes stream on the CPU too.
+* ``cudart``: CUDA's runtime faked behind the engine's registrar, so pinning runs on the CPU.
 * ``served_frontend``: the browser tests' frontends (``harness/browser.py``), the host's pinned one on the
   session's server and the newest one on a server of its own; the test id names it.
 
@@ -46,6 +47,7 @@ from harness.comfy_host import (
     share_setup_dir,
 )
 from harness.dynamic_vram import STORED, DynamicVram
+from harness.fake_cudart import FakeCudart, engine_on_fake_cudart
 from harness.inprocess import in_process_comfy
 from harness.prompts import server_env
 
@@ -185,6 +187,14 @@ def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
 def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nodes stream on the CPU (without it they pass the model through: no GPU memory to save)."""
     monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
+    """CUDA's runtime faked behind the engine's own registrar (``harness/fake_cudart.py``); a module testing the
+    nodes overrides it with ComfyUI's registrar and books."""
+    with engine_on_fake_cudart(monkeypatch) as fake:
+        yield fake
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,27 +25,14 @@ from harness.transformer_stack import assert_same_tensors, forward_steps, snapsh
 
 from block_offload.offload import (
     BlockStreamer,
-    CudaHostRegistrar,
     FileChangedError,
     PinnedMemoryBudget,
     TimelineRecorder,
-    use_host_registrar,
 )
 from block_offload.offload.step_timeline import BlockSpan, StepTimeline
 
 CPU = torch.device("cpu")
 BLOCKS = 6
-
-
-@pytest.fixture
-def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
-    fake = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    use_host_registrar(CudaHostRegistrar(discard_error=lambda: None))
-    try:
-        yield fake
-    finally:
-        use_host_registrar(None)
 
 
 def _waiting(streamer: BlockStreamer) -> list[int]:
@@ -71,11 +57,17 @@ def _streamer(model, **kwargs) -> BlockStreamer:
     return BlockStreamer(model.blocks, CPU, range(BLOCKS), root=model, pack_in_background=True, **kwargs)
 
 
-def _on_its_pinned_buffer(streamer: BlockStreamer, index: int) -> bool:
-    host = streamer.host.blocks[index].host
-    start, end = host.data_ptr(), host.data_ptr() + host.numel()
-    tensors = streamer.blocks[index].parameters()
-    return streamer.host.blocks[index].pinned and all(start <= t.data_ptr() < end for t in tensors)
+def _pinned_where_it_lies(streamer: BlockStreamer, cudart: FakeCudart, index: int) -> bool:
+    """Block ``index`` streams from its own tensors, each one's storage registered with the driver, and has no
+    host buffer of its own."""
+    state = streamer.host.blocks[index]
+    storages = {t.untyped_storage().data_ptr() for t in streamer.blocks[index].parameters()}
+    return (
+        state.pinned
+        and bool(state.pinned_in_place)
+        and state.host.numel() == 0
+        and storages <= cudart.registered.keys()
+    )
 
 
 def _packing_threads() -> list[threading.Thread]:
@@ -108,7 +100,7 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
     assert not streamer.host.background.running and streamer.waiting_bytes == 0 and not _packing_threads()
     assert streamer.pinning_progress == (total, total) and cudart.pinned == total == budget.used
     assert streamer.packed_bytes == 0 and streamer.host.background.packed_bytes == total
-    assert all(_on_its_pinned_buffer(streamer, index) for index in range(BLOCKS))
+    assert all(_pinned_where_it_lies(streamer, cudart, index) for index in range(BLOCKS))
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     assert recorder.latest().unpacked_bytes == 0 and recorder.latest().packed_bandwidth_gbps is not None
     streamer.disable()
@@ -124,14 +116,19 @@ def test_a_registration_refused_halfway_leaves_the_rest_pageable(
     budget = PinnedMemoryBudget()
     streamer = _streamer(model, pin_budget=budget)
     streamer.enable()
-    first = streamer.host.blocks[0].storage.nbytes
     gate.let(1)
     _wait_for(streamer, BLOCKS - 1)
+    first = cudart.pinned  # block 0's tensors, registered where they lie
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.blocks[0].state_dict().values()
+    }
+    assert first == sum(storages.values()) and storages.keys() == cudart.registered.keys()
     cudart.fail = True
     gate.let(BLOCKS)
     streamer.finish_packing()
-    # Asked once more, refused, and not asked again: the rest are packed pageable and stream from there.
-    assert cudart.failures == 1 and cudart.pinned == first == budget.used
+    # Asked for the next block's tensors where they lie, then for a buffer of its own, refused both times, and
+    # not asked again: the rest are packed pageable and stream from there.
+    assert cudart.failures == 2 and cudart.pinned == first == budget.used
     assert sorted(streamer.failed_pinning) == list(range(1, BLOCKS)) and not streamer.refused_pinning
     assert streamer.pinning_progress == (first, first)
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
@@ -162,8 +159,9 @@ def test_stopping_while_packing_gives_every_pin_back_and_restores_the_model(
 def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Parking mid-packing (the next prompt's clone takes the model over): the packed blocks are parked
-    pinned, the others keep their own tensors; the next streamer adopts the first and packs the rest."""
+    """Parking mid-pinning (the next prompt's clone takes the model over): the blocks pinned where they lie stay
+    pinned, parked, the others keep their own tensors; the next streamer adopts the first as they are (not
+    registered again) and pins the rest."""
     gate = PackingGate(monkeypatch)
     model, x, reference = _stack()
     budget = PinnedMemoryBudget()
@@ -172,15 +170,15 @@ def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     first.enable()
     gate.let(2)
     _wait_for(first, BLOCKS - 2)
-    packed = {
-        index: first.host.blocks[index].host.data_ptr() for index in range(BLOCKS) if index not in _waiting(first)
-    }
-    pinned = sum(first.host.blocks[index].storage.nbytes for index in packed)
+    packed = [index for index in range(BLOCKS) if index not in _waiting(first)]
+    assert all(_pinned_where_it_lies(first, cudart, index) for index in packed)
+    registered, calls = dict(cudart.registered), cudart.calls
     first.disable(park=True)
-    assert len(packed) == 2 and cudart.pinned == pinned == budget.used  # the parked buffers stay pinned
+    assert len(packed) == 2 and cudart.registered == registered and cudart.pinned == budget.used  # parked, pinned
     second = _streamer(model, pin_budget=budget, parking=lot)
     second.enable()
-    assert {i: second.host.blocks[i].host.data_ptr() for i in packed} == packed  # taken over, not copied
+    assert all(_pinned_where_it_lies(second, cudart, index) for index in packed)
+    assert cudart.calls == calls and cudart.registered == registered  # taken over as they are
     assert _waiting(second) == sorted(set(range(BLOCKS)) - set(packed))
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     gate.let(BLOCKS)

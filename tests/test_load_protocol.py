@@ -129,22 +129,20 @@ def count_loads(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> list
     return loaded
 
 
-def host_buffers(patcher) -> dict[int, range]:
-    """Each streamed block's host buffer, as the addresses it covers, once packing in the background is done (what
-    a hand-over does to blocks still waiting is in ``tests/test_background_packing.py``)."""
+def host_buffers(patcher) -> dict[int, tuple[int, ...]]:
+    """Where each streamed block's weights are held on the host, once packing in the background is done (what a
+    hand-over does to blocks still waiting is in ``tests/test_background_packing.py``): the addresses of its host
+    views, a host buffer's or, kept where they lie (pageable on the CPU), its own tensors'."""
     runner = patcher.offload_engine.runner
     runner.finish_packing()
-    buffers = {}
-    for index in runner.streamed:
-        host = runner.host.blocks[index].host
-        buffers[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
-    return buffers
+    return {index: tuple(t.data_ptr() for t in runner.host.blocks[index].host_views) for index in runner.streamed}
 
 
-def on_buffers(patcher, buffers: dict[int, range]) -> bool:
-    """Whether every streamed block's weights are views of ``buffers``: parked there, or streaming from them."""
+def on_buffers(patcher, buffers: dict[int, tuple[int, ...]]) -> bool:
+    """Whether every streamed block's weights are held where ``buffers`` says: parked there, or streaming from
+    there."""
     blocks = patcher.model.diffusion_model.blocks
-    return all(p.data_ptr() in buffer for index, buffer in buffers.items() for p in blocks[index].parameters())
+    return all(p.data_ptr() in held for index, held in buffers.items() for p in blocks[index].parameters())
 
 
 def assert_streaming(comfy: SimpleNamespace, patcher) -> None:
@@ -246,7 +244,7 @@ def test_a_real_unload_leaves_nothing_pinned_or_parked(calls: ComfyCalls, handed
     comfy.mm.load_models_gpu([node])
     runner, buffers = node.offload_engine.runner, host_buffers(node)
     engine = weakref.ref(node.offload_engine)
-    storages = [weakref.ref(runner.host.blocks[index].host.untyped_storage()) for index in runner.streamed]
+    in_place = all(runner.host.blocks[index].in_place for index in runner.streamed)
     calls.take()
     if handed_over:
         node.detach(unpatch_all=False)
@@ -257,8 +255,8 @@ def test_a_real_unload_leaves_nothing_pinned_or_parked(calls: ComfyCalls, handed
     del runner
     gc.collect()
     assert engine() is None and node.offload_engine is None
-    if handed_over:  # unparked: a copy each (the CPU's pageable buffers become the weights' own memory on a stop)
-        assert all(storage() is None for storage in storages)
+    # Pageable on the CPU, the blocks streamed from their own tensors: they keep them, nothing copied.
+    assert in_place and on_buffers(node, buffers)
     state = comfy.state.state_of(node.model)
     blocks = node.model.diffusion_model.blocks
     assert all(state.parking.take(block) is None for block in blocks) and state.hidden == frozenset()

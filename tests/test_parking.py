@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterable
 from types import SimpleNamespace
 
 import pytest
@@ -227,23 +228,30 @@ def host_buffers(model) -> dict[int, int]:
     return host_ptrs(getattr(runner, "streamer", runner))  # the sequential wrapper streams through one
 
 
-def test_consecutive_prompts_reuse_the_host_buffers(comfy: SimpleNamespace) -> None:
-    """Each sampling run loads a new clone of the same MODEL; the previous clone's engine parks, the new
-    one adopts: same buffers, bitwise equal results; /free still leaves no engine and nothing pinned."""
+def block_weights(model, indices: Iterable[int]) -> dict[str, int]:
+    """Where the tensors of blocks ``indices`` are now: name, address."""
+    blocks = model.model.diffusion_model.blocks
+    return {f"{i}.{name}": t.data_ptr() for i in indices for name, t in blocks[i].state_dict().items()}
+
+
+def test_consecutive_prompts_stream_the_same_memory(comfy: SimpleNamespace) -> None:
+    """Each sampling run loads a new clone of the same MODEL; the previous clone's engine stops, the new one
+    streams the same memory: pageable on the CPU, the loader's own tensors, never copied into host buffers;
+    bitwise equal results; /free still leaves no engine and nothing pinned, the weights where they were."""
     model = wan(comfy)
     reference = sample(comfy, model)
     patched = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, patched), reference)
     engine = patched.offload_engine
-    first = host_buffers(patched)
+    streamed = sorted(engine.runner.streamed)
+    first = block_weights(patched, streamed)
+    assert all(state.in_place and state.host.numel() == 0 for state in engine.runner.host.blocks.values())
     assert torch.equal(sample(comfy, patched), reference)
-    assert patched.offload_engine is not engine  # a new engine, on the same host buffers
-    assert host_buffers(patched) == first
+    assert patched.offload_engine is not engine  # a new engine, on the same memory
+    assert block_weights(patched, streamed) == first
     comfy.mm.unload_all_models()
     assert patched.offload_engine is None and comfy.pinned.PINNED_MEMORY.used == 0
-    # Pageable on the CPU, the buffers became the weights' own memory as the engine stopped (no copy).
-    blocks = patched.model.diffusion_model.blocks
-    assert all(uses(blocks[index], buffer) for index, buffer in first.items())
+    assert block_weights(patched, streamed) == first
     assert torch.equal(sample(comfy, model), reference)
     comfy.mm.unload_all_models()
 

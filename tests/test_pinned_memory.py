@@ -12,9 +12,7 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import zlib
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -80,14 +78,13 @@ def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: Simpl
     assert torch.equal(sample(comfy, patched), reference)
     pinned = STREAMED * streamed_block_bytes(patched)
     assert cudart.pinned == pinned and cudart.flags == {1}  # portable registrations, as ComfyUI's
-    # Each host buffer already held its block when registered: filled first, so the copy's threads, not the
-    # driver's one, first touch its fresh pages.
-    buffers = {
-        state.host.data_ptr(): state.host.numel() for state in patched.offload_engine.runner.host.blocks.values()
-    }
-    for pointer, nbytes in buffers.items():
-        held = zlib.crc32(ctypes.string_at(pointer, nbytes))
-        assert cudart.held_at_registration[pointer] == held != zlib.crc32(bytes(nbytes))
+    # Registered where the loader's tensors lie, as ComfyUI's classic loader pins its weights: no host buffer,
+    # nothing copied, each registration the storage of a streamed block's own tensor, in memory already.
+    blocks = patched.offload_engine.runner.host.blocks.values()
+    assert all(state.pinned_in_place and state.host.numel() == 0 for state in blocks)
+    storages = {tensor.untyped_storage().data_ptr() for state in blocks for tensor in state.layout.current()}
+    assert cudart.registered.keys() == storages
+    assert all(cudart.resident_at_registration[pointer] == 1.0 for pointer in storages)
     assert comfy.mm.TOTAL_PINNED_MEMORY == pinned == comfy.pinned.PINNED_MEMORY.used
     assert comfy.mm.PINNED_MEMORY[comfy.pinned.COMFY_TABLE_KEY] == pinned
     # ComfyUI pins and unpins a tensor of its own: 0.3.75 resets its total when its table empties.
@@ -191,8 +188,9 @@ def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_me
         engine = patched.offload_engine
         engine.runner.finish_packing()
         patched.cleanup()  # as ComfyUI calls it after sampling: the engine tells what packing did
-    # Asked once, refused, its error cleared; the driver is not asked again for this model's other blocks.
-    assert cudart.failures == 1 and len(cudart.cleared) == 1
+    # Asked for the first block's tensors where they lie, then for a buffer of its own, refused both times, each
+    # error cleared; the driver is not asked again for this model's other blocks.
+    assert cudart.failures == 2 and len(cudart.cleared) == 2
     # The refused buffers were filled before they were offered, and are kept as they are: one copy each.
     assert engine.runner.host.background.packed_bytes == STREAMED * streamed_block_bytes(patched)
     assert len(engine.runner.failed_pinning) == STREAMED and not engine.runner.refused_pinning
