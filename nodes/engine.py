@@ -91,9 +91,12 @@ class Engine:
             return
         self.packing_noted = True
         pinned, _ = self.runner.pinning_progress
+        runner = self.runner
+        buffers = runner.host_bytes - runner.companion_bytes - runner.staging_bytes
         logging.info(
-            f"Block Offload ({self.request.node}): {PACKING_DONE} {packed / GIB:.2f} GiB packed into host buffers, "
-            f"{pinned / GIB:.2f} GiB of the streamed blocks pinned"
+            f"Block Offload ({self.request.node}): {PACKING_DONE} {packed / GIB:.2f} GiB of streamed blocks, "
+            f"{pinned / GIB:.2f} GiB of them pinned; {buffers / GIB:.2f} GiB copied into host buffers, the rest kept "
+            "where the loader put them"
         )
         self.note(pinning_notices(self.runner))
 

@@ -18,7 +18,7 @@ def packing_clause(runner: Runner, seconds: float) -> str:
     clause = f"; packed {packed / GIB:.2f} GiB into host buffers in {seconds:.2f} s" if packed else ""
     _, later = runner.background_packing
     if later:
-        clause += f"; {later / GIB:.2f} GiB packed in the background while the first steps run"
+        clause += f"; {later / GIB:.2f} GiB pinned or packed in the background while the first steps run"
         progress = pinning_progress(runner)
         clause += f" ({progress} so far)" if progress else ""
     return clause

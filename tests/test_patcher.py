@@ -53,7 +53,7 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
     ]
     assert len(plan_lines) == 1 and "2/5 blocks resident (0-1, leading), 3 streamed" in plan_lines[0]
     # Where the weights come from, then what is packed in the background (the streamed blocks, 3 of 5 tiny ones).
-    clauses = r"; weights from ComfyUI's classic loader; (\d+\.\d\d) GiB packed in the background while "
+    clauses = r"; weights from ComfyUI's classic loader; (\d+\.\d\d) GiB pinned or packed in the background while "
     packed = re.search(clauses, plan_lines[0])
     runner = patched.offload_engine.runner
     runner.finish_packing()
