@@ -208,9 +208,11 @@ class BackgroundPacking:
         assert state.sources is not None
         if state.file_backed:
             return False
+        if any(source.dtype != part.dtype for source, part in zip(state.sources, state.storage.parts, strict=True)):
+            return False  # stored in other dtypes than it streams in: each copy would cast (packing casts once)
         storages = whole_storages(state.sources)
         if sum(storage.numel() for storage in storages) > state.storage.nbytes:
-            return False  # memory shared beyond the block, or stored in wider dtypes than it streams
+            return False  # memory shared beyond the block
         if pin and not pin_in_place(storages):
             return False
         with self.lock:
@@ -224,9 +226,9 @@ class BackgroundPacking:
         return True
 
     def pack_waiting(self, index: int, stopping: threading.Event) -> None:
-        """On the thread: block ``index`` copied from its sources into a host buffer (page-locked where it holds a
-        reservation and the driver has not refused), then handed over under ``lock``: its tensors point at the
-        buffer from its next call on (now, between two calls)."""
+        """On the thread: block ``index`` kept where its sources lie (``_kept_in_place``), or copied from them into a
+        host buffer (page-locked where it holds a reservation and the driver has not refused), then handed over
+        under ``lock``: its tensors point at the buffer from its next call on (now, between two calls)."""
         state = self.blocks.get(index)
         if state is None or not state.waiting:
             return
