@@ -520,8 +520,9 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     assert "ComfyUI chose fast-disk for this checkpoint: no host buffers" in engine.summary, engine.summary
     device_side = streaming.loaded_size() + runner.device_buffer_bytes
     # The slack is the run's own memory (the sampler, Python state): +2.5 to +10.7 MiB above the rest here,
-    # 3 to 11 % of the model; a host copy of the weights would be 100 %.
-    bound = runner.staging_bytes + device_side + 0.15 * model_bytes
+    # 3 to 11 % of the model, and once (a CI run, 2026-11-28) 66 KB over 15 %; a host copy of the weights would
+    # be 100 %.
+    bound = runner.staging_bytes + device_side + 0.2 * model_bytes
     print(
         f"fast-disk, {node}: RssAnon +{peak.anon_growth / 2**20:.1f} MiB at the peak (staging "
         f"{runner.staging_bytes / 2**20:.1f}, device side {device_side / 2**20:.1f}, "
