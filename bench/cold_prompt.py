@@ -2,13 +2,14 @@
 from ``POST /prompt`` to the end of the first sampling step, and to the end of the prompt, as ratios.
 
     python -m bench.cold_prompt [--dim 1280 --ffn 3456 --layers 40] [--rounds 5] [--steps 3] [--budget 0.5]
-                                [--cuda] [--out DIR] [--folder DIR]
+                                [--cuda [--card GIB]] [--out DIR] [--folder DIR]
 
 The model is ``bench/first_load.py``'s Wan 2.1 14B-shaped checkpoint (its 40 blocks and key layout, narrower: 1.76
 GB in bf16 at the defaults), written as a safetensors file into a ComfyUI base directory of the benchmark's own
 (this pack in its custom_nodes, the tiny CLIP-L for the conditioning), from which a ComfyUI server runs
 (``harness/comfy_host.py``: ``--cpu`` unless ``--cuda``; the nodes stream on the CPU too, as in the tests'
-servers). Two graphs, each prompt a fresh seed:
+servers; ``--card``: a card that size carved out of the GPU, ``harness/card.py``, and the node's budget automatic).
+Two graphs, each prompt a fresh seed:
 
 * ComfyUI: Load Diffusion Model -> KSampler (a small latent, ``--steps`` euler steps, cfg 1) -> Save Latent;
 * the node: the same with Partial GPU Residency between the loader and the sampler (policy auto, ``--budget`` of
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 
 from harness import tiny_models as tm
+from harness.card import CARD_ENV
 from harness.comfy_host import REPO, SETUP_DIR, ComfyHost
 from harness.host_memory import peak_during
 from harness.prompts import Arch, PromptBuilder, evict_cached_models, sampler_of, server_env
@@ -81,6 +83,7 @@ QUIET_CORES = 0.25
 #: Issue 49: a cold prompt through the node reaches the end of its first step within this of ComfyUI's time.
 TARGET = 1.10
 SEEDS_FROM = 1000  # each prompt its own seed: ComfyUI would answer a repeated sampler from its cache
+CARD_NODE = REPO / "bench" / "support" / "block_offload_card"  # the custom node that holds --card's card
 
 
 def arguments(description: str | None, steps: int) -> argparse.ArgumentParser:
@@ -93,6 +96,9 @@ def arguments(description: str | None, steps: int) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=steps, help="sampler steps of a prompt")
     parser.add_argument("--budget", type=float, default=0.5, help="Partial GPU Residency's, a share of the model")
     parser.add_argument("--cuda", action="store_true", help="the server on the GPU (default: --cpu)")
+    parser.add_argument(
+        "--card", type=float, default=None, metavar="GIB", help="with --cuda: a card that size (harness/card.py)"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "results")
     parser.add_argument("--folder", type=Path, default=None, help="where the base directory goes (default: /tmp)")
     return parser
@@ -104,6 +110,8 @@ def parsed(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.rounds < 1 or args.steps < 2 or not 0 < args.budget < 1:
         parser.error("at least 1 round of 2 steps, and a budget between 0 and 1 of the model")
+    if args.card is not None and (not args.cuda or args.card <= 0):
+        parser.error("--card: a positive size in GiB, with --cuda (a card is carved out of a CUDA device)")
     return args
 
 
@@ -123,18 +131,43 @@ class Models:
         return share * self.held_bytes / GIB
 
 
-def lay_out(base: Path, names: Sequence[str], args: argparse.Namespace) -> Models:
-    """A ComfyUI base directory of the benchmark's own: this pack (``.host``'s custom_nodes, linked), the tiny CLIP-L
-    and one Wan checkpoint file per name (same layout, random bf16 weights)."""
-    (base / "custom_nodes").symlink_to(SETUP_DIR / "custom_nodes", target_is_directory=True)
+def node_budget_gib(models: Models, args: argparse.Namespace) -> float:
+    """Partial GPU Residency's budget: on a card, 0 (automatic: what ComfyUI's loader grants the weights, as a
+    user of that card leaves it); else ``--budget`` of the model."""
+    return 0.0 if args.card else models.budget_gib(args.budget)
+
+
+def budget_said(models: Models, args: argparse.Namespace) -> str:
+    if args.card:
+        return f"automatic, on a {args.card:g} GiB card (harness/card.py)"
+    return f"{models.budget_gib(args.budget):.2f} GiB ({args.budget:.0%} of the model held)"
+
+
+def lay_out(base: Path, names: Sequence[str], args: argparse.Namespace, linked: bool = False) -> Models:
+    """A ComfyUI base directory of the benchmark's own: this pack (and ``.host``'s other custom nodes, linked; on a
+    card, ``bench/support``'s card node), the tiny CLIP-L and one Wan checkpoint file per name (same layout, random
+    bf16 weights; ``linked``: the first written, the others hard links to it)."""
+    nodes = base / "custom_nodes"
+    nodes.mkdir()
+    for found in (SETUP_DIR / "custom_nodes").iterdir():
+        (nodes / found.name).symlink_to(found.resolve(), target_is_directory=True)
+    if args.card:
+        (nodes / CARD_NODE.name).symlink_to(CARD_NODE, target_is_directory=True)
     tm.generate(base / "models", only=[tm.CLIP_L])
     folder = base / "models" / "diffusion_models"
     folder.mkdir(parents=True)
     files, shapes = {}, {}
+    # Drawn on the GPU where the server runs on one: a 14B model's random weights take minutes on the CPU.
+    drawn_on = torch.device("cuda" if args.cuda else "cpu")
     for name in names:
         checkpoint = dataclasses.replace(wan_checkpoint(args.dim, args.ffn, args.layers), name=name)
         shapes = checkpoint.shapes(STORED)
-        files[name] = write_checkpoint(checkpoint, shapes, torch.device("cpu"), STORED, folder).name
+        if linked and files:
+            linked_path = folder / f"{name}.safetensors"
+            linked_path.hardlink_to(folder / next(iter(files.values())))
+            files[name] = linked_path.name
+        else:
+            files[name] = write_checkpoint(checkpoint, shapes, drawn_on, STORED, folder).name
     values = sum(tensor.numel() for tensor in shapes.values())
     # What ComfyUI holds and computes a Wan model in: bf16 on a CUDA device, fp32 on the CPU.
     held = torch.bfloat16 if args.cuda else torch.float32
@@ -142,10 +175,13 @@ def lay_out(base: Path, names: Sequence[str], args: argparse.Namespace) -> Model
 
 
 @contextmanager
-def server(base: Path, cuda: bool) -> Iterator[ComfyHost]:
-    """A ComfyUI server on ``base`` with ComfyUI's default cache (what users run); the nodes stream on the CPU and
-    never step aside, as in the tests' servers."""
-    with ComfyHost(base_dir=base, cpu=not cuda, env=server_env(), startup_timeout=300) as host:
+def server(base: Path, args: argparse.Namespace, flags: Sequence[str] = ()) -> Iterator[ComfyHost]:
+    """A ComfyUI server on ``base`` with ComfyUI's default cache (what users run) and ``flags``; the nodes stream on
+    the CPU and never step aside, as in the tests' servers; on ``--card``, that card."""
+    env = server_env(**({CARD_ENV: str(int(args.card * GIB))} if args.card else {}))
+    with ComfyHost(base_dir=base, cpu=not args.cuda, env=env, extra_args=flags, startup_timeout=300) as host:
+        if args.card and "GiB card on" not in host.log_text():
+            raise RuntimeError(f"the server took no {args.card:g} GiB card (bench/support):\n{host.log_tail(60)}")
         yield host
 
 
@@ -182,7 +218,7 @@ def cold_prompt(models: Models, args: argparse.Namespace, node: bool, seed: int)
     stages = {made.model[0]: LOADER}
     model = made.model
     if node:
-        model = through_node(made, model, models.budget_gib(args.budget))
+        model = through_node(made, model, node_budget_gib(models, args))
         stages[model[0]] = NODE
     made.sample("sampled", model)
     sampler = sampler_of(made, "sampled")
@@ -358,7 +394,7 @@ def run_meta(script: str, args: argparse.Namespace, host: ComfyHost, models: Mod
         "load average": " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min, at the end)",
         "checkpoint": f"{args.layers} Wan 2.1 blocks at width {args.dim}, {models.file_bytes / 1e9:.2f} GB bf16, "
         f"held as {models.held_bytes / GIB:.2f} GiB",
-        "budget": f"{models.budget_gib(args.budget):.2f} GiB ({args.budget:.0%} of the model held)",
+        "budget": budget_said(models, args),
     }
 
 
@@ -372,9 +408,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="cold_prompt_", dir=args.folder) as folder:
         base = Path(folder)
         models = lay_out(base, ["wan-cold"], args)
-        progress(f"cold_prompt: {models.file_bytes / 1e9:.2f} GB written; the node's budget "
-                 f"{models.budget_gib(args.budget):.2f} GiB")  # fmt: skip
-        with server(base, args.cuda) as host:
+        written = f"{models.file_bytes / 1e9:.2f} GB written"
+        progress(f"cold_prompt: {written}; the node's budget {budget_said(models, args)}")
+        with server(base, args) as host:
             seeds = iter(range(SEEDS_FROM, SEEDS_FROM + 10_000))
 
             def one(side: str) -> Timed:

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from harness.card import card as smaller_card
 from harness.host_memory import peak_during
 
 from bench.comfy_models import Comfy, forward
@@ -76,31 +77,13 @@ def placed(patcher) -> Placed:
 
 @contextlib.contextmanager
 def card(mm: ModuleType, device: torch.device, budget: Budget | None) -> Iterator[int]:
-    """For a card budget, a filler allocation that leaves ``budget.nbytes`` of device memory free while the
-    row loads and runs (ComfyUI and comfy-aimdo ask the driver what is free), and ComfyUI's
-    ``get_total_memory`` answering the device's memory less the filler, as a card that size would (its
-    ``maximum_vram_for_weights``, which the nodes' step-aside rule reads, counts the total); yields the
-    filler's bytes."""
+    """For a card budget, the card of ``harness/card.py`` while the row loads and runs; yields the filler's
+    bytes (0 for a share of the model)."""
     if budget is None or budget.kind != CARD:
         yield 0
         return
-    free, _ = torch.cuda.mem_get_info(device)
-    if free < budget.nbytes:
-        raise ValueError(f"a {budget.nbytes / GIB:g} GiB card: only {free / GIB:.1f} GiB of the device are free")
-    filler = torch.empty(free - budget.nbytes, dtype=torch.uint8, device=device)
-    filled, total_memory = filler.numel(), mm.get_total_memory
-
-    def card_total(dev=None, torch_total_too=False):
-        total = total_memory(dev, torch_total_too)
-        return (total[0] - filled, total[1]) if torch_total_too else total - filled
-
-    mm.get_total_memory = card_total
-    try:
+    with smaller_card(mm, device, budget.nbytes) as filled:
         yield filled
-    finally:
-        mm.get_total_memory = total_memory
-        del filler
-        torch.cuda.empty_cache()
 
 
 class DevicePeak:

@@ -3,7 +3,8 @@ second onwards) with ComfyUI alone against both experts through Partial GPU Resi
 memory at its peak.
 
     python -m bench.model_switch [--dim 1280 --ffn 3456 --layers 40] [--rounds 3] [--prompts 4] [--steps 4]
-                                 [--budget 0.5] [--cuda] [--out DIR] [--folder DIR]
+                                 [--budget 0.5] [--cuda [--card GIB] [--modes classic dynamic]]
+                                 [--linked-experts] [--out DIR] [--folder DIR]
 
 Two checkpoint files of ``bench/cold_prompt.py``'s Wan shape (a high-noise and a low-noise expert: the same
 architecture, two files, each loaded by its own Load Diffusion Model) and the graph of ComfyUI's Wan 2.2
@@ -25,6 +26,14 @@ first step (the low-noise one's is the switch) and to the end of the prompt, wit
 start to its first step (what loading its expert costs in that prompt). The server's ``RssAnon`` is sampled while
 each prompt runs: its peak over the warm prompts, and over all of them with the first's load, against ComfyUI's
 own. Printed, and written to ``--out`` (``model_switch.json``, ``model_switch.md``).
+
+On a GPU (``--cuda``; campaign call 9 runs it at Wan 14B): ``--card`` gives each server a card that size
+(``harness/card.py``), and the node's budget is then automatic (what ComfyUI's loader grants the weights);
+``--modes`` runs the rounds once per way ComfyUI 0.33 loads models, each with its own table
+(``model_switch-classic``, ``model_switch-dynamic``): ``classic`` with ``--disable-dynamic-vram`` on every server,
+``dynamic`` as ComfyUI starts by default, each server's log checked for its mode. ``--linked-experts`` writes one
+file and makes the low-noise expert a hard link to it: two models to ComfyUI, loaded twice, one file on the disk
+and in the page cache (two 28.6 GB Wan 14B files would fill most of the GPU machine's 64 GiB disk).
 """
 
 from __future__ import annotations
@@ -47,9 +56,11 @@ from bench.cold_prompt import (
     Row,
     Timed,
     arguments,
+    budget_said,
     builder,
     lay_out,
     median_of,
+    node_budget_gib,
     parsed,
     run_meta,
     server,
@@ -64,6 +75,16 @@ from bench.results import COMFYUI, GIB
 HIGH, LOW = "high noise", "low noise"
 EXPERTS = MappingProxyType({HIGH: "wan-high-noise", LOW: "wan-low-noise"})  # expert -> checkpoint name
 SHIFT = 8.0  # ComfyUI's Wan 2.2 template's ModelSamplingSD3 shift for both experts
+CLASSIC, DYNAMIC = "classic", "dynamic"
+#: ComfyUI 0.33's flags for each way of loading models on an NVIDIA GPU (Dynamic VRAM is its default there).
+MODE_FLAGS = MappingProxyType({CLASSIC: ("--disable-dynamic-vram",), DYNAMIC: (), None: ()})
+MODE_SAID = MappingProxyType(
+    {CLASSIC: "classic loading (--disable-dynamic-vram)", DYNAMIC: "Dynamic VRAM (its default)"}
+)
+DYNAMIC_VRAM_ON = "DynamicVRAM support detected and enabled"  # ComfyUI 0.33's main.py, as it starts
+LINKED_NOTE = ("the two experts are one file (--linked-experts: the low-noise one a hard link to the high-noise one's, "
+               "so that two 14B experts fit the GPU machine's disk): two models to ComfyUI, loaded twice, but one "
+               "file in the page cache, where two real experts' files take twice its size")  # fmt: skip
 
 
 def sampler_stage(expert: str) -> str:
@@ -77,7 +98,8 @@ def switch_prompt(models: Models, args: argparse.Namespace, node: bool, seed: in
                                              weight_dtype="default")}  # fmt: skip
     stages = {loader[0]: f"{LOADER} ({expert})" for expert, loader in loaded.items()}
     if node:
-        loaded = {expert: through_node(made, model, models.budget_gib(args.budget)) for expert, model in loaded.items()}
+        budget = node_budget_gib(models, args)
+        loaded = {expert: through_node(made, model, budget) for expert, model in loaded.items()}
         stages.update({model[0]: f"{NODE} ({expert})" for expert, model in loaded.items()})
     shifted = {expert: made.add("ModelSamplingSD3", model=model, shift=SHIFT) for expert, model in loaded.items()}
     common = {"noise_seed": seed, "steps": args.steps, "cfg": 1.0, "sampler_name": SAMPLER, "scheduler": SCHEDULER,
@@ -92,44 +114,67 @@ def switch_prompt(models: Models, args: argparse.Namespace, node: bool, seed: in
     return made.prompt, stages
 
 
-def one_server(base: Path, models: Models, args: argparse.Namespace, node: bool, seeds: Callable[[], int],
-               prompts: int) -> tuple[list[Timed], dict[str, str]]:  # fmt: skip
-    """``prompts`` prompts in a row on a server started for them; with the run's meta (while the server runs)."""
-    with server(base, args.cuda) as host:
+def one_server(base: Path, models: Models, args: argparse.Namespace, mode: str | None, node: bool,
+               seeds: Callable[[], int], prompts: int) -> tuple[list[Timed], dict[str, str]]:  # fmt: skip
+    """``prompts`` prompts in a row on a server started for them in ComfyUI's ``mode``; with the run's meta (while
+    the server runs)."""
+    with server(base, args, MODE_FLAGS[mode] if args.cuda else ()) as host:
+        dynamic = DYNAMIC_VRAM_ON in host.log_text()
+        if mode is not None and dynamic != (mode == DYNAMIC):
+            raise RuntimeError(f"asked for ComfyUI's {mode} mode, the server {'has' if dynamic else 'lacks'} Dynamic "
+                               f"VRAM:\n{host.log_tail(60)}")  # fmt: skip
         done = [timed(host, *switch_prompt(models, args, node, seeds())) for _ in range(prompts)]
-        return done, run_meta("model_switch", args, host, models)
+        return done, {**run_meta("model_switch", args, host, models), "Dynamic VRAM": "on" if dynamic else "off"}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    """The node's warm prompt over ComfyUI's, and its host memory's peak over ComfyUI's; returns those ratios."""
+    """The node's warm prompt over ComfyUI's, and its host memory's peak over ComfyUI's, in each mode; returns those
+    ratios (named after their mode where ``--modes`` gives them)."""
     parser = arguments(__doc__, steps=4)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per server: the first loads, the rest warm")
+    modes = "ComfyUI's model loading, a table each (with --cuda; default: the host's own)"
+    parser.add_argument("--modes", nargs="+", choices=(CLASSIC, DYNAMIC), default=[None], help=modes)
+    linked = "one file on the disk: the low-noise expert a hard link to the high-noise one's"
+    parser.add_argument("--linked-experts", action="store_true", help=linked)
     parser.set_defaults(rounds=3)
     args = parsed(parser, argv)
     if args.prompts < 2:
         parser.error("--prompts: at least 2, the first loads the experts")
+    if DYNAMIC in args.modes and not args.cuda:
+        parser.error("--modes dynamic: ComfyUI's Dynamic VRAM runs on an NVIDIA GPU (--cuda)")
     seeds = iter(range(SEEDS_FROM, SEEDS_FROM + 10_000)).__next__
+    ratios: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="model_switch_", dir=args.folder) as folder:
         base = Path(folder)
-        models = lay_out(base, list(EXPERTS.values()), args)
-        progress(f"model_switch: two experts of {models.file_bytes / 1e9:.2f} GB written; the node's budget "
-                 f"{models.budget_gib(args.budget):.2f} GiB each")  # fmt: skip
-        # The automatic placement measures on its first load and searches on its second (for both experts: one
-        # shape); a user's later prompts place from the kept search (the base directory's user folder keeps it).
-        warmup, _ = one_server(base, models, args, True, seeds, prompts=2)
-        progress(f"warm-up, {NODE}: prompts done in {', '.join(f'{one.end_s:.2f}' for one in warmup)} s")
-        first: dict[str, list[Timed]] = {COMFYUI: [], NODE: []}
-        warm: dict[str, list[Timed]] = {COMFYUI: [], NODE: []}
-        meta: dict[str, str] = {}
-        for round_ in range(args.rounds):
-            order = [COMFYUI, NODE] if round_ % 2 == 0 else [NODE, COMFYUI]
-            for side in order:
-                done, meta = one_server(base, models, args, side == NODE, seeds, args.prompts)
-                first[side].append(done[0])
-                warm[side] += done[1:]
-                ends = ", ".join(f"{one.end_s:.2f}" for one in done)
-                peak = max(one.anon_peak_bytes for one in done) / GIB
-                progress(f"round {round_ + 1}, {side}: prompts done in {ends} s; RssAnon peak {peak:.2f} GiB")
+        models = lay_out(base, list(EXPERTS.values()), args, linked=args.linked_experts)
+        progress(f"model_switch: two experts of {models.file_bytes / 1e9:.2f} GB written"
+                 f"{' (one file, linked)' if args.linked_experts else ''}; the node's budget "
+                 f"{budget_said(models, args)}")  # fmt: skip
+        for mode in args.modes:
+            said = one_mode(base, models, args, mode, seeds)
+            ratios.update({f"{key}, {mode}" if mode else key: ratio for key, ratio in said.items()})
+    return ratios
+
+
+def one_mode(base: Path, models: Models, args: argparse.Namespace, mode: str | None,
+             seeds: Callable[[], int]) -> dict[str, float]:  # fmt: skip
+    """The rounds on servers in ComfyUI's ``mode`` and their table; returns the node's ratios to ComfyUI's."""
+    # The automatic placement measures on its first load and searches on its second (for both experts: one
+    # shape); a user's later prompts place from the kept search (the base directory's user folder keeps it).
+    warmup, _ = one_server(base, models, args, mode, True, seeds, prompts=2)
+    progress(f"warm-up, {NODE}: prompts done in {', '.join(f'{one.end_s:.2f}' for one in warmup)} s")
+    first: dict[str, list[Timed]] = {COMFYUI: [], NODE: []}
+    warm: dict[str, list[Timed]] = {COMFYUI: [], NODE: []}
+    meta: dict[str, str] = {}
+    for round_ in range(args.rounds):
+        order = [COMFYUI, NODE] if round_ % 2 == 0 else [NODE, COMFYUI]
+        for side in order:
+            done, meta = one_server(base, models, args, mode, side == NODE, seeds, args.prompts)
+            first[side].append(done[0])
+            warm[side] += done[1:]
+            ends = ", ".join(f"{one.end_s:.2f}" for one in done)
+            peak = max(one.anon_peak_bytes for one in done) / GIB
+            progress(f"round {round_ + 1}, {side}: prompts done in {ends} s; RssAnon peak {peak:.2f} GiB")
     rows = switch_rows(warm, first)
     # A warm prompt answers the loaders from ComfyUI's cache; its default cache drops outputs when free RAM runs low.
     again = {side: sum(any(s.startswith(LOADER) for s in one.stage_s) for one in done) for side, done in warm.items()}
@@ -156,9 +201,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         f"ComfyUI's, {again[NODE]} of the node's",
         "seconds from just before POST /prompt, as the websocket client received each message",
     ]
-    title = f"Two Wan experts in a warm prompt (Wan 2.2's switch), through a ComfyUI server ({meta['device']})"
+    if args.linked_experts:
+        notes.append(LINKED_NOTE)
+    loading = "" if mode is None else f", ComfyUI's {MODE_SAID[mode]}"
+    title = f"Two Wan experts in a warm prompt (Wan 2.2's switch), through a ComfyUI server ({meta['device']}{loading})"
     prompts = {**warm, **{f"first prompt, {side}": done for side, done in first.items()}, f"warm-up, {NODE}": warmup}
-    data, table = write(args.out, "model_switch", title, rows, meta, notes, prompts)
+    data, table = write(args.out, "model_switch" + (f"-{mode}" if mode else ""), title, rows, meta, notes, prompts)
     progress(f"wrote {data}, {table}")
     return {"warm prompt": rows[0].values[NODE] / rows[0].values[COMFYUI], "RssAnon peak": anon[NODE] / anon[COMFYUI]}
 

@@ -26,6 +26,9 @@
 #          card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the steady
 #          step, with blocks packed in the background while the first steps run), then bench/pinning.py's four
 #          ways of pinning a first load.
+#   CALL 9: the model switch (issue 49): Wan 2.2's two experts in every prompt, Wan 2.1 14B-shaped, on a 16 GiB card
+#          (harness/card.py), through real servers (bench/model_switch.py): ComfyUI alone against the node, under
+#          Dynamic VRAM, then under classic loading; the first prompt (both experts loaded) and the warm ones.
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -41,11 +44,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4|5|6|7|8) call="$1"; shift ;;
+    1|2|3|4|5|6|7|8|9) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 8, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 9, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -126,10 +129,17 @@ if [[ $dry == 1 ]]; then
   lru_tests=(tests/test_every_prompt_streams.py -k "cpu and lru and plain_then")
   lora_cost=("$python" -m bench.lora_cost --device cpu --steps 2 --rounds 1)
   pinning=("$python" -m bench.pinning --dry-run --gib 0.25 --block-mib 32 --rounds 1)
+  # The CPU has neither a card nor Dynamic VRAM: classic loading only, tiny experts.
+  model_switch=("$python" -m bench.model_switch --dim 256 --ffn 512 --layers 4 --rounds 1 --prompts 2 --steps 2
+    --modes classic --linked-experts --out "$out/switch")
 else
   lru_tests=(tests/test_every_prompt_streams.py -k "cuda and dynamic and lru")
   lora_cost=("$python" -m bench.lora_cost --device cuda --real --rank 64 --dtype bfloat16 --steps 3 --rounds 3)
   pinning=("$python" -m bench.pinning --gib 4 --rounds 3)
+  # Two 28.6 GB experts as one file (hard-linked): two would fill most of the machine's 64 GiB disk. Dynamic VRAM
+  # first, ComfyUI's default and the case that counts most.
+  model_switch=("$python" -m bench.model_switch --dim 5120 --ffn 13824 --layers 40 --cuda --card 16 --rounds 1
+    --prompts 3 --steps 4 --modes dynamic classic --linked-experts --out "$out/switch")
 fi
 # Stored as float32, then bfloat16: both run, and the part fails if either does.
 zoo_both=(bash -c '"$@"; fp32=$?; "$@" --dtype bfloat16; exit $(( fp32 | $? ))' zoo "${zoo[@]}")
@@ -198,6 +208,11 @@ elif [[ $call == 8 ]]; then
     --cards 12 --rounds 2 --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
   part pinning "$(( seconds - (SECONDS - start) ))" "${pinning[@]}"
+elif [[ $call == 9 ]]; then
+  # Wan 2.2's switch as users meet it on a 16 GiB card: every prompt runs the high-noise expert, then the
+  # low-noise one, each server on its own, the card carved out of the GPU (checked first by its test).
+  part card 60 "${pytest[@]}" tests/test_bench.py -k "card_leaves" || status=1
+  part wan14b-16gib-model-switch "$(( seconds - (SECONDS - start) ))" "${model_switch[@]}"
 else
   # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
   # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.

@@ -609,12 +609,17 @@ def test_the_model_switch_benchmark_runs_both_experts_warm_on_a_server_a_side(tm
     sampled in each (the high-noise one first), and the table and the JSON hold both sides with their memory."""
     from bench import model_switch
     from bench.cold_prompt import NODE
-    from bench.model_switch import HIGH, LOW, sampler_stage
+    from bench.model_switch import HIGH, LINKED_NOTE, LOW, sampler_stage
 
-    args = [*SERVER_BENCH_SIZE, "--prompts", "2", "--out", str(tmp_path), "--folder", str(tmp_path)]
+    # ComfyUI's classic loading (the CPU's only one) named as a mode, and the experts in one file, as the GPU
+    # campaign runs them.
+    args = [*SERVER_BENCH_SIZE, "--prompts", "2", "--modes", "classic", "--linked-experts", "--out", str(tmp_path),
+            "--folder", str(tmp_path)]  # fmt: skip
     ratios = model_switch.main(args)
-    assert set(ratios) == {"warm prompt", "RssAnon peak"} and all(math.isfinite(r) for r in ratios.values()), ratios
-    data = json.loads((tmp_path / "model_switch.json").read_text())
+    assert set(ratios) == {"warm prompt, classic", "RssAnon peak, classic"}, ratios
+    assert all(math.isfinite(r) for r in ratios.values()), ratios
+    data = json.loads((tmp_path / "model_switch-classic.json").read_text())
+    assert data["meta"]["Dynamic VRAM"] == "off" and LINKED_NOTE in data["notes"], data
     counts = {group: len(prompts) for group, prompts in data["prompts"].items()}
     assert counts == {COMFYUI: 1, NODE: 1, f"first prompt, {COMFYUI}": 1, f"first prompt, {NODE}": 1,
                       f"warm-up, {NODE}": 2}, counts  # fmt: skip
@@ -624,7 +629,51 @@ def test_the_model_switch_benchmark_runs_both_experts_warm_on_a_server_a_side(tm
             assert len(high) == len(low) == 2 and high[-1][1] < low[0][1] <= prompt["end_s"], (group, prompt)
     rows = {row["label"]: row["values"] for row in data["rows"]}
     assert all(values[COMFYUI] is not None and values[NODE] is not None for values in rows.values()), rows
-    table = (tmp_path / "model_switch.md").read_text()
+    table = (tmp_path / "model_switch-classic.md").read_text()
     assert f"| | {COMFYUI} | {NODE} |" in table and "RssAnon, peak over the warm prompts (GiB)" in table, table
     assert any(note.startswith("host memory: the node's RssAnon peak") for note in data["notes"]), data["notes"]
     assert any("loaded an expert again" in note for note in data["notes"]), data["notes"]
+
+
+def test_the_server_benchmarks_refuse_a_card_or_dynamic_vram_without_a_gpu(capsys: pytest.CaptureFixture) -> None:
+    """``--card`` and ``--modes dynamic`` need a CUDA device: refused before any file is written, saying why."""
+    from bench import cold_prompt, model_switch
+
+    for main, args, why in (
+        (cold_prompt.main, ["--card", "16"], "--card: a positive size in GiB, with --cuda"),
+        (model_switch.main, ["--modes", "dynamic"], "Dynamic VRAM runs on an NVIDIA GPU (--cuda)"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            main(args)
+        assert refused.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_linked_experts_are_one_file_with_two_names(tmp_path: Path) -> None:
+    """``--linked-experts``: the low-noise expert is a hard link to the high-noise one's file, so two 14B experts
+    take one file's disk (and page cache) on the GPU machine, while ComfyUI sees two files to load."""
+    from bench.cold_prompt import arguments, lay_out, parsed
+    from bench.model_switch import EXPERTS
+
+    args = parsed(arguments(None, steps=2), ["--dim", "64", "--ffn", "128", "--layers", "2"])
+    models = lay_out(tmp_path, list(EXPERTS.values()), args, linked=True)
+    folder = tmp_path / "models" / "diffusion_models"
+    high, low = (folder / models.files[name] for name in EXPERTS.values())
+    assert high != low and high.stat().st_ino == low.stat().st_ino and high.stat().st_nlink == 2
+    assert high.stat().st_size >= models.file_bytes > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a card is carved out of a CUDA device")
+def test_a_card_leaves_that_much_of_the_device_free_and_counts_it_as_the_total(comfy: SimpleNamespace) -> None:
+    """``harness/card.py``: while the card is held, the driver reports the card's bytes free (to the caching
+    allocator's 2 MiB rounding) and ComfyUI's total memory is the device's less the filler; after it, both are back."""
+    from harness.card import GIB, card
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    total_memory = comfy.mm.get_total_memory
+    device_total = total_memory(device)
+    with card(comfy.mm, device, 2 * GIB) as filled:
+        free, _ = torch.cuda.mem_get_info(device)
+        assert abs(free - 2 * GIB) <= 4 * 2**20, free
+        assert comfy.mm.get_total_memory(device) == device_total - filled
+    assert comfy.mm.get_total_memory is total_memory
+    assert torch.cuda.mem_get_info(device)[0] > 2 * GIB + filled // 2
