@@ -113,16 +113,11 @@ class BlockParking:
         storages = parked.parts_for(layout)
         if storages is None or not self.memory.adopt(parked.reservation, True):
             return None
-        current = layout.current()
-        return StreamedBlock(
+        return StreamedBlock.on_its_own_tensors(
             layout,
-            layout,
-            torch.empty(0, dtype=torch.uint8),
-            layout.held(),
-            torch.device("cpu"),
             pinned=True,
             pinned_bytes=parked.nbytes,
-            sources=current,
+            sources=layout.current(),
             in_place=True,
             pinned_in_place=storages,
         )

@@ -140,14 +140,9 @@ class HostBlocks:
         file_backed = self.file_slice is not None and any(self.file_slice(part) is not None for part in current)
         reserved = pinned_allocation_bytes(layout.nbytes) if self.memory.pin_memory else 0
         wants_pin = self.memory.pin_memory and (self.memory.share is None or self.memory.share.reserve(reserved))
-        empty = torch.empty(0, dtype=torch.uint8)
-        self.blocks[index] = StreamedBlock(
+        self.blocks[index] = StreamedBlock.on_its_own_tensors(
             layout,
-            layout,
-            empty,
-            layout.held(),
-            torch.device("cpu"),
-            current if file_backed else None,
+            originals=current if file_backed else None,
             pinned=False,
             pinned_bytes=reserved if wants_pin else 0,
             pageable_because=None if wants_pin or not self.memory.pin_memory else "cap",

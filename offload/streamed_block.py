@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,12 @@ class StreamedBlock:
     # tensors, with no host buffer; ``pinned_in_place``: their storages, page-locked there (() if pageable).
     in_place: bool = False
     pinned_in_place: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def on_its_own_tensors(cls, layout: BlockLayout, **state: Any) -> StreamedBlock:
+        """A block streamed from its module's own CPU tensors as they are, with no host buffer (one waiting to be
+        packed, or one pinned in place); ``state``: the rest of its record."""
+        return cls(layout, layout, torch.empty(0, dtype=torch.uint8), layout.held(), torch.device("cpu"), **state)
 
     @classmethod
     def read_from_file(
