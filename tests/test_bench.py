@@ -547,7 +547,7 @@ def test_the_search_benchmark_times_and_counts_every_budget() -> None:
 
 
 def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from bench import pinning
 
@@ -557,11 +557,14 @@ def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
         weight.random_(0, 256)
     buffer = pinning.packed(weights, torch.empty(sum(w.numel() for w in weights), dtype=torch.uint8))
     assert torch.equal(buffer, torch.cat(weights))
-    ways = pinning.main(["--dry-run", "--gib", "0.0625", "--block-mib", "16", "--parts", "8", "--rounds", "2"])
-    assert set(ways) == {"register first", "copy first", "in place", "torch's pinned allocator"}
+    args = ["--dry-run", "--gib", "0.0625", "--block-mib", "16", "--parts", "8", "--rounds", "2"]
+    ways = pinning.main([*args, "--folder", str(tmp_path)])
+    assert set(ways) == {"register first", "copy first", "in place", "torch's pinned allocator", "file copied first",
+                         "file read", "file in place"}  # fmt: skip
     out = capsys.readouterr().out
     assert "4 blocks of 16 MiB in 8 weights (0.06 GiB), cpu, medians of 2 rounds" in out, out
     assert all(f"{way}: " in out for way in ways) and "0 of 32 weights refused" in out, out
+    assert "file in place: 0 of 4 blocks refused" in out and not list(tmp_path.iterdir()), out  # the file is gone
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
             pinning.main([])
