@@ -13,6 +13,7 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -139,6 +140,57 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     assert torch.equal(sample(comfy, later), reference)
     assert later.offload_engine.runner.packed_bytes == 0 and later.offload_engine.runner.waiting_bytes == 0
     comfy.mm.unload_all_models()
+
+
+def test_a_lora_added_while_pinning_runs_computes_as_comfyui_and_the_books_stay_true(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49's odd state: a prompt with a LoRA arrives while the plain prompt's blocks are still being pinned
+    where they lie (two of four pinned, the packing thread held). It computes what ComfyUI computes with the
+    LoRA, bitwise, at every mix of pinned and unpinned blocks; at every moment the driver's registrations are
+    what the engine reports and within ComfyUI's books; once its pinning ends every streamed block is pinned
+    once, and the plain prompt after it computes the plain model's output."""
+    model = wan(comfy)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    plain_reference = sample(comfy, model)
+    lora_reference = sample(comfy, comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0])
+    assert not torch.equal(plain_reference, lora_reference)
+    gate = PackingGate(monkeypatch)
+    patched = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, patched), plain_reference)
+    block = streamed_block_bytes(patched)
+    gate.let(2)
+    deadline = time.monotonic() + 30
+    while patched.offload_engine.runner.pinning_progress[0] < 2 * block and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def books_are_true(patcher) -> None:
+        """ComfyUI's books hold what the driver has registered (the blocks pinned so far, and the LoRA adapters the
+        engine streams with them, pinned at its start) and the reservations of the blocks still waiting, which
+        nothing else may take meanwhile; the engine reports its blocks' progress."""
+        pinned, total = patcher.offload_engine.runner.pinning_progress
+        books = comfy.mm.TOTAL_PINNED_MEMORY
+        assert total == STREAMED * block and pinned <= cudart.pinned, (pinned, total, cudart.pinned)
+        assert books == cudart.pinned + total - pinned, (books, cudart.pinned, total, pinned)
+
+    books_are_true(patched)
+    assert cudart.pinned == 2 * block
+    registered, calls = dict(cudart.registered), cudart.calls
+    with_lora = comfy.sd.load_lora_for_models(patched, None, lora, 1.0, 0)[0]
+    assert torch.equal(sample(comfy, with_lora), lora_reference)  # two blocks pinned, two not
+    books_are_true(with_lora)
+    # The two blocks' pins taken over as they were: each call since registered something new, none refused.
+    assert registered.items() <= cudart.registered.items() and cudart.failures == 0
+    assert cudart.calls - calls == len(cudart.registered) - len(registered) > 0
+    gate.let(4 * STREAMED)
+    with_lora.offload_engine.runner.finish_packing()
+    assert torch.equal(sample(comfy, with_lora), lora_reference)  # every block pinned
+    books_are_true(with_lora)
+    assert with_lora.offload_engine.runner.pinning_progress == (STREAMED * block, STREAMED * block)
+    assert torch.equal(sample(comfy, patched), plain_reference)
+    books_are_true(patched)
+    comfy.mm.unload_all_models()
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == 0
 
 
 def test_comfyuis_own_pins_and_available_ram_leave_the_pack_less(
