@@ -277,6 +277,37 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
     assert torch.equal(sample(comfy, high), reference)
 
 
+def test_two_experts_loading_at_once_share_the_budget_while_their_blocks_wait(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49's odd state: Wan 2.2's second expert loads while none of the first's blocks is pinned yet (the
+    packing thread held), in a pin budget that holds one expert's. The pins are never promised beyond the budget;
+    once both threads end, each expert holds half, the driver holds what ComfyUI's books count, and both
+    compute what the model computes at every step on the way."""
+    first, second = wan(comfy), wan(comfy)
+    reference = sample(comfy, first)
+    probe = async_offload(comfy, first, resident=1)
+    sample(comfy, probe)
+    block = streamed_block_bytes(probe)
+    comfy.mm.unload_all_models()
+    budget = STREAMED * block
+    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", budget)
+    gate = PackingGate(monkeypatch)
+    high, low = async_offload(comfy, first, resident=1), async_offload(comfy, second, resident=1)
+    assert torch.equal(sample(comfy, high), reference)
+    assert cudart.pinned == 0 and budget == comfy.mm.TOTAL_PINNED_MEMORY  # every block waiting, its pin reserved
+    assert torch.equal(sample(comfy, low), reference)
+    assert cudart.pinned == 0 and budget >= comfy.mm.TOTAL_PINNED_MEMORY
+    gate.let(4 * STREAMED)
+    for expert in (high, low):
+        expert.offload_engine.runner.finish_packing()
+    refused = [len(expert.offload_engine.runner.refused_pinning) for expert in (high, low)]
+    assert refused == [STREAMED // 2, STREAMED // 2], refused
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == budget
+    assert torch.equal(sample(comfy, high), reference) and torch.equal(sample(comfy, low), reference)
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == budget
+
+
 def test_a_buffer_whose_filling_fails_keeps_nothing_reserved_or_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host buffer is filled, then registered (the engine's own registrar, over a fake ``cudart``). A fill that
     raises (a block read from a file that changed under it) leaves nothing in the pin budget and nothing
