@@ -244,6 +244,11 @@ class BlockOffloadPatcher(ModelPatcher):
             # What ComfyUI loads computes in the recorded dtypes (its weights: ``patch_weight_to_device``); the
             # engine casts the streamed blocks itself.
             cast_unloaded_to_recorded_dtypes(self.model, placement.streamed)
+        # Blocks an earlier engine pinned in place that ComfyUI now loads: their pins go back to the budget now, not
+        # when their memory happens to be freed (a host on the CPU, or a LoRA's backup, keeps the tensors).
+        state.parking.unpin_in_place(
+            module for name, module in self.model.named_modules() if not inside(name, placement.streamed)
+        )
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
         # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
         # a weight to another dtype, ComfyUI counting it as it was).

@@ -140,6 +140,14 @@ class ParkingLot:
             if parked is not None:
                 leave(module, parked)
 
+    def unpin_in_place(self, modules: Iterable[nn.Module]) -> None:
+        """Lets go of the blocks among ``modules`` parked pinned in place: their tensors unregistered where they lie,
+        their reservations given back. For blocks no streamer will take over (a host loads them itself); a block
+        parked on a host buffer needs nothing of the kind, its buffer freed once the host has moved its tensors."""
+        for module in modules:
+            if isinstance(self._parked.get(module), ParkedInPlace):
+                leave(module, self._parked.pop(module))
+
 
 def leave(module: nn.Module, parked: Parked) -> None:
     """Points ``module``'s parts that are views of its parked buffer at memory of their own: its file's views

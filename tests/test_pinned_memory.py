@@ -277,6 +277,45 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
     assert torch.equal(sample(comfy, high), reference)
 
 
+def test_a_clone_placing_otherwise_takes_over_what_an_earlier_clone_half_pinned(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49's odd state: a model whose blocks an earlier clone had partly pinned in place (two of its four
+    streamed blocks, the packing thread held) streams through a clone that keeps one more block resident. The
+    block now resident is unpinned (ComfyUI loads it), the other pinned one is taken over as it is, the rest are
+    pinned by the new clone's engine; both clones compute the model's output."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    gate = PackingGate(monkeypatch)
+    earlier = async_offload(comfy, model, resident=1)
+    assert torch.equal(sample(comfy, earlier), reference)
+    block = streamed_block_bytes(earlier)
+    gate.let(2)
+    deadline = time.monotonic() + 30
+    while cudart.pinned < 2 * block and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cudart.pinned == 2 * block
+    blocks = earlier.model.diffusion_model.blocks
+
+    def registered(index: int) -> set[int]:
+        storages = {tensor.untyped_storage().data_ptr() for tensor in blocks[index].state_dict().values()}
+        return storages & cudart.registered.keys()
+
+    pinned_first = [index for index in range(1, 5) if registered(index)]
+    assert pinned_first == [1, 2], pinned_first  # in the order the steps call them
+    kept = registered(2)
+    later = async_offload(comfy, model, resident=2)  # block 1 resident from now on
+    assert torch.equal(sample(comfy, later), reference)
+    assert not registered(1) and registered(2) == kept
+    gate.let(4 * STREAMED)
+    later.offload_engine.runner.finish_packing()
+    streamed = STREAMED - 1
+    assert later.offload_engine.runner.pinning_progress == (streamed * block, streamed * block)
+    assert cudart.pinned == streamed * block == comfy.mm.TOTAL_PINNED_MEMORY
+    assert [index for index in range(1, 5) if registered(index)] == [2, 3, 4] and registered(2) == kept
+    assert torch.equal(sample(comfy, later), reference) and torch.equal(sample(comfy, earlier), reference)
+
+
 def test_two_experts_loading_at_once_share_the_budget_while_their_blocks_wait(
     comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
 ) -> None:
