@@ -72,6 +72,15 @@ def streamed_block_bytes(patched) -> int:
     return patched.offload_engine.plan.block_bytes[1]
 
 
+def let_pin(gate: PackingGate, cudart: FakeCudart, blocks: int, block: int) -> None:
+    """Lets the held packing thread pin ``blocks`` blocks of ``block`` bytes in place, and waits until it has."""
+    gate.let(blocks)
+    deadline = time.monotonic() + 30
+    while cudart.pinned < blocks * block and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cudart.pinned == blocks * block, (cudart.pinned, blocks * block)
+
+
 def test_the_packs_pins_are_in_comfyuis_books_and_survive_its_reset(comfy: SimpleNamespace, cudart: FakeCudart) -> None:
     model = wan(comfy)
     reference = sample(comfy, model)
@@ -159,10 +168,7 @@ def test_a_lora_added_while_pinning_runs_computes_as_comfyui_and_the_books_stay_
     patched = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, patched), plain_reference)
     block = streamed_block_bytes(patched)
-    gate.let(2)
-    deadline = time.monotonic() + 30
-    while patched.offload_engine.runner.pinning_progress[0] < 2 * block and time.monotonic() < deadline:
-        time.sleep(0.01)
+    let_pin(gate, cudart, 2, block)
 
     def books_are_true(patcher) -> None:
         """ComfyUI's books hold what the driver has registered (the blocks pinned so far, and the LoRA adapters the
@@ -174,7 +180,6 @@ def test_a_lora_added_while_pinning_runs_computes_as_comfyui_and_the_books_stay_
         assert books == cudart.pinned + total - pinned, (books, cudart.pinned, total, pinned)
 
     books_are_true(patched)
-    assert cudart.pinned == 2 * block
     registered, calls = dict(cudart.registered), cudart.calls
     with_lora = comfy.sd.load_lora_for_models(patched, None, lora, 1.0, 0)[0]
     assert torch.equal(sample(comfy, with_lora), lora_reference)  # two blocks pinned, two not
@@ -290,11 +295,7 @@ def test_a_clone_placing_otherwise_takes_over_what_an_earlier_clone_half_pinned(
     earlier = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, earlier), reference)
     block = streamed_block_bytes(earlier)
-    gate.let(2)
-    deadline = time.monotonic() + 30
-    while cudart.pinned < 2 * block and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cudart.pinned == 2 * block
+    let_pin(gate, cudart, 2, block)
     blocks = earlier.model.diffusion_model.blocks
 
     def registered(index: int) -> set[int]:
