@@ -142,14 +142,17 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 comfy.mm.load_models_gpu([patcher], memory_required=need_bytes, minimum_memory_required=need_bytes)
             else:
                 patcher.partially_load(device, 1e32 if config.budget is None else config.budget.nbytes)
+            synchronize(device)
+            loaded = time.perf_counter()
             forward(patcher, inputs)
             synchronize(device)
             first = time.perf_counter()
+            engine = getattr(patcher, "offload_engine", None)
+            first_step = None if engine is None else engine.recorder.latest()
             step_ms = ms_of_each_call(lambda: forward(patcher, inputs), device, steps - 1)
             wall = time.perf_counter()
             loaded_and_stepped.close()  # the host's peak over the load and the steps, not the unload
             peak = sampled.peak if cuda else None
-            engine = getattr(patcher, "offload_engine", None)
             done = Round(
                 started,
                 (first - started) * 1000,
@@ -161,6 +164,10 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 pinned_host_bytes(comfy),
                 None if engine is None else engine.packing_s * 1000,
                 None if engine is None else engine.runner.packed_bytes + engine.runner.background_packing[0],
+                (loaded - started) * 1000,
+                None if first_step is None else first_step.copy_ms,
+                None if first_step is None else first_step.unpacked_copy_ms,
+                None if first_step is None else first_step.unpacked_bytes,
             )
             where = placed(patcher)
         finally:
@@ -224,6 +231,14 @@ def measure_all(
                 if packing is None
                 else f" (packed {packed / GIB:.2f} GiB; {packing / 1000:.2f} s before the first step)"
             )
+            if done_round.load_ms is not None:
+                packing_said += f"; the load {done_round.load_ms / 1000:.2f} s"
+            if done_round.first_copy_ms is not None:
+                unpacked = (done_round.first_unpacked_bytes or 0) / GIB
+                packing_said += (
+                    f", the first step's copies {done_round.first_copy_ms / 1000:.2f} s, of them "
+                    f"{(done_round.first_unpacked_ms or 0) / 1000:.2f} s for {unpacked:.2f} GiB not pinned or packed"
+                )
             progress(
                 f"{config.method}: median {steps[len(steps) // 2] / 1000:.3f} s/step, at most {steps[-1] / 1000:.3f}, "
                 f"load + first step {done_round.load_first_ms / 1000:.2f} s{packing_said}{vram}; "

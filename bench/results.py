@@ -70,6 +70,13 @@ class Round:
     # copied into them over the round, in the background too; None for ComfyUI's rows.
     packing_ms: float | None = None
     packed_bytes: int | None = None
+    # Where ``load_first_ms`` went: the load (ComfyUI's, with the pack's engine start), then the first step; of that
+    # step, as the pack's recorder saw it, its copies and those from blocks not pinned or packed yet (None for
+    # ComfyUI's rows). What issue 49's first step costs, part by part.
+    load_ms: float | None = None
+    first_copy_ms: float | None = None
+    first_unpacked_ms: float | None = None
+    first_unpacked_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -192,10 +192,15 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
         packs = not method.startswith((COMFYUI, RESIDENT))
         for one in row["rounds"]:
             packing, packed = one["packing_ms"], one["packed_bytes"]
+            # Every load is timed apart from its first step; the pack's rows also say what that step copied, and
+            # how much of it came from blocks not pinned or packed yet.
+            assert 0 < one["load_ms"] < one["load_first_ms"], (method, one)
             if packs:
                 assert 0 < packing < one["load_first_ms"] and packed > 0, (method, one)
+                unpacked_ms, copy_ms = one["first_unpacked_ms"], one["first_copy_ms"]
+                assert 0 <= unpacked_ms <= copy_ms and one["first_unpacked_bytes"] >= 0, (method, one)
             else:
-                assert packing is None and packed is None, (method, one)
+                assert packing is None and packed is None and one["first_copy_ms"] is None, (method, one)
         assert (row["packing_ms"] is not None) == packs, method
     # Interleaved: every row of a group ran its first round before any row of that group ran its second.
     for group in ({RESIDENT, f"{ALL_STREAMED}, prefetch 1", RESIDENT + AGAIN},
