@@ -36,11 +36,14 @@ run_suite() {
 if [[ ${#hosts[@]} -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=1
 fi
+# A whole suite ends with its 25 slowest tests and fixtures: where its minutes go, in every CI log.
+slowest=()
+printf '%s\n' "$@" | grep -q '^tests' || slowest=(--durations=25)
 declare -A pids logs
 trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
 for host in "${hosts[@]:1}"; do
   logs[$host]="$repo/.host/tests-$host.log"
-  run_suite "$host" "$@" >"${logs[$host]}" 2>&1 &
+  run_suite "$host" "${slowest[@]}" "$@" >"${logs[$host]}" 2>&1 &
   pids[$host]=$!
 done
 declare -A statuses
@@ -51,7 +54,7 @@ if [[ ${#hosts[@]} -gt 1 ]] && ! printf '%s\n' "$@" | grep -q '^tests'; then
   workers=(-n 2 --dist loadfile)
 fi
 statuses[${hosts[0]}]=0
-run_suite "${hosts[0]}" "${workers[@]}" "$@" || statuses[${hosts[0]}]=$?
+run_suite "${hosts[0]}" "${workers[@]}" "${slowest[@]}" "$@" || statuses[${hosts[0]}]=$?
 for host in "${hosts[@]:1}"; do
   statuses[$host]=0
   wait "${pids[$host]}" || statuses[$host]=$?
