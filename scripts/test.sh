@@ -36,9 +36,12 @@ run_suite() {
 if [[ ${#hosts[@]} -gt 1 && -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=1
 fi
-# A whole suite ends with its 25 slowest tests and fixtures: where its minutes go, in every CI log.
+# A run of named tests, or the whole suite, which ends with its 25 slowest tests and fixtures: where its minutes
+# go, in every CI log.
+named=0
+printf '%s\n' "$@" | grep -q '^tests' && named=1
 slowest=()
-printf '%s\n' "$@" | grep -q '^tests' || slowest=(--durations=25)
+(( named )) || slowest=(--durations=25)
 declare -A pids logs
 trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
 for host in "${hosts[@]:1}"; do
@@ -50,7 +53,7 @@ declare -A statuses
 # The first host's suite, the longest, on two workers file by file (pytest-xdist), beside the other's: three
 # processes on two cores, both kept busy to the end. Not for a run of named tests.
 workers=()
-if [[ ${#hosts[@]} -gt 1 ]] && ! printf '%s\n' "$@" | grep -q '^tests'; then
+if [[ ${#hosts[@]} -gt 1 ]] && (( ! named )); then
   workers=(-n 2 --dist loadfile)
 fi
 statuses[${hosts[0]}]=0

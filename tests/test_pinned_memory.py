@@ -72,6 +72,19 @@ def streamed_block_bytes(patched) -> int:
     return patched.offload_engine.plan.block_bytes[1]
 
 
+def two_experts_in_one_experts_pins(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch):
+    """Wan 2.2's two experts (two loads of one model), the model's output, and a streamed block's bytes, with
+    ComfyUI's pinned budget set to what one expert's streamed blocks take (measured on a first load, unloaded)."""
+    first, second = wan(comfy), wan(comfy)
+    reference = sample(comfy, first)
+    probe = async_offload(comfy, first, resident=1)
+    sample(comfy, probe)
+    block = streamed_block_bytes(probe)
+    comfy.mm.unload_all_models()
+    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", STREAMED * block)
+    return first, second, reference, block
+
+
 def let_pin(gate: PackingGate, cudart: FakeCudart, blocks: int, block: int) -> None:
     """Lets the held packing thread pin ``blocks`` blocks of ``block`` bytes in place, and waits until it has."""
     gate.let(blocks)
@@ -265,13 +278,7 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
 ) -> None:
     """Wan 2.2's two experts: the first pins its 4 blocks, all the budget; the second gets 2, the first
     unpinning 2 of its own (they go on streaming, pageable). Both compute what they computed before."""
-    first, second = wan(comfy), wan(comfy)
-    reference = sample(comfy, first)
-    probe = async_offload(comfy, first, resident=1)
-    sample(comfy, probe)
-    block = streamed_block_bytes(probe)
-    comfy.mm.unload_all_models()
-    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", STREAMED * block)
+    first, second, reference, block = two_experts_in_one_experts_pins(comfy, monkeypatch)
     high, low = async_offload(comfy, first, resident=1), async_offload(comfy, second, resident=1)
     assert torch.equal(sample(comfy, high), reference)
     assert not high.offload_engine.runner.refused_pinning and cudart.pinned == STREAMED * block
@@ -324,14 +331,8 @@ def test_two_experts_loading_at_once_share_the_budget_while_their_blocks_wait(
     packing thread held), in a pin budget that holds one expert's. The pins are never promised beyond the budget;
     once both threads end, each expert holds half, the driver holds what ComfyUI's books count, and both
     compute what the model computes at every step on the way."""
-    first, second = wan(comfy), wan(comfy)
-    reference = sample(comfy, first)
-    probe = async_offload(comfy, first, resident=1)
-    sample(comfy, probe)
-    block = streamed_block_bytes(probe)
-    comfy.mm.unload_all_models()
+    first, second, reference, block = two_experts_in_one_experts_pins(comfy, monkeypatch)
     budget = STREAMED * block
-    monkeypatch.setattr(comfy.mm, "MAX_PINNED_MEMORY", budget)
     gate = PackingGate(monkeypatch)
     high, low = async_offload(comfy, first, resident=1), async_offload(comfy, second, resident=1)
     assert torch.equal(sample(comfy, high), reference)
