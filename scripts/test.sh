@@ -13,6 +13,18 @@ started=$SECONDS
 scripts/setup.sh
 echo "test.sh: set-up checked in $((SECONDS - started)) s" >&2
 source scripts/hosts.sh
+# What the suites write: the tiny checkpoints into .host/models (once), and each suite's temporary files, two
+# suites at once at their peak (measured on a fresh clone; see the README's CI row).
+MODELS_GIB=7 TEMPORARY_GIB=6
+models_gib="$(du -s -BG .host/models 2>/dev/null | cut -f1 | tr -d G)"
+models_left=$(( MODELS_GIB > ${models_gib:-0} ? MODELS_GIB - ${models_gib:-0} : 0 ))
+tmp="${TMPDIR:-/tmp}"
+if [[ "$(stat -c %d "$tmp")" == "$(stat -c %d .host)" ]]; then
+  require_free_gib $((models_left + TEMPORARY_GIB)) "$tmp" "test.sh: the tiny checkpoints and the suites' temporary files" || exit 1
+else
+  require_free_gib "$models_left" .host "test.sh: the tiny checkpoints" || exit 1
+  require_free_gib "$TEMPORARY_GIB" "$tmp" "test.sh: the suites' temporary files" || exit 1
+fi
 hosts=()
 if [[ "${1:-}" == "--host" ]]; then
   [[ -n "${2:-}" ]] || { echo "test.sh: --host needs a name: $(host_names | paste -sd' ')" >&2; exit 2; }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -73,10 +74,13 @@ def comfy(comfyui_path: Path) -> SimpleNamespace:
     )
 
 
-@pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """All tiny checkpoints, generated once into a session temp folder."""
-    return tm.generate(tmp_path_factory.mktemp("tiny_models"))
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """All tiny checkpoints, generated once into a temp folder, removed after this file's tests: 2.2 GB (Flux's
+    detected width makes it 2 GB) that the rest of the suite, the other host's beside it, has no use for."""
+    folder = tmp_path_factory.mktemp("tiny_models")
+    yield tm.generate(folder)
+    shutil.rmtree(folder)
 
 
 @dataclass
@@ -87,7 +91,7 @@ class Encoded:
     negative: list[Any]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def encode(comfy: SimpleNamespace, models: dict[str, Path]) -> Iterator[Any]:
     """encode(clip_type) -> Encoded, via comfy.sd.load_clip as CLIPLoader does (cached per type)."""
     cache: dict[str, Encoded] = {}
