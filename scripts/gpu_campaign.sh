@@ -60,6 +60,8 @@ if [[ $dry == 1 ]]; then
   export COMFYUI_PATH="${COMFYUI_PATH:-$repo/.comfyui-0.33.0}"
   [[ -x "$python" && -f "$COMFYUI_PATH/main.py" ]] || { echo "gpu_campaign: run scripts/setup.sh first" >&2; exit 2; }
   bench_size=(--smoke)
+  # The head-to-head's code is the same for any number of rounds and steps: the fewest that give every column.
+  flux_runs=(--rounds 1 --steps 2)
 else
   [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
   # A warm machine keeps the folder unpacked by an earlier call, but not its files: unpack it again.
@@ -69,6 +71,7 @@ else
   python=python3
   export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
   bench_size=()
+  flux_runs=(--rounds 2 --steps 6)
 fi
 export PYTHONUNBUFFERED=1
 
@@ -144,8 +147,8 @@ fi
 # Stored as float32, then bfloat16: both run, and the part fails if either does.
 zoo_both=(bash -c '"$@"; fp32=$?; "$@" --dtype bfloat16; exit $(( fp32 | $? ))' zoo "${zoo[@]}")
 
-flux_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets --cards 12 --rounds 2
-  --steps 6 --out "$out/bench" --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on"
+flux_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets --cards 12 "${flux_runs[@]}"
+  --out "$out/bench" --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on"
   "Partial GPU Residency, auto")
 if [[ $call == 1 ]]; then
   # The server tests spend their time starting ComfyUI and on tiny models, as the zoo does; the engine's timing

@@ -50,9 +50,9 @@ PY
 # installed VENV COMFY_DIR: whether that host's first-time install is done (its stamp).
 stamp_of() { echo "$1/.block-offload-setup-v2-$(echo "$2" | sha1sum | cut -c1-12)"; }
 installed() { [[ -f "$(stamp_of "$1" "$2")" ]]; }
-# A first-time install: the venv (torch and its CUDA libraries, 6.6 GiB; shared between two hosts afterwards) and
-# pip's downloads while it unpacks them.
-INSTALL_GIB=9
+# A host's first-time install: its venv (torch and its CUDA libraries, 6.6 GiB, shared between two hosts afterwards)
+# and pip's downloads while it unpacks them; two at once peaked at 13.4 GiB on a fresh clone.
+INSTALL_GIB=7
 
 # prepare_host NAME VENV COMFY_DIR SOURCE: SOURCE is "horde", a folder to copy, or "in-place".
 prepare_host() {

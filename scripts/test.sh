@@ -13,9 +13,9 @@ started=$SECONDS
 scripts/setup.sh
 echo "test.sh: set-up checked in $((SECONDS - started)) s" >&2
 source scripts/hosts.sh
-# What the suites write: the tiny checkpoints into .host/models (once), and each suite's temporary files, two
-# suites at once at their peak (measured on a fresh clone; see the README's CI row).
-MODELS_GIB=7 TEMPORARY_GIB=6
+# What the suites write: the tiny checkpoints into .host/models (6.5 GiB, once), and the two suites' temporary files
+# at their peak (2.8 GiB on a fresh clone).
+MODELS_GIB=7 TEMPORARY_GIB=4
 models_gib="$(du -s -BG .host/models 2>/dev/null | cut -f1 | tr -d G)"
 models_left=$(( MODELS_GIB > ${models_gib:-0} ? MODELS_GIB - ${models_gib:-0} : 0 ))
 tmp="${TMPDIR:-/tmp}"
