@@ -33,14 +33,14 @@ else
   mapfile -t hosts < <(host_names)
 fi
 
-# run_suite NAME ARGS...: pytest on host NAME in its own base directory (its tests lay it out, sharing .host/'s
-# custom_nodes and models); its exit status.
+# run_suite NAME NICENESS ARGS...: pytest on host NAME in its own base directory (its tests lay it out, sharing
+# .host/'s custom_nodes and models), at that niceness (its servers too); its exit status.
 run_suite() {
-  local name="$1" base="$repo/.host/tests-$1"
-  shift
+  local name="$1" niceness="$2" base="$repo/.host/tests-$1"
+  shift 2
   use_host "$name"
   echo "test.sh: ComfyUI $HOST_NAME ($COMFYUI_PATH), base directory $base" >&2
-  BLOCK_OFFLOAD_BASE_DIR="$base" "$HOST_PYTHON" -m pytest "$@"
+  BLOCK_OFFLOAD_BASE_DIR="$base" nice -n "$niceness" "$HOST_PYTHON" -m pytest "$@"
 }
 
 # One compute thread per suite (their servers inherit it): two suites of torch's default two threads each on two
@@ -58,18 +58,20 @@ declare -A pids logs
 trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
 for host in "${hosts[@]:1}"; do
   logs[$host]="$repo/.host/tests-$host.log"
-  run_suite "$host" "${slowest[@]}" "$@" >"${logs[$host]}" 2>&1 &
+  run_suite "$host" 0 "${slowest[@]}" "$@" >"${logs[$host]}" 2>&1 &
   pids[$host]=$!
 done
 declare -A statuses
 # The first host's suite, the longest, on two workers file by file (pytest-xdist), beside the other's: three
-# processes on two cores, both kept busy to the end. Not for a run of named tests.
-workers=()
+# processes on two cores, both kept busy to the end. Its workers yield to the other suite (niceness 5): at equal
+# shares the other, one process, got a third of the cores and ended minutes after them, one core idle meanwhile;
+# this way it gets one core and both end about together. Not for a run of named tests.
+workers=() niceness=0
 if [[ ${#hosts[@]} -gt 1 ]] && (( ! named )); then
-  workers=(-n 2 --dist loadfile)
+  workers=(-n 2 --dist loadfile) niceness=5
 fi
 statuses[${hosts[0]}]=0
-run_suite "${hosts[0]}" "${workers[@]}" "${slowest[@]}" "$@" || statuses[${hosts[0]}]=$?
+run_suite "${hosts[0]}" "$niceness" "${workers[@]}" "${slowest[@]}" "$@" || statuses[${hosts[0]}]=$?
 for host in "${hosts[@]:1}"; do
   statuses[$host]=0
   wait "${pids[$host]}" || statuses[$host]=$?
