@@ -59,7 +59,7 @@ import torch
 
 from harness import tiny_models as tm
 from harness.card import CARD_ENV
-from harness.comfy_host import REPO, SETUP_DIR, ComfyHost
+from harness.comfy_host import REPO, SETUP_DIR, ComfyHost, interrupt_on_sigterm
 from harness.host_memory import peak_during
 from harness.prompts import Arch, PromptBuilder, evict_cached_models, sampler_of, server_env
 
@@ -526,4 +526,5 @@ def model_part(t: Timed) -> float:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from harness.comfy_host import REPO
+from harness.comfy_host import REPO, interrupt_on_sigterm
 
 from bench.checkpoints import CHECKPOINTS, SMOKE_CHECKPOINTS, Checkpoint
 from bench.comfy_models import Comfy, cannot_load, import_comfy, load_file, load_model, make_inputs
@@ -296,4 +296,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

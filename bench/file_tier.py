@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from harness.comfy_host import interrupt_on_sigterm
 from harness.mapped_file import MappedFile
 from harness.transformer_stack import transformer_stack
 
@@ -70,7 +71,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         device = torch.device("cpu")
     else:
         sys.exit("file_tier: no CUDA device. Pass --allow-cpu to smoke-test the code path on the CPU.")
-    folder = args.folder or Path(tempfile.mkdtemp(prefix="block_offload_file_tier_"))
+    if args.folder:
+        return measure(args, device, args.folder)
+    with tempfile.TemporaryDirectory(prefix="block_offload_file_tier_") as folder:
+        return measure(args, device, Path(folder))
+
+
+def measure(args: argparse.Namespace, device: torch.device, folder: Path) -> list[dict]:
+    """Every host share's row, the stack's file written into ``folder``."""
     model = transformer_stack(num_blocks=args.blocks, dim=args.dim, heads=max(1, args.dim // 128))
     model = model.to(torch.bfloat16)
     mapped = MappedFile(copy.deepcopy(model), folder / "stack.safetensors", getattr(torch, args.stored))
@@ -154,4 +162,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 
 from harness import tiny_specs
-from harness.comfy_host import resolve_comfyui_path
+from harness.comfy_host import interrupt_on_sigterm, resolve_comfyui_path
 from harness.inprocess import in_process_comfy, sample
 
 from bench.checkpoints import CHECKPOINTS, WAN14B, Checkpoint, resized
@@ -137,4 +137,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

@@ -28,7 +28,7 @@ import torch
 
 from harness import tiny_models as tm
 from harness import tiny_specs
-from harness.comfy_host import resolve_comfyui_path
+from harness.comfy_host import interrupt_on_sigterm, resolve_comfyui_path
 
 from bench.checkpoints import resized
 
@@ -174,4 +174,5 @@ def inputs(model, latent_size: tuple[int, ...]) -> tuple[torch.Tensor, torch.Ten
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
+from harness.comfy_host import interrupt_on_sigterm
 from harness.workflows import SAMPLER, SCHEDULER
 
 from bench.cold_prompt import (
@@ -253,4 +254,5 @@ def later_steps(t: Timed) -> float | None:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

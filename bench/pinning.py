@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 import harness  # noqa: F401 (makes the pack importable as block_offload)
+from harness.comfy_host import interrupt_on_sigterm
 
 from block_offload.offload.page_lock import CudaHostRegistrar, HostRegistrar
 
@@ -304,4 +305,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

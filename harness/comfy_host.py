@@ -406,6 +406,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def interrupt_on_sigterm() -> None:
+    """Ctrl-C, ``timeout`` and a plain ``kill`` all raise KeyboardInterrupt, so with-blocks unwind: servers stop,
+    and a benchmark's temporary checkpoints (tens of GB on a GPU machine's disk, or in /dev/shm) are removed,
+    where Python's default for SIGTERM ends the process at once. SIGINT may arrive ignored when a script started
+    the process in the background."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 # ------------------------------------------------------------------------ the UI
 def _follow(path: Path, proc_alive: Any) -> Iterator[str]:
     with open(path, errors="replace") as fh:
@@ -431,10 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     extra = [a for a in args.extra if a != "--"]
-    # Ctrl-C and a plain `kill` both stop the server cleanly (SIGINT may arrive ignored when
-    # started in the background by a script).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupt_on_sigterm()
     if not args.no_tiny_models:
         try:
             ensure_tiny_models()

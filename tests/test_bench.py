@@ -9,8 +9,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -229,6 +231,36 @@ def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> Non
     assert "Targets:" in table and "Measured on: device cpu" in table
     with Image.open(tmp_path / "wan14b.png") as image:
         assert image.size == (1280, 600)
+
+
+def test_a_benchmark_stopped_by_its_time_cap_removes_its_checkpoint_files(tmp_path: Path) -> None:
+    """The GPU campaign runs each part under ``timeout`` (SIGTERM): a part stopped there must not leave its
+    checkpoint behind (Qwen-Image's is 41 GB, on a machine of 64 GiB of disk, in /dev/shm where it has room)."""
+    files = tmp_path / "files"
+    files.mkdir()
+    args = ["--smoke", "--models", "wan14b", "--budgets", "0.5", "--rounds", "50", "--steps", "20",
+            "--files", str(files), "--out", str(tmp_path / "out")]  # fmt: skip
+    run = subprocess.Popen(
+        [sys.executable, "-m", "bench.comfy_bench", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(files.glob("comfy_bench_files_*/*.safetensors")) and run.poll() is None:
+            assert time.monotonic() < deadline, "the benchmark wrote no checkpoint in 240 s"
+            time.sleep(0.1)
+        assert run.poll() is None, "the benchmark ended before it could be stopped:\n" + run.stderr.read()[-3000:]
+        time.sleep(1.0)  # into its rows
+        run.send_signal(signal.SIGTERM)
+        stderr = run.communicate(timeout=60)[1]
+    finally:
+        run.kill()
+    assert run.returncode != 0, stderr[-3000:]
+    assert "KeyboardInterrupt" in stderr, stderr[-3000:]
+    assert not list(files.iterdir()), f"left behind: {[p.name for p in files.rglob('*')]}"
 
 
 def test_smoke_builds_and_runs_flux_and_qwen_image_from_the_hosts_own_detection(tmp_path: Path) -> None:
