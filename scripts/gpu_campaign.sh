@@ -106,7 +106,7 @@ part() {  # part NAME CAP_SECONDS COMMAND...: runs it under the smaller of its c
     echo "#### $name: exit $rc in $(( SECONDS - t0 )) s$([[ $rc == 124 ]] && echo ' (its time cap)')"
     echo
     echo '```'
-    grep -E "passed|failed|skipped|PASSED|FAILED|ERROR|Error|error:|GB/s|^\| |holds|misses|noisy| s  |^device|ms/step|ms$|architecture|recorder:|refused by the driver" "$out/$name.log" | tail -n 80
+    grep -E "passed|failed|skipped|PASSED|FAILED|ERROR|Error|error:|GB/s|^\| |holds|misses|noisy| s  |^device|s/step|ms$|architecture|recorder:|refused by the driver" "$out/$name.log" | tail -n 80
     echo '```'
     echo
   } >> "$report"

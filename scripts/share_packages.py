@@ -52,7 +52,11 @@ def share(source_site: Path, target_site: Path) -> tuple[int, int]:
             # Linked beside it, then renamed over it: the file is never missing, even if this is interrupted.
             partial = b.with_name(b.name + ".share-partial")
             partial.unlink(missing_ok=True)
-            os.link(a, partial)
+            try:
+                os.link(a, partial)
+            except OSError as exc:  # a file system without hard links, or a file with too many: each venv keeps its own
+                print(f"share_packages: {target_site} keeps its own files: cannot link {a} ({exc})", file=sys.stderr)
+                return files, shared_bytes
             os.replace(partial, b)
             files += 1
             shared_bytes += sa.st_size

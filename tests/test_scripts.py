@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,6 +71,28 @@ def test_a_file_changed_since_pip_installed_it_is_not_shared(tmp_path: Path) -> 
     assert share(tmp_path / "a", tmp_path / "b") == ""
     assert (b / "torch/x.so").read_bytes() == b"changed" * 10
     assert (a / "torch/x.so").stat().st_ino != (b / "torch/x.so").stat().st_ino
+
+
+def test_where_the_disk_has_no_hard_links_each_venv_keeps_its_own_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = importlib.util.spec_from_file_location("share_packages", REPO / "scripts" / "share_packages.py")
+    assert spec and spec.loader
+    share_packages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share_packages)
+    data = b"library" * 100
+    a = install(tmp_path / "a", "torch-2.11.0.dist-info", {"torch/x.so": data})
+    b = install(tmp_path / "b", "torch-2.11.0.dist-info", {"torch/x.so": data})
+
+    def refuse(*_: object) -> None:
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(share_packages.os, "link", refuse)
+    assert share_packages.share(a, b) == (0, 0)
+    assert "keeps its own files: cannot link" in capsys.readouterr().err
+    assert (b / "torch/x.so").read_bytes() == data
+    assert (a / "torch/x.so").stat().st_ino != (b / "torch/x.so").stat().st_ino
+    assert sorted(p.name for p in (b / "torch").iterdir()) == ["x.so"]
 
 
 def require_free(gib: int, folder: Path) -> subprocess.CompletedProcess[str]:
