@@ -47,7 +47,7 @@ PY
   rm -rf "$tmp"
 }
 
-# installed VENV COMFY_DIR: whether that host's first-time install is done (its stamp).
+# stamp_of VENV COMFY_DIR: the file a host's finished first-time install leaves; installed: whether it is there.
 stamp_of() { echo "$1/.block-offload-setup-v2-$(echo "$2" | sha1sum | cut -c1-12)"; }
 installed() { [[ -f "$(stamp_of "$1" "$2")" ]]; }
 # A host's first-time install: its venv (torch and its CUDA libraries, 6.6 GiB, shared between two hosts afterwards)
@@ -107,7 +107,8 @@ else
   # The two hosts install side by side, each into its own venv (one's downloads overlap the other's unpacking).
   # 0.33.0 is listed first: it is what users run now, so the demo and the UI default to it.
   to_install=0
-  installed "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" || to_install=$((to_install + 1))
+  [[ -f "$SHARED_033/main.py" || -f "$repo/.comfyui-0.33.0/main.py" ]] &&
+    ! installed "$repo/.venv-0.33.0" "$repo/.comfyui-0.33.0" && to_install=$((to_install + 1))
   installed "$repo/.venv" "$repo/.comfyui" || to_install=$((to_install + 1))
   (( to_install == 0 )) || require_free_gib $((to_install * INSTALL_GIB)) "$repo" \
     "setup: installing $to_install ComfyUI host(s)" || exit 1

@@ -1,6 +1,6 @@
 """Makes the hosts' venvs share the files they install alike, as hard links: two ComfyUI hosts each install the
-same torch (and its CUDA libraries), about 4.5 GB each, and a machine whose disk the test suite nearly fills
-(its models, two suites' temporary files) runs out of it.
+same torch with its CUDA libraries (5.3 GiB), and a machine whose disk the test suite nearly fills (its
+checkpoints, two suites' temporary files) runs out of it.
 
     python scripts/share_packages.py VENV OTHER_VENV...
 

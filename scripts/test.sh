@@ -20,7 +20,8 @@ models_gib="$(du -s -BG .host/models 2>/dev/null | cut -f1 | tr -d G)"
 models_left=$(( MODELS_GIB > ${models_gib:-0} ? MODELS_GIB - ${models_gib:-0} : 0 ))
 tmp="${TMPDIR:-/tmp}"
 if [[ "$(stat -c %d "$tmp")" == "$(stat -c %d .host)" ]]; then
-  require_free_gib $((models_left + TEMPORARY_GIB)) "$tmp" "test.sh: the tiny checkpoints and the suites' temporary files" || exit 1
+  require_free_gib $((models_left + TEMPORARY_GIB)) "$tmp" \
+    "test.sh: the tiny checkpoints and the suites' temporary files" || exit 1
 else
   require_free_gib "$models_left" .host "test.sh: the tiny checkpoints" || exit 1
   require_free_gib "$TEMPORARY_GIB" "$tmp" "test.sh: the suites' temporary files" || exit 1
