@@ -65,8 +65,8 @@ done
 declare -A statuses
 # The first host's suite, the longest, on two workers file by file (pytest-xdist), beside the other's: three
 # processes on two cores, both kept busy to the end. Its workers yield to the other suite (niceness 5): at equal
-# shares the other, one process, got a third of the cores and ended minutes after them, one core idle meanwhile;
-# this way it gets one core and both end about together. Not for a run of named tests.
+# shares the other, one process, got a third of the cores and ended 2-3 min after them, one core idle meanwhile;
+# yielding, it gets more of a core: 36-94 s apart in three fresh-clone runs. Not for a run of named tests.
 workers=() niceness=0
 if [[ ${#hosts[@]} -gt 1 ]] && (( ! named )); then
   workers=(-n 2 --dist loadfile) niceness=5

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from harness.comfy_host import REPO
 
 
 def install(venv: Path, dist: str, files: dict[str, bytes]) -> Path:
