@@ -26,15 +26,20 @@ PACK_ROOT = Path(__file__).resolve().parents[1]
 
 
 def limited(start: Callable, limit: int) -> Callable:
-    """``start`` (the patcher's ``start_engine``), checking first that the simulated device has room."""
+    """``start`` (the patcher's ``start_engine``), checking once ComfyUI has loaded the resident part (the engine
+    enabled, its blocks pinning in the background) that the simulated device has room for it and the stream
+    buffers, before they are allocated."""
 
-    def start_within_limit(model, request, placement, device, *args, **kwargs):
-        needed = model.model.model_loaded_weight_memory + placement.buffer_bytes
-        if needed > limit:
-            raise torch.OutOfMemoryError(
-                f"simulated device limit: {needed} bytes of resident weights and stream buffers, {limit} available"
-            )
-        return start(model, request, placement, device, *args, **kwargs)
+    def start_within_limit(model, request, placement, device, parking, load_resident, *args, **kwargs):
+        def load_within_limit() -> None:
+            load_resident()
+            needed = model.model.model_loaded_weight_memory + placement.buffer_bytes
+            if needed > limit:
+                raise torch.OutOfMemoryError(
+                    f"simulated device limit: {needed} bytes of resident weights and stream buffers, {limit} available"
+                )
+
+        return start(model, request, placement, device, parking, load_within_limit, *args, **kwargs)
 
     return start_within_limit
 

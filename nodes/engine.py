@@ -1,5 +1,6 @@
-"""The engine's life on a loaded model: started once ComfyUI has loaded the resident part, stopped or
-parked when ComfyUI unloads the model or hands it to the next prompt's clone.
+"""The engine's life on a loaded model: started as ComfyUI loads the resident part (the streamed blocks pin and
+pack in the background meanwhile), stopped or parked when ComfyUI unloads the model or hands it to the next
+prompt's clone.
 
 ``Engine`` is the pack's main interface between ComfyUI and ``offload/``: the patcher keeps one per
 loaded model, the panel (``nodes/report.py``) and the benchmark read it. The engine imports none of its
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -182,11 +183,15 @@ def start_engine(
     placement: Placement,
     device: torch.device,
     parking: ParkingLot,
+    load_resident: Callable[[], None],
     last_order: CallOrder | None = None,
     history: PatchHistory | None = None,
 ) -> Engine:
-    """Streams ``placement``'s blocks of ``model`` (ComfyUI has loaded the rest): their weight patches
-    applied, packed into host buffers, the device buffers allocated now, where ComfyUI counted them.
+    """Streams ``placement``'s blocks of ``model``: their weight patches applied, packed into host buffers, the
+    device buffers allocated where ComfyUI counted them. ``load_resident`` is ComfyUI's load of the rest, run once
+    the engine is enabled: the packing thread pins the streamed blocks (in place, for a classic loader's tensors)
+    and packs them while ComfyUI copies the resident ones to the device, so the first step finds them pinned
+    rather than waiting for ComfyUI's load and then racing the pinning. Whatever it raises stops the engine.
     ``last_order``: the model's last engine's call order (``call_order_of``), where the first step starts;
     ``history``: the patches its last engines ran, which may make baking them pay (``decide_baking``); ``parking``: the
     model's parked host buffers, which the engine takes over and parks into."""
@@ -226,11 +231,15 @@ def start_engine(
     packing_s = time.perf_counter() - started
     release_freed_host_memory()  # the streamed weights' originals, now packed into host buffers
     try:
+        load_resident()
         if contents:  # each weight patched on the device before the ring is allocated, one at a time
             runner.wrote_content(write_patches_to_host(patching, units, recurse, runner.needs_content, device))
         runner.allocate_device_buffers()
-    except torch.OutOfMemoryError:
-        runner.disable()  # half-written buffers go with it: the blocks point at their file again
+    except BaseException:
+        # Out of memory (the caller falls back), an interrupt, or ComfyUI's load failing: no engine is recorded,
+        # so this one gives back every pin and buffer now; half-written buffers go with it, the blocks point at
+        # their file again.
+        runner.disable()
         raise
     _live_runners().add(runner)
     bandwidth = read_bandwidth(runner.file_slices())

@@ -19,6 +19,7 @@ state they share have files of their own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -253,17 +254,21 @@ class BlockOffloadPatcher(ModelPatcher):
         # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
         # a weight to another dtype, ComfyUI counting it as it was).
         offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
-        super().load(device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False)
+        load_resident = functools.partial(
+            super().load, device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False
+        )
         if not placement.streamed:
+            load_resident()
             state.placed(self.patcher_id, None, request)
             return
-        if state.engine is None:
+        if state.engine is None:  # it pins and packs the streamed blocks while ComfyUI loads the resident ones
             engine = start_engine(
-                self, request, placement, device_to, state.parking, state.call_order, state.patch_history
+                self, request, placement, device_to, state.parking, load_resident, state.call_order, state.patch_history
             )
             state.placed(self.patcher_id, engine, request)
             self._check_resident_loaded(request, offered)
         else:  # the engine ``load`` kept: this placement is the one it streams
+            load_resident()
             state.placed(self.patcher_id, state.engine, request)
         self.model.model_lowvram = True  # the streamed blocks are not on the device
         self.model.model_offload_buffer_memory += placement.buffer_bytes

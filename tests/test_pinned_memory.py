@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.device_limit import limited
 from harness.fake_cudart import FakeCudart
 from harness.inprocess import async_offload, sample, wan
 from harness.packing_gate import PackingGate
@@ -161,6 +162,116 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     later = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, later), reference)
     assert later.offload_engine.runner.packed_bytes == 0 and later.offload_engine.runner.waiting_bytes == 0
+    comfy.mm.unload_all_models()
+
+
+def block_bytes_of(model, index: int) -> int:
+    """The bytes of the tiny Wan's block ``index`` as the engine streams them (every tensor of it)."""
+    return sum(tensor.nbytes for tensor in model.model.diffusion_model.blocks[index].state_dict().values())
+
+
+def hold_comfyuis_load_until(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, ready) -> list[bool]:
+    """Holds each weight ComfyUI's load moves to the device (``patch_weight_to_device`` with a device) until
+    ``ready()``; the list says, for each weight, whether it was. After 10 s of waiting, no weight is held again."""
+    load_weight = comfy.patcher.BlockOffloadPatcher.patch_weight_to_device
+    held: list[bool] = []
+
+    def loading(patcher, key, device_to=None, *args, **kwargs):
+        if device_to is not None:
+            deadline = time.monotonic() + (10 if all(held) else 0)
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            held.append(ready())
+        return load_weight(patcher, key, device_to, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", loading)
+    return held
+
+
+def test_the_streamed_blocks_are_pinned_while_comfyui_loads_the_resident_ones(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first step finds the streamed blocks pinned: the engine starts pinning them in place before ComfyUI
+    loads the resident part, so the pinning (0.65 s for Flux's 11.87 GiB on the H100, registered in place) runs
+    under that load (about 2 s there) instead of after it, beside the first step's copies from pageable memory.
+    ComfyUI's load is held at each resident weight until every streamed block is pinned: on the order before
+    (the engine started once the load had ended) nothing was, and the load went on after 10 s."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    streamed = sum(block_bytes_of(model, index) for index in range(1, 1 + STREAMED))
+    held = hold_comfyuis_load_until(comfy, monkeypatch, lambda: cudart.pinned == streamed)
+    patched = async_offload(comfy, model, resident=1)
+    first_call: list[int] = []
+
+    def note_pinned(*_: object) -> None:
+        if not first_call:
+            first_call.append(patched.offload_engine.runner.pinning_progress[0])
+
+    hook = patched.model.diffusion_model.blocks[1].register_forward_pre_hook(note_pinned)
+    assert torch.equal(sample(comfy, patched), reference)
+    hook.remove()
+    assert held and all(held), "ComfyUI loaded resident weights before the streamed blocks were pinned"
+    assert first_call == [streamed] == [STREAMED * streamed_block_bytes(patched)]
+    blocks = patched.offload_engine.runner.host.blocks.values()
+    assert all(state.pinned_in_place and state.host.numel() == 0 for state in blocks)
+    assert cudart.pinned == streamed == comfy.mm.TOTAL_PINNED_MEMORY
+    comfy.mm.unload_all_models()
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == 0
+
+
+def test_comfyuis_load_failing_while_the_blocks_pin_gives_every_pin_back(
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ComfyUI's load of the resident part fails after the streamed blocks were pinned. Out of device memory (a
+    device too small for 2 resident blocks): the engine that pinned them stops, every registration undone and
+    every reservation back in ComfyUI's books, and the fallback placement streams one more block, pinned anew,
+    computing as the model. Another error raised by the load leaves nothing pinned, and the next prompt
+    streams."""
+    model = wan(comfy)
+    reference = sample(comfy, model)
+    one_resident = async_offload(comfy, model, resident=1)
+    sample(comfy, one_resident)
+    fits = one_resident.model.model_loaded_weight_memory + one_resident.offload_engine.placement.buffer_bytes
+    comfy.mm.unload_all_models()
+    start_engine = comfy.patcher.start_engine
+    monkeypatch.setattr(comfy.patcher, "start_engine", limited(start_engine, fits))
+    three_streamed = sum(block_bytes_of(model, index) for index in range(2, 5))
+    held = hold_comfyuis_load_until(comfy, monkeypatch, lambda: cudart.pinned >= three_streamed)
+    patched = async_offload(comfy, model, resident=2)
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(sample(comfy, patched), reference)
+    assert held and all(held), "the blocks were not pinned while ComfyUI loaded the resident ones"
+    assert any("Out of memory placing 2 resident blocks" in r.getMessage() for r in caplog.records)
+    assert patched.offload_engine.plan.streamed == frozenset(range(1, 5))
+    patched.offload_engine.runner.finish_packing()
+    four_streamed = three_streamed + block_bytes_of(model, 1)
+    assert cudart.pinned == four_streamed == comfy.mm.TOTAL_PINNED_MEMORY == comfy.pinned.PINNED_MEMORY.used
+    comfy.mm.unload_all_models()
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == comfy.pinned.PINNED_MEMORY.used == 0
+
+    monkeypatch.setattr(comfy.patcher, "start_engine", start_engine)
+    failing = comfy.patcher.BlockOffloadPatcher.patch_weight_to_device
+
+    pinned_at_failure: list[int] = []
+
+    def load_fails(patcher, key, device_to=None, *args, **kwargs):
+        if device_to is not None:  # once the blocks are pinned
+            deadline = time.monotonic() + 10
+            while cudart.pinned < four_streamed and time.monotonic() < deadline:
+                time.sleep(0.005)
+            pinned_at_failure.append(cudart.pinned)
+            raise RuntimeError("a weight ComfyUI could not load")
+        return failing(patcher, key, device_to, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", load_fails)
+    patched = async_offload(comfy, model, resident=1)
+    with pytest.raises(RuntimeError, match="could not load"):
+        sample(comfy, patched)
+    assert pinned_at_failure == [four_streamed] and patched.offload_engine is None
+    assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == comfy.pinned.PINNED_MEMORY.used == 0
+    monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", failing)
+    assert torch.equal(sample(comfy, patched), reference)
+    assert patched.offload_engine is not None and patched.offload_engine.plan.streamed == frozenset(range(1, 5))
     comfy.mm.unload_all_models()
 
 
