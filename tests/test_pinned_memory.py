@@ -12,6 +12,7 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import HOST_VERSION
 
 from harness.device_limit import limited
 from harness.fake_cudart import FakeCudart
@@ -188,19 +190,43 @@ def hold_comfyuis_load_until(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyP
     return held
 
 
+@pytest.mark.parametrize(
+    "loader",
+    [
+        "classic",
+        pytest.param(
+            "dynamic_vram",
+            marks=pytest.mark.skipif(
+                HOST_VERSION.startswith("0.3."), reason=f"ComfyUI {HOST_VERSION} has no Dynamic VRAM"
+            ),
+        ),
+    ],
+)
 def test_the_streamed_blocks_are_pinned_while_comfyui_loads_the_resident_ones(
-    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+    comfy: SimpleNamespace, cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch, request, loader: str
 ) -> None:
-    """The first step finds the streamed blocks pinned: the engine starts pinning them in place before ComfyUI
-    loads the resident part, so the pinning (0.65 s for Flux's 11.87 GiB on the H100, registered in place) runs
-    under that load (about 2 s there) instead of after it, beside the first step's copies from pageable memory.
-    ComfyUI's load is held at each resident weight until every streamed block is pinned: on the order before
-    (the engine started once the load had ended) nothing was, and the load went on after 10 s."""
-    model = wan(comfy)
-    reference = sample(comfy, model)
-    streamed = sum(block_bytes_of(model, index) for index in range(1, 1 + STREAMED))
+    """The first step finds the streamed blocks pinned: the engine starts pinning them before ComfyUI loads the
+    resident part, so the pinning (0.65 s for Flux's 11.87 GiB on the H100, registered in place) runs under that
+    load (about 2 s there) instead of after it, beside the first step's copies from pageable memory. ComfyUI's
+    load is held at each resident weight until every streamed block is pinned: on the order before (the engine
+    started once the load had ended) nothing was, and the load went on after 10 s. A classic loader's blocks are
+    pinned where they lie; a Dynamic VRAM model's (views of its file, 0.33's default) packed into pinned buffers."""
+    if loader == "classic":
+        load = functools.partial(wan, comfy)
+        reference = sample(comfy, load())
+        streamed = sum(block_bytes_of(load(), index) for index in range(1, 1 + STREAMED))
+    else:
+        dynamic_vram, path = request.getfixturevalue("dynamic_vram"), request.getfixturevalue("stored_wan")["bf16"]
+        load = functools.partial(dynamic_vram.load, path, torch.bfloat16)
+        reference = sample(comfy, dynamic_vram.load_classic(path, torch.bfloat16))
+        probe = async_offload(comfy, load(), resident=1)  # what its streamed blocks pin, once packed
+        sample(comfy, probe)
+        probe.offload_engine.runner.finish_packing()
+        streamed = cudart.pinned
+        comfy.mm.unload_all_models()
+        assert streamed > 0 and cudart.pinned == 0
     held = hold_comfyuis_load_until(comfy, monkeypatch, lambda: cudart.pinned == streamed)
-    patched = async_offload(comfy, model, resident=1)
+    patched = async_offload(comfy, load(), resident=1)
     first_call: list[int] = []
 
     def note_pinned(*_: object) -> None:
@@ -211,10 +237,13 @@ def test_the_streamed_blocks_are_pinned_while_comfyui_loads_the_resident_ones(
     assert torch.equal(sample(comfy, patched), reference)
     hook.remove()
     assert held and all(held), "ComfyUI loaded resident weights before the streamed blocks were pinned"
-    assert first_call == [streamed] == [STREAMED * streamed_block_bytes(patched)]
+    assert first_call == [streamed] and cudart.pinned == streamed == comfy.mm.TOTAL_PINNED_MEMORY
     blocks = patched.offload_engine.runner.host.blocks.values()
-    assert all(state.pinned_in_place and state.host.numel() == 0 for state in blocks)
-    assert cudart.pinned == streamed == comfy.mm.TOTAL_PINNED_MEMORY
+    if loader == "classic":
+        assert streamed == STREAMED * streamed_block_bytes(patched)
+        assert all(state.pinned_in_place and state.host.numel() == 0 for state in blocks)
+    else:
+        assert all(state.pinned and not state.pinned_in_place and state.host.numel() > 0 for state in blocks)
     comfy.mm.unload_all_models()
     assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == 0
 
