@@ -22,7 +22,7 @@ from conftest import HOST_VERSION
 from PIL import Image
 
 from harness import tiny_quantized
-from harness.comfy_host import HOST_DIR
+from harness.comfy_host import HOST_DIR, REPO
 from harness.dynamic_vram import DynamicVram
 
 from bench.checkpoints import CHECKPOINTS, FLUX12B_FP8, FLUX12B_Q8_0, SMOKE_CHECKPOINTS
@@ -47,8 +47,6 @@ from bench.results import (
     series,
 )
 from block_offload.offload.layout import ALIGNMENT
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
