@@ -1,13 +1,12 @@
 """CUDA's runtime for a machine without CUDA (``torch.cuda.cudart()`` replaced by ``FakeCudart``): page-locking
-succeeds or fails as a test says, behind the engine's real registrar, and each registration notes what the
-memory held then and how much of it was already faulted in (``resident_share``)."""
+succeeds or fails as a test says, behind the engine's real registrar, and each registration notes how much of the
+memory was already faulted in (``resident_share``)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import mmap
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,15 +40,14 @@ class FakeCudart:
         self.fail = False
         self.failures = 0
         self.calls = 0  # cudaHostRegister calls, refused ones included
-        # By pointer, at each registration: the share of its pages already faulted in, and a checksum of its bytes.
+        # By pointer, at each registration: the share of its pages already faulted in. Nothing of the memory is
+        # copied: the peak-memory tests sample the process while the fake registers.
         self.resident_at_registration: dict[int, float] = {}
-        self.held_at_registration: dict[int, int] = {}
 
     def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
         self.calls += 1
         self.flags.add(flags)
         self.resident_at_registration[pointer] = resident_share(pointer, nbytes)
-        self.held_at_registration[pointer] = zlib.crc32(ctypes.string_at(pointer, nbytes))
         if self.fail:
             self.failures += 1
             return 2  # cudaErrorMemoryAllocation
