@@ -279,8 +279,7 @@ def test_comfyuis_load_failing_while_the_blocks_pin_gives_every_pin_back(
     assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == comfy.pinned.PINNED_MEMORY.used == 0
 
     monkeypatch.setattr(comfy.patcher, "start_engine", start_engine)
-    failing = comfy.patcher.BlockOffloadPatcher.patch_weight_to_device
-
+    load_weight = comfy.patcher.BlockOffloadPatcher.patch_weight_to_device
     pinned_at_failure: list[int] = []
 
     def load_fails(patcher, key, device_to=None, *args, **kwargs):
@@ -290,7 +289,7 @@ def test_comfyuis_load_failing_while_the_blocks_pin_gives_every_pin_back(
                 time.sleep(0.005)
             pinned_at_failure.append(cudart.pinned)
             raise RuntimeError("a weight ComfyUI could not load")
-        return failing(patcher, key, device_to, *args, **kwargs)
+        return load_weight(patcher, key, device_to, *args, **kwargs)
 
     monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", load_fails)
     patched = async_offload(comfy, model, resident=1)
@@ -298,7 +297,7 @@ def test_comfyuis_load_failing_while_the_blocks_pin_gives_every_pin_back(
         sample(comfy, patched)
     assert pinned_at_failure == [four_streamed] and patched.offload_engine is None
     assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == comfy.pinned.PINNED_MEMORY.used == 0
-    monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", failing)
+    monkeypatch.setattr(comfy.patcher.BlockOffloadPatcher, "patch_weight_to_device", load_weight)
     assert torch.equal(sample(comfy, patched), reference)
     assert patched.offload_engine is not None and patched.offload_engine.plan.streamed == frozenset(range(1, 5))
     comfy.mm.unload_all_models()
