@@ -12,7 +12,6 @@ against the real ComfyUI, with what only a GPU machine has recreated.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -212,21 +211,22 @@ def test_the_streamed_blocks_are_pinned_while_comfyui_loads_the_resident_ones(
     started once the load had ended) nothing was, and the load went on after 10 s. A classic loader's blocks are
     pinned where they lie; a Dynamic VRAM model's (views of its file, 0.33's default) packed into pinned buffers."""
     if loader == "classic":
-        load = functools.partial(wan, comfy)
-        reference = sample(comfy, load())
-        streamed = sum(block_bytes_of(load(), index) for index in range(1, 1 + STREAMED))
+        model = wan(comfy)
+        reference = sample(comfy, model)
+        streamed = sum(block_bytes_of(model, index) for index in range(1, 1 + STREAMED))
     else:
         dynamic_vram, path = request.getfixturevalue("dynamic_vram"), request.getfixturevalue("stored_wan")["bf16"]
-        load = functools.partial(dynamic_vram.load, path, torch.bfloat16)
         reference = sample(comfy, dynamic_vram.load_classic(path, torch.bfloat16))
-        probe = async_offload(comfy, load(), resident=1)  # what its streamed blocks pin, once packed
+        # What its streamed blocks pin once packed, measured on a load of its own (unloaded after).
+        probe = async_offload(comfy, dynamic_vram.load(path, torch.bfloat16), resident=1)
         sample(comfy, probe)
         probe.offload_engine.runner.finish_packing()
         streamed = cudart.pinned
         comfy.mm.unload_all_models()
         assert streamed > 0 and cudart.pinned == 0
+        model = dynamic_vram.load(path, torch.bfloat16)
     held = hold_comfyuis_load_until(comfy, monkeypatch, lambda: cudart.pinned == streamed)
-    patched = async_offload(comfy, load(), resident=1)
+    patched = async_offload(comfy, model, resident=1)
     first_call: list[int] = []
 
     def note_pinned(*_: object) -> None:
