@@ -50,6 +50,7 @@ from .patch_shapes import refuse_reshaping_patches
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
+from .weight_hooks import refuse_weight_hooks
 
 ATTACHMENT = "block_offload"
 
@@ -206,6 +207,7 @@ class BlockOffloadPatcher(ModelPatcher):
             placement = describe(fallback.placed, self, asked.patch_ms)
         if placement.plan is not None:
             refuse_reshaping_patches(self, placement.streamed, request.node)  # before anything moves
+        refuse_weight_hooks(self, placement.streamed, request.node)
         if engine is not None and (engine.request, engine.placement) != (request, placement):
             self._stop_streaming()
             engine = None
@@ -360,8 +362,10 @@ class BlockOffloadPatcher(ModelPatcher):
     # -- sampling runs, for the live panel (report) ------------------------------------------
 
     def pre_run(self):
-        super().pre_run()
         engine = self.offload_engine
+        if engine is not None:  # hooks registered for a model ComfyUI had loaded already, with no ``load``
+            refuse_weight_hooks(self, engine.placement.streamed, engine.request.node)
+        super().pre_run()
         if engine is not None:
             report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
         elif not state_of(self.model).placed_without_streaming(self.patcher_id):

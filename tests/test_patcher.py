@@ -13,9 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import HOST_VERSION
+from safetensors.torch import load_file
 
-from harness.inprocess import async_offload, sample, wan
+from harness.inprocess import async_offload, offloaded, sample, wan
 from harness.private_views import load_list
+from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
@@ -282,3 +285,74 @@ def test_a_patch_that_resizes_a_streamed_weight_is_refused_before_anything_loads
     assert streaming.offload_engine is None and comfy.utils.get_attr(model.model, key) is weight
     comfy.mm.unload_all_models()
     assert torch.equal(sample(comfy, model), reference)
+
+
+def sample_with_a_hook_lora(comfy: SimpleNamespace, model, lora: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``sample``'s run with ``lora`` as a hook (Create Hook LoRA) on the positive prompt only, at cfg 2: ComfyUI
+    writes the hook's weights in before each positive call and takes them out before each negative one."""
+    hooks = importlib.import_module("comfy.hooks")
+    diffusion_model = model.model.diffusion_model
+    generator = torch.Generator().manual_seed(1)
+    width = diffusion_model.text_embedding[0].in_features
+    positive, negative = ([[torch.randn(1, 7, width, generator=generator), {}]] for _ in range(2))
+    if lora is not None:
+        positive = hooks.set_hooks_for_conditioning(positive, hooks.create_hook_lora(lora, 1.0, 1.0))
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+    return comfy.sample.sample(
+        model, noise, 2, 2.0, "euler", "normal", positive, negative, latent, seed=5, disable_pbar=True
+    )
+
+
+HOOK_REFUSED = r"hook LoRA .* patches \d+ weights of blocks this node streams .*Load LoRA \(LoraLoaderModelOnly\)"
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+@pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
+def test_a_hook_lora_on_streamed_blocks_is_refused_before_it_samples(
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, loading: str, node: str
+) -> None:
+    """A hook LoRA is written into the weights between model calls (here: in for the positive prompt, out for the
+    negative), which streamed blocks do not follow. Before this refusal, streamed, the classic model computed
+    another latent (Async Block Offload and Partial GPU Residency on this CPU: all 1024 values differed, by up to
+    6.7), and on a Dynamic VRAM twin ComfyUI's write into the checkpoint's read-only mapping killed the process.
+    Refused with what to do, before a step, whether the sampling loads the model or finds it loaded with its
+    engine; the streaming MODEL then samples without hooks as before, and the input MODEL with them as ComfyUI
+    computes them."""
+    if loading == "dynamic_vram" and HOST_VERSION.startswith("0.3."):
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
+    lora = load_file(comfy.models["wan21_lora"])
+    if loading == "classic":
+        model = wan(comfy)
+    else:
+        model = request.getfixturevalue("dynamic_vram").load(comfy.models["wan21"], torch.float32)
+    reference = (
+        model
+        if loading == "classic"
+        else request.getfixturevalue("dynamic_vram").load_classic(comfy.models["wan21"], torch.float32)
+    )
+    plain, hooked = (sample_with_a_hook_lora(comfy, reference, hook) for hook in (None, lora))
+    comfy.mm.unload_all_models()
+    assert not torch.equal(plain, hooked), "the hook LoRA changes nothing: the refusal would prove nothing"
+
+    streaming = offloaded(comfy, node, model)
+    for attempt in ("first", "after a run that streamed"):
+        # Registering the hook re-rolls the MODEL's patches, so ComfyUI loads it again: refused in that load.
+        with pytest.raises(ValueError, match=HOOK_REFUSED):
+            sample_with_a_hook_lora(comfy, streaming, lora)
+        assert streaming.offload_engine is None, f"{attempt}: refused before anything was placed"
+        assert torch.equal(sample_with_a_hook_lora(comfy, streaming, None), plain), attempt
+        engine = streaming.offload_engine
+        assert engine is not None and engine.runner.streamed, f"{attempt}: it streamed"
+    # Hooks registered on the MODEL as ComfyUI loaded it, its engine running: refused before the first step.
+    hooks = importlib.import_module("comfy.hooks")
+    streaming.register_all_hook_patches(
+        hooks.create_hook_lora(lora, 1.0, 1.0), hooks.create_target_dict(hooks.EnumWeightTarget.Model), {}
+    )
+    with pytest.raises(ValueError, match=HOOK_REFUSED):
+        streaming.pre_run()
+    streaming.restore_hook_patches()
+    assert streaming.offload_engine is engine and torch.equal(sample_with_a_hook_lora(comfy, streaming, None), plain)
+    comfy.mm.unload_all_models()
+    if loading == "classic":
+        assert torch.equal(sample_with_a_hook_lora(comfy, model, lora), hooked), "the input MODEL with its hook"
