@@ -22,12 +22,23 @@ def hooked_streamed_keys(model: ModelPatcher, streamed: frozenset[str]) -> list[
 
 
 def refuse_weight_hooks(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
-    """Raises where the hooks registered for this sampling patch a weight of a ``streamed`` module."""
+    """Raises where the hooks registered for this sampling patch a weight of a ``streamed`` module. A hook of
+    model strength 0 is refused too, since ComfyUI writes its weights all the same (into a Dynamic VRAM twin's
+    file mapping, fatally), but told how to keep it on the text encoder only."""
     hooked = hooked_streamed_keys(model, streamed)
-    if hooked:
-        raise ValueError(
-            f"{node}: a hook LoRA (Create Hook LoRA, or hooks set on a conditioning) patches {len(hooked)} weights "
-            f"of blocks this node streams ({hooked[0]}, ...). ComfyUI writes hook patches into the weights between "
-            "model calls, which streamed blocks do not follow, so the output would be wrong. Load the LoRA with "
-            "Load LoRA (LoraLoaderModelOnly) instead, or run this workflow without the node."
-        )
+    if not hooked:
+        return
+    strengths = {
+        patch[0] for patches in model.hook_patches.values() for key in hooked for patch in patches.get(key, ())
+    }
+    text_encoder_only = (
+        " Its model strength is 0: to hook the text encoder only, set apply_to_conds to false on Set CLIP Hooks."
+        if strengths == {0.0}
+        else ""
+    )
+    raise ValueError(
+        f"{node}: a hook LoRA (Create Hook LoRA, or hooks set on a conditioning) patches {len(hooked)} weights "
+        f"of blocks this node streams ({hooked[0]}, ...). ComfyUI writes hook patches into the weights between "
+        "model calls, which streamed blocks do not follow, so the output would be wrong. Load the LoRA with "
+        f"Load LoRA (LoraLoaderModelOnly) instead, or run this workflow without the node.{text_encoder_only}"
+    )

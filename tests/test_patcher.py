@@ -349,7 +349,16 @@ def test_a_hook_lora_on_streamed_blocks_is_refused_before_it_samples(
     streaming.register_all_hook_patches(
         hooks.create_hook_lora(lora, 1.0, 1.0), hooks.create_target_dict(hooks.EnumWeightTarget.Model), {}
     )
-    with pytest.raises(ValueError, match=HOOK_REFUSED):
+    with pytest.raises(ValueError, match=HOOK_REFUSED) as refused:
+        streaming.pre_run()
+    assert "apply_to_conds" not in str(refused.value)
+    streaming.restore_hook_patches()
+    # A hook of model strength 0 (meant for the text encoder) is written into the weights all the same: refused,
+    # saying how to keep it on the text encoder.
+    streaming.register_all_hook_patches(
+        hooks.create_hook_lora(lora, 0.0, 1.0), hooks.create_target_dict(hooks.EnumWeightTarget.Model), {}
+    )
+    with pytest.raises(ValueError, match=HOOK_REFUSED + r".*model strength is 0.*apply_to_conds to false"):
         streaming.pre_run()
     streaming.restore_hook_patches()
     assert streaming.offload_engine is engine and torch.equal(sample_with_a_hook_lora(comfy, streaming, None), plain)
