@@ -23,6 +23,9 @@ WAN21_TEXT_DIM = 4096  # fixed by ComfyUI (WanModel default), not inferred from 
 WAN21_FREQ_DIM = 256  # fixed by ComfyUI
 WAN21_LATENT_CHANNELS = 16
 WAN21_PATCH = (1, 2, 2)
+#: A wider, deeper tiny Wan (``bench.checkpoints.resized``): 24 blocks of 6 MiB in fp16 (dim 512, 4 heads), where the
+#: model's Python objects (a module tree, about 3.6 KiB a module) are small beside its weights, as in a real Wan.
+WAN21_WIDE_SIZES = {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024, "WAN21_LAYERS": 24}
 
 #: Flux (dev-style: with guidance_in). Width fixed by ComfyUI, depth is ours.
 FLUX_HIDDEN = 3072  # = 24 heads * 128, both fixed by ComfyUI's Flux detection

@@ -36,7 +36,7 @@ def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node
     the engine packs and streams each weight at the shape it is stored in, so it would compute with the wrong
     one."""
     for key, patches in model.patches.items():
-        if not inside(key.rpartition(".")[0], streamed):
+        if not inside(key, streamed):
             continue
         weight = comfy.utils.get_attr(model.model, key)
         shape = patched_shape(patches, weight, key)

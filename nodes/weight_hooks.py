@@ -15,30 +15,32 @@ from comfy.model_patcher import ModelPatcher
 from .blocks import inside
 
 
-def hooked_streamed_keys(model: ModelPatcher, streamed: frozenset[str]) -> list[str]:
-    """The weights of ``streamed`` modules that the hooks registered on ``model`` patch, sorted."""
-    keys = {key for patches in model.hook_patches.values() for key in patches}
-    return sorted(key for key in keys if inside(key.rpartition(".")[0], streamed))
+def hook_strengths(model: ModelPatcher, streamed: frozenset[str]) -> dict[str, set[float]]:
+    """Each weight of ``streamed`` modules that the hooks registered on ``model`` patch, with those patches'
+    strengths."""
+    strengths: dict[str, set[float]] = {}
+    for patches in model.hook_patches.values():
+        for key, entries in patches.items():
+            if inside(key, streamed):
+                strengths.setdefault(key, set()).update(entry[0] for entry in entries)
+    return strengths
 
 
 def refuse_weight_hooks(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
     """Raises where the hooks registered for this sampling patch a weight of a ``streamed`` module. A hook of
     model strength 0 is refused too, since ComfyUI writes its weights all the same (into a Dynamic VRAM twin's
     file mapping, fatally), but told how to keep it on the text encoder only."""
-    hooked = hooked_streamed_keys(model, streamed)
-    if not hooked:
+    strengths = hook_strengths(model, streamed)
+    if not strengths:
         return
-    strengths = {
-        patch[0] for patches in model.hook_patches.values() for key in hooked for patch in patches.get(key, ())
-    }
     text_encoder_only = (
         " Its model strength is 0: to hook the text encoder only, set apply_to_conds to false on Set CLIP Hooks."
-        if strengths == {0.0}
+        if all(used == {0.0} for used in strengths.values())
         else ""
     )
     raise ValueError(
-        f"{node}: a hook LoRA (Create Hook LoRA, or hooks set on a conditioning) patches {len(hooked)} weights "
-        f"of blocks this node streams ({hooked[0]}, ...). ComfyUI writes hook patches into the weights between "
+        f"{node}: a hook LoRA (Create Hook LoRA, or hooks set on a conditioning) patches {len(strengths)} weights "
+        f"of blocks this node streams ({min(strengths)}, ...). ComfyUI writes hook patches into the weights between "
         "model calls, which streamed blocks do not follow, so the output would be wrong. Load the LoRA with "
         f"Load LoRA (LoraLoaderModelOnly) instead, or run this workflow without the node.{text_encoder_only}"
     )

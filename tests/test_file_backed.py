@@ -59,16 +59,11 @@ def deep_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -
     return paths
 
 
-#: A Wan as wide as the small experts of ``test_host_memory.py``: 24 blocks of 6 MiB in fp16. At this width the
-#: second module tree a Dynamic VRAM twin holds (about 3.6 KiB of Python objects per module, 5 MiB for the deep
-#: Wan's 1,428 modules: 5 % of its weights, 1e-4 of a real Wan's) is small beside the weights, as in a real model.
-WIDE_SIZES = {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024, "WAN21_LAYERS": 24}
-
-
 @pytest.fixture(scope="module")
 def wide_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wide Wan, stored in fp32."""
-    artifact = tm.Artifact("wan21_wide", resized(tiny_specs.wan21_specs, **WIDE_SIZES), torch.float32)
+    """The wide Wan (``WAN21_WIDE_SIZES``), stored in fp32. The second module tree a Dynamic VRAM twin holds (5 MiB
+    for the deep Wan's 1,428 modules: 5 % of its weights, 1e-4 of a real Wan's) is small beside its weights."""
+    artifact = tm.Artifact("wan21_wide", resized(tiny_specs.wan21_specs, **tiny_specs.WAN21_WIDE_SIZES), torch.float32)
     path = tmp_path_factory.mktemp("wide_wan") / "wan21-wide-fp32.safetensors"
     save_file(tm.build_state_dict(artifact), path)
     return path
@@ -209,7 +204,8 @@ def test_host_memory_at_the_peak_is_the_cap_and_the_buffers(
     bound = (cap if cap is not None else host_buffers) + runner.staging_bytes + device_side + 0.1 * model_bytes
     with capsys.disabled():
         print(
-            f"\n{WIDE_SIZES['WAN21_LAYERS']}-block Wan, {model_bytes / 2**20:.1f} MiB in fp16 (stored fp32), cap "
+            f"\n{tiny_specs.WAN21_WIDE_SIZES['WAN21_LAYERS']}-block Wan, "
+            f"{model_bytes / 2**20:.1f} MiB in fp16 (stored fp32), cap "
             f"{'none' if cap is None else f'{cap / 2**20:.1f} MiB'}: RssAnon +{peak.anon_growth / 2**20:.1f} MiB "
             f"at the peak (host buffers {host_buffers / 2**20:.1f}, staging {runner.staging_bytes / 2**20:.1f}, "
             f"device side {device_side / 2**20:.1f} MiB; bound {bound / 2**20:.1f}); "

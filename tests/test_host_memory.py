@@ -30,7 +30,7 @@ from bench.checkpoints import resized
 pytestmark = pytest.mark.usefixtures("tiny_models")
 
 #: Wan 2.2's two experts, small: 24 blocks of 12.6 MB (dim 512) each, stored and computed in fp32 on the CPU.
-EXPERT_SIZES = {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024, "WAN21_LAYERS": 24}
+EXPERT_SIZES = tiny_specs.WAN21_WIDE_SIZES
 EXPERTS = ("wan22_high_noise", "wan22_low_noise")
 #: How far above the RSS before it an unload may go, as a share of one model's streamed bytes.
 UNLOAD_GROWTH = 0.10

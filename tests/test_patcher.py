@@ -323,14 +323,11 @@ def test_a_hook_lora_on_streamed_blocks_is_refused_before_it_samples(
         pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
     lora = load_file(comfy.models["wan21_lora"])
     if loading == "classic":
-        model = wan(comfy)
+        model = reference = wan(comfy)
     else:
-        model = request.getfixturevalue("dynamic_vram").load(comfy.models["wan21"], torch.float32)
-    reference = (
-        model
-        if loading == "classic"
-        else request.getfixturevalue("dynamic_vram").load_classic(comfy.models["wan21"], torch.float32)
-    )
+        dynamic_vram = request.getfixturevalue("dynamic_vram")
+        model = dynamic_vram.load(comfy.models["wan21"], torch.float32)
+        reference = dynamic_vram.load_classic(comfy.models["wan21"], torch.float32)
     plain, hooked = (sample_with_a_hook_lora(comfy, reference, hook) for hook in (None, lora))
     comfy.mm.unload_all_models()
     assert not torch.equal(plain, hooked), "the hook LoRA changes nothing: the refusal would prove nothing"
