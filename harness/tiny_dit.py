@@ -133,10 +133,12 @@ README_BEGIN, README_END = "<!-- supported models: begin -->", "<!-- supported m
 
 
 def models_table() -> str:
-    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each (or why
-    the block nodes stream it module by module)."""
+    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each, with the
+    methods the model runs the blocks through where it does not call them (or why the block nodes stream it module
+    by module)."""
     from block_offload.nodes.blocks import find_blocks
     from block_offload.offload import NoBlocksError
+    from block_offload.offload.block_methods import entry_methods
 
     rows = ["| Model | ComfyUI classes | Block lists found |", "|---|---|---|"]
     for spec in zoo():
@@ -147,6 +149,9 @@ def models_table() -> str:
             lists = f"none, streamed module by module: {error}"
         else:
             lists = ", ".join(f"`{found_list.path}` ({found_list.kind})" for found_list in found.lists)
+            methods = dict.fromkeys(name for names in entry_methods(diffusion_model, found).values() for name in names)
+            if methods:
+                lists += f", run through their methods {', '.join(f'`{name}`' for name in methods)}"
         rows.append(f"| {spec.name} | `{spec.config}`, `{type(diffusion_model).__name__}` | {lists} |")
     return "\n".join(rows)
 

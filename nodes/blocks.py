@@ -2,17 +2,16 @@
 for every model ComfyUI loads, with no table of architectures to keep up with its releases. They are found
 again at each load, from the model as ComfyUI patched it for that load: an object patch that swaps a block
 (or a whole list) streams as it is, never from a list found before. This file holds what the nodes say of
-them, the models whose blocks must not stream as blocks (``MODULE_BY_MODULE``, each with its reason), and the
-one answer to which units an engine streams (``Units``), which the placement and the engine both ask.
+them, and the one answer to which units an engine streams (``Units``), which the placement and the engine
+both ask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from torch import nn
 
@@ -26,23 +25,10 @@ _FOUND_IN_THIS_LOAD: ContextVar[dict[int, tuple[nn.Module, FoundBlocks]] | None]
     "block_offload_found", default=None
 )
 
-#: Diffusion models (by class, subclasses included) whose blocks must not stream as blocks, and why: the engine
-#: streams a block around its calls as a module, which these models never make.
-MODULE_BY_MODULE: Mapping[str, str] = MappingProxyType(
-    {
-        "WanAnimate2Model": "the model never calls its blocks as modules, only their forward_pose and forward_gen "
-        "methods, which a block's hooks do not see",
-    }
-)
-
 
 def find_blocks(diffusion_model: nn.Module) -> FoundBlocks:
     """The blocks of a ComfyUI diffusion model (``offload.discovery``); ``NoBlocksError`` for one without block
-    lists or one of ``MODULE_BY_MODULE``, which the nodes then stream module by module."""
-    for cls in type(diffusion_model).__mro__:
-        reason = MODULE_BY_MODULE.get(cls.__name__)
-        if reason is not None:
-            raise NoBlocksError(f"{type(diffusion_model).__name__}'s blocks cannot stream as blocks: {reason}")
+    lists, which the nodes then stream module by module."""
     found_so_far = _FOUND_IN_THIS_LOAD.get()
     if found_so_far is None:
         return discover(diffusion_model)

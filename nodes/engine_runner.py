@@ -23,6 +23,7 @@ from ..offload import (
     SequentialOffloader,
     TimelineRecorder,
 )
+from ..offload.block_methods import entry_methods
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks
@@ -135,7 +136,8 @@ def make_runner(
             **streaming,
             **file_options,
         )
-    blocks = find_blocks(diffusion_model).blocks
+    found = find_blocks(diffusion_model)
+    blocks = found.blocks
     return BlockStreamer(
         [block for _, block in blocks],
         device,
@@ -147,6 +149,7 @@ def make_runner(
         pin_budget=PINNED_MEMORY,
         ring_bytes=plan.ring_bytes or None,
         call_order=order_for(last_order, "block", len(blocks)),
+        entry_methods=entry_methods(diffusion_model, found),
         persistent_allocations=outside_the_recording(),
         pack_in_background=True,
         **streaming,

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 from typing import Protocol, runtime_checkable
 
 from torch import nn
 
 from ..offload import streamed_modules
+from ..offload.model_code import class_code
 
 #: The names of ComfyUI's functions that read a layer's weights (their first argument) for whoever calls them.
 WEIGHT_READERS = ("cast_bias_weight", "linear_input_act")
@@ -48,13 +47,7 @@ def read_paths(cls: type) -> tuple[tuple[str | int, ...], ...]:
     """The paths from ``self`` (attribute names, constant indices) of the layers ``cls``'s methods pass to a
     weight reader; () where the code cannot be read (built in, compiled)."""
     paths: list[tuple[str | int, ...]] = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
+    for tree in class_code(cls):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _called_name(node.func) in WEIGHT_READERS and node.args:
                 path = _self_path(node.args[0])

@@ -1,16 +1,21 @@
 """The module hooks through which an engine sees the model run: a pair per module called (a block, or the
-holder that brings blocks in), and a pair around the root's forward, which brackets one step."""
+holder that brings blocks in), a wrapper around each method of its own a model runs a block through instead
+of calling it (``block_methods.py``), and a pair around the root's forward, which brackets one step."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 Hook = TypeVar("Hook", bound=Callable[..., object])
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
 
 
 def eager(hook: Hook) -> Hook:
@@ -24,28 +29,87 @@ def eager(hook: Hook) -> Hook:
 def hook_calls(
     blocks: Sequence[nn.Module],
     holders: Mapping[int, nn.Module],
+    methods: Mapping[int, Sequence[str]],
     begins: Callable[[int], None],
     ends: Callable[[int], None],
     after: Callable[[], None],
-) -> list[RemovableHandle]:
+) -> list[Removable]:
     """Calls ``begins(i)`` before block ``i`` runs and ``ends(i)`` once it has (even when it raised), then
     ``after()``. ``holders[i]``: the module whose call brings block ``i`` in, where that is not the block
     itself. One pair of hooks per module called: a holder brings in every block it holds and lets them go in
-    the reverse order, so a call ending never releases a call around it."""
+    the reverse order, so a call ending never releases a call around it. ``methods[i]``: block ``i``'s own
+    methods the model runs it through besides its call, each run a call of the block."""
     callers: dict[int, tuple[nn.Module, list[int]]] = {}
     for index, block in enumerate(blocks):
         caller = holders.get(index, block)
         callers.setdefault(id(caller), (caller, []))[1].append(index)
-    handles = []
+    handles: list[Removable] = []
     for caller, indices in callers.values():
         handles.append(caller.register_forward_pre_hook(eager(_each(begins, tuple(indices)))))
         handles.append(
             caller.register_forward_hook(eager(_each(ends, tuple(reversed(indices)), after)), always_call=True)
         )
+    for index, names in methods.items():
+        running = _Running()
+        handles += [_MethodCalls(blocks[index], name, index, running, begins, ends, after) for name in names]
     return handles
 
 
-def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[], None]) -> list[RemovableHandle]:
+class _Running:
+    """How deep one block's own methods are in each other: a method the block runs from within another is part
+    of the outer one's call, whose end must not release the block under it."""
+
+    depth = 0
+
+
+class _MethodCalls:
+    """Block ``index``'s method ``name``, replaced on the block (an instance attribute before its class's) by
+    one that brackets it with ``begins(index)`` and ``ends(index)``, then ``after()``. The end runs whatever
+    the method raised: an interrupt (a ``BaseException``) leaves no call open either."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        name: str,
+        index: int,
+        running: _Running,
+        begins: Callable[[int], None],
+        ends: Callable[[int], None],
+        after: Callable[[], None],
+    ) -> None:
+        method: Callable[..., object] = getattr(block, name)
+
+        @eager
+        def begin() -> None:
+            begins(index)
+
+        @eager
+        def end() -> None:
+            ends(index)
+            after()
+
+        @functools.wraps(method)
+        def called(*args: object, **kwargs: object) -> object:
+            outermost = running.depth == 0
+            if outermost:
+                begin()
+            running.depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                running.depth -= 1
+                if outermost:
+                    end()
+
+        self.block, self.name, self.called = block, name, called
+        block.__dict__[name] = called
+
+    def remove(self) -> None:
+        if self.block.__dict__.get(self.name) is self.called:
+            del self.block.__dict__[self.name]
+
+
+def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[], None]) -> list[Removable]:
     """Calls ``begin()`` before ``root``'s forward, every other hook of it included (the root may be a block
     too), and ``end()`` after it, even when it raised."""
     return [

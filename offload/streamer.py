@@ -49,7 +49,7 @@ from .device import current_stream, synchronize
 from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
-from .hooks import hook_calls, hook_step
+from .hooks import Removable, hook_calls, hook_step
 from .host_blocks import HostBlocks
 from .layout import DtypeOf
 from .page_lock import can_pin_memory
@@ -96,6 +96,8 @@ class BlockStreamer(StreamerViews):
     copied afresh. ``scratch_bytes``: device memory the transforms work in (``scratch``), allocated with the ring,
     so no call allocates.
     ``holders``: per block, the module whose call brings it in, where that is not the block itself (``hooks.py``).
+    ``entry_methods``: per block, the methods of its own the model runs it through instead of calling it
+    (``block_methods.py``); each run of one is a call of the block.
     ``persistent_allocations``: a context entered around each device allocation the engine keeps from one call
     to the next (its ring and staging buffer, a block made resident) and around their frees, some of which
     happen inside a block call (a ring released with ``release_device_buffers`` is allocated again by the next
@@ -131,6 +133,7 @@ class BlockStreamer(StreamerViews):
         contents: Mapping[int, Hashable] | None = None,
         transforms: Mapping[int, Callable[[bool], None]] | None = None,
         holders: Mapping[int, nn.Module] | None = None,
+        entry_methods: Mapping[int, Sequence[str]] | None = None,
         persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
         parking: ParkingLot | None = None,
         pack_in_background: bool = False,
@@ -143,6 +146,7 @@ class BlockStreamer(StreamerViews):
                         file_slice is not None, staging_slots)  # fmt: skip
         self.transforms = dict(transforms or {})
         self.holders = dict(holders or {})
+        self.entry_methods = dict(entry_methods or {})
         self.persistent_allocations = persistent_allocations
         self.prefetch = prefetch
         self.recorder = recorder
@@ -176,7 +180,7 @@ class BlockStreamer(StreamerViews):
         self.files = FileTier(self.host, self.ring, staging_slots, recorder)
         # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
         self.calls = StepCalls(len(self.blocks), call_order)
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._handles: list[Removable] = []
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
         self.pack_in_background = pack_in_background
         self.enabled = False
@@ -192,7 +196,9 @@ class BlockStreamer(StreamerViews):
         blocks = {index: self.blocks[index] for index in self.streamed}
         self.host.pack_all(blocks, progress, later=self.pack_in_background)
         self.files.start()
-        self._handles = hook_calls(self.blocks, self.holders, self._call_begins, self._call_ends, self._after_call)
+        self._handles = hook_calls(
+            self.blocks, self.holders, self.entry_methods, self._call_begins, self._call_ends, self._after_call
+        )
         if self.root is not None:
             self._handles += hook_step(self.root, self.begin_step, self.end_step)
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
