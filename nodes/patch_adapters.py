@@ -17,6 +17,8 @@ from typing import Any, Protocol, TypeGuard, overload
 import torch
 from comfy.model_patcher import ModelPatcher
 
+from .patch_routes import patched_by_comfyui
+
 
 class _WeightAdapter(Protocol):
     """A weight adapter of ``comfy.weight_adapter`` (a LoRA's, a LoHa's, ...): its tensors are in ``weights``."""
@@ -79,12 +81,13 @@ def unit_named(name: str, units: Container[str]) -> str | None:
 
 def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> dict[str, int]:
     """The host bytes of the patch adapters of each of the named units' weights (with its submodules'
-    unless not ``recurse``): what staging them with their unit adds to it."""
+    unless not ``recurse``): what staging them with their unit adds to it. A weight ComfyUI never patches
+    (``patched_by_comfyui``) stages none."""
     held: dict[str, dict[int, int]] = {}
     for key, patches in model.patches.items():
         owner = key.rpartition(".")[0]
         unit = unit_named(owner, units) if recurse else (owner if owner in units else None)
-        if unit is not None:
+        if unit is not None and patched_by_comfyui(model.model.get_submodule(owner)):
             tensors = held.setdefault(unit, {})
             for tensor in host_tensors(patches):
                 tensors[id(tensor)] = tensor.numel() * tensor.element_size()

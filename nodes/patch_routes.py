@@ -3,8 +3,11 @@
 A plain weight or bias of ComfyUI's ops, and one of a layer that stores its weight itself
 (``stored_by_layer``), is patched where it arrives; any other weight of ComfyUI's ops, and one with only
 wrapper patches, by weight functions at compute time. GGUF weights carry their patches to ComfyUI-GGUF's own
-ops (``tensor.patches``), which apply them at compute time. A weight outside ComfyUI's ops (Wan's
-``modulation``) is patched once before packing, as before: its block is packed again when its patches change.
+ops (``tensor.patches``), which apply them at compute time. A weight of another leaf module (outside ComfyUI's
+ops) is patched once before packing, as before: its block is packed again when its patches change. A weight
+of a module whose submodules hold weights too (Wan's blocks' and head's ``modulation``, LTX's
+``scale_shift_table``) is never patched: ComfyUI's load leaves such a module out (``ModelPatcher._load_list``),
+so a model merge or a LoRA key on it changes nothing in ComfyUI, and must change nothing here.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ def stored_by_layer(module: torch.nn.Module) -> bool:
     return callable(getattr(module, "set_weight", None))
 
 
+def patched_by_comfyui(module: torch.nn.Module) -> bool:
+    """Whether ComfyUI's load patches ``module``'s own weights: not where its submodules hold weights too (its
+    ``_load_list`` skips those "random weights in non leaf modules", by name, as here)."""
+    own = {name for name, _ in module.named_parameters(recurse=False)}
+    return all(name in own for name, _ in module.named_parameters())
+
+
 def patched_parameters(
     model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
@@ -42,6 +52,8 @@ def patched_parameters(
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
         # as ComfyUI's own load trusts the flag (its unpatch clears it).
         if not inside(name, units) or (getattr(module, "comfy_patched_weights", False) and not patched_too):
+            continue
+        if not patched_by_comfyui(module):
             continue
         ops_module = hasattr(module, "comfy_cast_weights")
         routes = []
