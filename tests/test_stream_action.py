@@ -1,8 +1,9 @@
 """The frontend action "Stream this workflow's models" (``web/stream_workflow.js``) in the real ComfyUI frontend,
 in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader to its
-sampler, inside the official templates' subgraphs, after the LoRA toggle and ModelSampling patch and before the
-sampler; says what it did; is undone by one Ctrl+Z; changes nothing the second time; and leaves alone, naming
-them, the models it cannot stream safely (a merge, a node of ours already there, no loader at all).
+sampler, inside the official templates' subgraphs and into a subgraph the model goes into, after the LoRA toggle
+and ModelSampling patch and before the sampler; says what it did; is undone by one Ctrl+Z; changes nothing the
+second time; and leaves alone, naming them, the models it cannot stream safely (a merge, a node of ours already
+there, no loader at all, a model leaving its subgraph).
 """
 
 from __future__ import annotations
@@ -182,6 +183,78 @@ def test_a_merge_and_a_model_already_streaming_are_left_alone_and_named(page: An
     assert "now stream" not in text, text
     assert "Already streaming, left as they are: " in text and "(Async Block Offload (#" in text, text
     assert text.count("meets another model in merge (#") == 2, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
+# A loader and its LoRA in the root graph, what samples with the model in a subgraph made of it (as "Convert to
+# Subgraph" makes one): ModelSamplingSD3 and KSampler, or (``branches``) two KSamplers fed by the subgraph's input
+# itself, or (``leaves``) a KSampler and the subgraph's output.
+SUBGRAPH_JS = """
+(shape) => {
+  const g = window.app.rootGraph ?? window.app.graph;
+  g.clear();
+  const add = (type) => { const n = LiteGraph.createNode(type); g.add(n); return n; };
+  const loader = add("UNETLoader"), lora = add("LoraLoaderModelOnly");
+  loader.connect(0, lora, 0);
+  const inside = [];
+  if (shape === "branches") {
+    const first = add("KSampler"), second = add("KSampler");
+    lora.connect(0, first, 0); lora.connect(0, second, 0);
+    inside.push(first, second);
+  } else {
+    const sampling = add("ModelSamplingSD3"), sampler = add("KSampler");
+    lora.connect(0, sampling, 0); sampling.connect(0, sampler, 0);
+    inside.push(sampling, sampler);
+    if (shape === "leaves") sampling.connect(0, add("ModelMergeSimple"), 0);
+  }
+  const made = g.convertToSubgraph(new Set(inside));
+  return made.node.type;
+}
+"""
+
+
+def subgraph_workflow(page: Any, shape: str) -> str:
+    """Builds the workflow of ``SUBGRAPH_JS`` on the canvas; returns the subgraph's name (its node's type)."""
+    if not page.evaluate("typeof (window.app.rootGraph ?? window.app.graph).convertToSubgraph === 'function'"):
+        pytest.skip("this frontend cannot make a subgraph")
+    made = page.evaluate(SUBGRAPH_JS, shape)
+    load(page, json.loads(serialized(page)))  # loaded as a file is: the change tracker's first state
+    return made
+
+
+def test_a_model_going_into_a_subgraph_streams_inside_it_before_its_sampler(page: Any) -> None:
+    subgraph = subgraph_workflow(page, "patched")
+    before = serialized(page)
+    text = run_action(page)
+    assert "1 model now streams through Partial GPU Residency" in text, text
+    # Followed in through the subgraph's input: after the patch inside it, before its sampler.
+    expected = {"from": "ModelSamplingSD3", "to": ["KSampler"], "budget": 0, "policy": "auto"}
+    names = dict(
+        page.evaluate(
+            "() => [...(window.app.rootGraph ?? window.app.graph).subgraphs.values()].map(g => [g.id, g.name])"
+        )
+    )
+    assert our_nodes(page) == [[names[subgraph], [expected]]]
+    again = run_action(page)
+    assert "now stream" not in again and "Already streaming, left as they are" in again, again
+    undo(page)
+    assert graph_of(serialized(page)) == graph_of(before), "one Ctrl+Z did not give back the workflow"
+
+
+def test_a_model_parting_right_inside_a_subgraph_streams_before_it_and_one_leaving_it_is_left_alone(
+    page: Any,
+) -> None:
+    subgraph = subgraph_workflow(page, "branches")
+    text = run_action(page)
+    assert "1 model now streams through Partial GPU Residency" in text, text
+    # The paths part at the subgraph's input: the node goes before the subgraph, outside, after the LoRA.
+    expected = {"from": "LoraLoaderModelOnly", "to": [subgraph], "budget": 0, "policy": "auto"}
+    assert our_nodes(page) == [["root", [expected]]]
+
+    subgraph_workflow(page, "leaves")
+    before = serialized(page)
+    text = run_action(page)
+    assert "now stream" not in text and "leaves the subgraph it is in" in text, text
     assert graph_of(serialized(page)) == graph_of(before)
 
 

@@ -1,9 +1,9 @@
 // "Stream this workflow's models": one action that puts a Block Offload node on every path from a diffusion model
 // loader to what samples with it, in the root graph and inside every subgraph (ComfyUI's official templates keep
 // their whole pipeline in one). Each path is walked from the loader through its chain of model patches (LoRA
-// loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else) and the node goes
-// where the chain ends, before it branches: LoRAs and patches stay upstream of the streaming clone, as ComfyUI
-// applies them. What the action cannot do safely it leaves as it is and names. The whole edit is one undo step.
+// loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else), into the subgraphs
+// the model goes into, and the node goes where the chain ends, before it branches: LoRAs and patches stay upstream
+// of the streaming clone, as ComfyUI applies them. What the action cannot do safely it leaves as it is and names. The whole edit is one undo step.
 
 import { app } from "../../scripts/app.js";
 
@@ -49,12 +49,25 @@ function modelOutputSlot(graph, node) {
   return slot < 0 ? null : slot;
 }
 
-// What an output feeds: {node, slot} per link; node is null where the link leaves the graph (a subgraph's output).
+// What an output feeds: {node, slot, graph} per link; node is null where the link leaves the graph (a subgraph's
+// output).
 function consumers(graph, node, slot) {
   return (node.outputs?.[slot]?.links ?? [])
     .map((id) => linkById(graph, id))
     .filter(Boolean)
-    .map((link) => ({ node: graph.getNodeById(link.target_id) ?? null, slot: link.target_slot }));
+    .map((link) => ({ node: graph.getNodeById(link.target_id) ?? null, slot: link.target_slot, graph }));
+}
+
+// Links from a subgraph's input start at its input node, which has this id.
+const SUBGRAPH_INPUT_ID = -10;
+
+// What a subgraph node's input ``slot`` feeds inside its subgraph: {node, slot, graph} per link from that input.
+function innerConsumers(subgraphNode, slot) {
+  const inner = subgraphNode.subgraph;
+  return (inner.inputs?.[slot]?.linkIds ?? [])
+    .map((id) => linkById(inner, id))
+    .filter(Boolean)
+    .map((link) => ({ node: inner.getNodeById(link.target_id) ?? null, slot: link.target_slot, graph: inner }));
 }
 
 function isSubgraphNode(node) {
@@ -78,7 +91,7 @@ function isModelPatch(graph, node) {
 }
 
 // What samples with the model uses it and gives something else (a latent, a guider, sigmas). A node that saves the
-// model or sits in another graph is not that.
+// model or sits in another graph is not that (a subgraph the model goes into is followed before this is asked).
 function whyNotASampler(consumer) {
   const node = consumer.node;
   if (!node) return "leaves the subgraph it is in";
@@ -93,26 +106,49 @@ function loaderFile(node) {
   return named?.value ?? describe(node);
 }
 
-// Everything downstream of a loader that still carries its model: the patches (its region), the edges between them
-// (SINK: a sampler), and what stops the action (a model mixed in from elsewhere, a saver, a subgraph boundary).
+// Everything downstream of a loader that still carries its model, into the subgraphs it goes into: the patches (its
+// region: {graph, node} by key, and for each subgraph input it enters, {graph, input}), the edges between them
+// (SINK: a sampler), and what stops the action (a model mixed in from elsewhere, a saver, the model leaving a
+// subgraph).
 const SINK = "sink";
 
+const nodeKey = (graph, id) => `${graph.id}:${id}`;
+const inputKey = (graph, slot) => `${graph.id}:input ${slot}`;
+
+// Whether ``link`` (into a member) comes from the region: a member, or a subgraph input the region enters.
+function fromRegion(region, graph, link) {
+  if (String(link.origin_id) === String(SUBGRAPH_INPUT_ID)) return region.members.has(inputKey(graph, link.origin_slot));
+  return region.members.has(nodeKey(graph, link.origin_id));
+}
+
 function traceRegion(graph, loader) {
-  const region = { members: new Map([[loader.id, loader]]), edges: new Map(), problems: [], streamedBy: null };
-  const queue = [loader];
+  const start = nodeKey(graph, loader.id);
+  const region = { members: new Map([[start, { graph, node: loader }]]), edges: new Map(), problems: [], streamedBy: null };
+  const queue = [start];
+  const join = (key, member, next) => {
+    next.push(key);
+    if (!region.members.has(key)) {
+      region.members.set(key, member);
+      queue.push(key);
+    }
+  };
   while (queue.length) {
-    const node = queue.shift();
+    const key = queue.shift();
+    const member = region.members.get(key);
     const next = [];
-    region.edges.set(node.id, next);
-    for (const consumer of consumers(graph, node, modelOutputSlot(graph, node))) {
-      if (consumer.node && OUR_TYPES.has(consumer.node.type)) {
-        region.streamedBy = consumer.node;
-      } else if (consumer.node && isModelPatch(graph, consumer.node)) {
-        next.push(consumer.node.id);
-        if (!region.members.has(consumer.node.id)) {
-          region.members.set(consumer.node.id, consumer.node);
-          queue.push(consumer.node);
-        }
+    region.edges.set(key, next);
+    const fed = member.node
+      ? consumers(member.graph, member.node, modelOutputSlot(member.graph, member.node))
+      : innerConsumers(member.subgraphNode, member.input);
+    for (const consumer of fed) {
+      const node = consumer.node;
+      if (node && OUR_TYPES.has(node.type)) {
+        region.streamedBy = node;
+      } else if (node && isModelPatch(consumer.graph, node)) {
+        join(nodeKey(consumer.graph, node.id), { graph: consumer.graph, node }, next);
+      } else if (node?.subgraph && isSubgraphNode(node)) {
+        const inner = { graph: node.subgraph, input: consumer.slot, subgraphNode: node };
+        join(inputKey(node.subgraph, consumer.slot), inner, next);
       } else {
         const why = whyNotASampler(consumer);
         if (why) region.problems.push(why);
@@ -120,28 +156,29 @@ function traceRegion(graph, loader) {
       }
     }
   }
-  for (const member of region.members.values()) {
-    const foreign = modelInputLinks(graph, member).find((link) => link && !region.members.has(link.origin_id));
-    if (foreign) region.problems.push(`meets another model in ${describe(member)}`);
+  for (const { graph: where, node } of region.members.values()) {
+    const foreign = node && modelInputLinks(where, node).find((link) => link && !fromRegion(region, where, link));
+    if (foreign) region.problems.push(`meets another model in ${describe(node)}`);
   }
   return region;
 }
 
-// The last node every path from the loader to a sampler passes through: the node goes right after it, so every
-// patch before it applies to the streamed clone and nothing after it branches.
-function lastSharedNode(region, loaderId) {
+// The last node every path from the loader to a sampler passes through ({graph, node}): the node goes right after
+// it, so every patch before it applies to the streamed clone and nothing after it branches. A subgraph input is no
+// node to put one after: where the paths part right inside a subgraph, the node goes before it, outside.
+function lastSharedNode(region, loaderKey) {
   const paths = [];
-  const walk = (id, path) => {
+  const walk = (key, path) => {
     if (paths.length > MAX_PATHS) return;
-    if (id === SINK) {
+    if (key === SINK) {
       paths.push(path);
       return;
     }
-    for (const next of region.edges.get(id) ?? []) if (!path.includes(next)) walk(next, [...path, id]);
+    for (const next of region.edges.get(key) ?? []) if (!path.includes(next)) walk(next, [...path, key]);
   };
-  walk(loaderId, []);
+  walk(loaderKey, []);
   if (!paths.length || paths.length > MAX_PATHS) return null;
-  const shared = paths[0].filter((id) => paths.every((path) => path.includes(id)));
+  const shared = paths[0].filter((key) => region.members.get(key).node && paths.every((path) => path.includes(key)));
   return region.members.get(shared[shared.length - 1]);
 }
 
@@ -190,12 +227,12 @@ export function streamWorkflowModels(root, nodeType) {
         report.leftAlone.push({ what: file, why: region.problems[0] });
         continue;
       }
-      const end = lastSharedNode(region, node.id);
+      const end = lastSharedNode(region, nodeKey(graph, node.id));
       if (!end) {
         report.leftAlone.push({ what: file, why: "feeds no sampler" });
         continue;
       }
-      report.inserted.push(insertAfter(graph, end, nodeType));
+      report.inserted.push(insertAfter(end.graph, end.node, nodeType));
       report.streamed.push(file);
     }
   }
