@@ -3,7 +3,8 @@ per unit.
 
 The adapters (the LoRA's up and down matrices, and whatever else a patch holds in host memory) travel with
 their block: packed once per set of patches (an engine) into a host buffer of the block's (pinned where the
-block's is), copied into the ring right after the block's weights on the copy stream, and read there by
+block's is; those as large as half the block or more, as a model merge's other weights, stay where they lie:
+``offload/companions.py``), copied into the ring right after the block's weights on the copy stream, and read there by
 ``LoadedPatch`` (``AdapterStaging``); ComfyUI's lowvram path copies each from pageable memory on the
 compute stream, layer by layer, at every step. ``adapter_bytes`` is the room they take in the ring.
 """

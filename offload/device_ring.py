@@ -238,10 +238,8 @@ class DeviceRing:
                 target_part.copy_(source)
         if reader is not None and state.read is not None:
             reader.release(index, self.copy_stream)
-        companions = state.companions.host if state.companions is not None else None
-        if companions is not None:
-            at = start + aligned(state.layout.nbytes)
-            memory[at : at + companions.numel()].copy_(companions, non_blocking=companions.is_pinned())
+        if state.companions is not None:
+            state.companions.copy_into(memory[start + aligned(state.layout.nbytes) :])
         return unpacked
 
 

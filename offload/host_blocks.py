@@ -229,7 +229,8 @@ class HostBlocks:
 
     @property
     def companion_bytes(self) -> int:
-        """The blocks' companions (packed once, copied with their blocks)."""
+        """The host buffers of the blocks' companions (packed once, copied with their blocks; none for those kept
+        where they lie)."""
         return sum(state.companions.host.numel() for state in self.blocks.values() if state.companions is not None)
 
     def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
@@ -277,7 +278,7 @@ class HostBlocks:
     def _pack_companions(self, index: int, state: StreamedBlock) -> None:
         tensors = self._companion_tensors.get(index)
         if tensors:
-            state.companions = PackedCompanions.pack(tensors, self.memory.buffer)
+            state.companions = PackedCompanions.pack(tensors, state.layout.nbytes, self.memory.buffer)
 
     def _drop_companions(self, state: StreamedBlock) -> None:
         if state.companions is not None:

@@ -317,6 +317,8 @@ class BlockStreamer(StreamerViews):
     def _deferred(self, state: StreamedBlock) -> bool:
         if self.copy_stream is None:
             return False
+        if state.companions is not None and not state.companions.pinned:
+            return True
         return not (self.files.pinned if state.read is not None else state.pinned)
 
     def begin_step(self) -> None:

@@ -346,6 +346,43 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     assert streamer.companions(1) is None
 
 
+def test_companions_as_large_as_their_block_are_copied_from_where_they_lie() -> None:
+    """A model merge's companions are the other model's weights, as large as the block: kept where they lie, with no
+    host buffer of their own (a second copy of the other model), and copied into the ring from there at each copy,
+    beside small ones (a LoRA's adapters), which are packed."""
+    model = transformer_stack(num_blocks=4, dim=32)
+    x = torch.randn(2, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    other = {i: tuple(weight.detach() * 1.25 for weight in model.blocks[i].parameters()) for i in (1, 2)}
+    small = {3: (torch.randn(4, 8),)}
+    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model, companions=other | small)
+    streamer.enable()
+    seen: dict[int, bool] = {}
+
+    def check(index: int):
+        def hook(*_: object) -> None:
+            ring = streamer.ring_memory
+            views = streamer.companions(index)
+            inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
+            seen[index] = inside and all(torch.equal(v, t) for v, t in zip(views, (other | small)[index], strict=True))
+
+        return hook
+
+    hooks = [model.blocks[i].register_forward_pre_hook(check(i)) for i in (1, 2, 3)]
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
+    assert seen == {1: True, 2: True, 3: True}
+    # Only the small ones were packed: the large ones take no host memory of the engine's.
+    assert streamer.host.companion_bytes == aligned(4 * 8 * 4)
+    # Copied from where they lie at each copy: a change there is what the next copy brings.
+    other[2][0].add_(1.0)  # block 2: copied within the step (block 1 was copied as the last one ended)
+    seen.clear()
+    forward_steps(model, x, steps=1)
+    assert seen[2]
+    for hook in hooks:
+        hook.remove()
+    streamer.disable()
+
+
 def test_transforms_apply_once_per_fresh_copy_and_never_to_the_host_buffers() -> None:
     """A host's in-place transform of a streamed block in the ring (patches re-quantized where they arrive):
     told ``copied`` once per copy, so applied once per copy whether the block stays in the ring or not."""

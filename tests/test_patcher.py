@@ -127,7 +127,8 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
     """ModelMergeSimple patches every weight with the other model's. ComfyUI's load applies those of leaf modules
     only: a weight of a module whose submodules hold weights too (Wan's blocks' and head's ``modulation``) is left
     as loaded (``ModelPatcher._load_list``). The nodes patched those too before: on this CPU the merge streamed
-    gave another latent (every value differed from ComfyUI's, by up to 0.25, with each node, on both hosts)."""
+    gave another latent (every value differed from ComfyUI's, by up to 0.25, with each node, on both hosts), and
+    packed the second model's streamed weights into host buffers of their own."""
     if loading == "dynamic_vram" and HOST_VERSION.startswith("0.3."):
         pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
     merge = importlib.import_module("comfy_extras.nodes_model_merging").ModelMergeSimple().merge
@@ -146,7 +147,11 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
     assert not torch.equal(reference, plain), "the merge changes nothing: the test would prove nothing"
     streaming = offloaded(comfy, node, merge(first, second, 0.5)[0])
     assert torch.equal(sample(comfy, streaming), reference)
-    assert streaming.offload_engine.runner.streamed
+    runner = streaming.offload_engine.runner
+    assert runner.streamed
+    # The second model's weights, the merge's adapters, are copied from where they lie: no second copy of them
+    # (before: a host buffer as large as the streamed blocks).
+    assert runner.companion_bytes == 0
     comfy.mm.unload_all_models()
     assert torch.equal(sample(comfy, first), plain), "the input MODEL changed"
     comfy.mm.unload_all_models()
