@@ -1,9 +1,9 @@
 """The frontend action "Stream this workflow's models" (``web/stream_workflow.js``) in the real ComfyUI frontend,
-in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader to its
-sampler, inside the official templates' subgraphs and into a subgraph the model goes into, after the LoRA toggle
-and ModelSampling patch and before the sampler; says what it did; is undone by one Ctrl+Z; changes nothing the
-second time; and leaves alone, naming them, the models it cannot stream safely (a merge, a node of ours already
-there, no loader at all, a model leaving its subgraph).
+in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader (or a merge
+of loaders) to its sampler, inside the official templates' subgraphs and into a subgraph the model goes into,
+after the LoRA toggle and ModelSampling patch and before the sampler; says what it did; is undone by one Ctrl+Z;
+changes nothing the second time; and leaves alone, naming them, the models it cannot stream safely (a merge whose
+input also goes elsewhere, a node of ours already there, no loader at all, a model leaving its subgraph).
 """
 
 from __future__ import annotations
@@ -164,26 +164,42 @@ def test_a_workflow_without_a_diffusion_model_is_left_unchanged(page: Any) -> No
     assert graph_of(serialized(page)) == graph_of(before)
 
 
-def test_a_merge_and_a_model_already_streaming_are_left_alone_and_named(page: Any) -> None:
+def test_a_merge_streams_after_it_and_a_model_already_streaming_is_left_alone(page: Any) -> None:
     # The pack's own Wan example already streams its model through Async Block Offload.
     load(page, json.loads((REPO / "example_workflows" / "async_block_offload_wan21_t2v.json").read_text()))
-    # Beside it, two loaders merged into one model before a sampler: streaming either input alone would be wrong.
-    page.evaluate(
-        """() => {
-            const g = window.app.rootGraph ?? window.app.graph;
-            const add = (type, title) => { const n = LiteGraph.createNode(type); n.title = title; g.add(n); return n; };
-            const a = add("UNETLoader", "expert A"), b = add("UNETLoader", "expert B");
-            const merge = add("ModelMergeSimple", "merge"), sampler = add("KSampler", "sampler");
-            a.connect(0, merge, 0); b.connect(0, merge, 1); merge.connect(0, sampler, 0);
-        }"""
-    )
+    # Beside it, two loaders merged into one model before a sampler: the node goes after the merge, on the merged
+    # model (streaming either input alone would leave the merge's other weights to ComfyUI).
+    page.evaluate(MERGE_JS, False)
+    page.wait_for_timeout(300)
+    text = run_action(page)
+    assert "Already streaming, left as they are: " in text and "(Async Block Offload (#" in text, text
+    assert "1 model now streams through Partial GPU Residency: " in text and "(merged in merge (#" in text, text
+    expected = {"from": "ModelMergeSimple", "to": ["KSampler"], "budget": 0, "policy": "auto"}
+    assert our_nodes(page) == [["root", [expected]]]
+
+
+def test_a_merge_whose_input_also_feeds_another_sampler_is_left_alone_and_named(page: Any) -> None:
+    page.evaluate("(window.app.rootGraph ?? window.app.graph).clear()")
+    page.evaluate(MERGE_JS, True)
     page.wait_for_timeout(300)
     before = serialized(page)
     text = run_action(page)
     assert "now stream" not in text, text
-    assert "Already streaming, left as they are: " in text and "(Async Block Offload (#" in text, text
-    assert text.count("meets another model in merge (#") == 2, text
+    assert "meets another model in merge (#" in text, text
     assert graph_of(serialized(page)) == graph_of(before)
+
+
+# Two loaders merged (ModelMergeSimple) before a sampler; ``branch``: the first also feeds a sampler of its own.
+MERGE_JS = """
+(branch) => {
+  const g = window.app.rootGraph ?? window.app.graph;
+  const add = (type, title) => { const n = LiteGraph.createNode(type); n.title = title; g.add(n); return n; };
+  const a = add("UNETLoader", "expert A"), b = add("UNETLoader", "expert B");
+  const merge = add("ModelMergeSimple", "merge"), sampler = add("KSampler", "sampler");
+  a.connect(0, merge, 0); b.connect(0, merge, 1); merge.connect(0, sampler, 0);
+  if (branch) a.connect(0, add("KSampler", "A alone"), 0);
+}
+"""
 
 
 # A loader and its LoRA in the root graph, what samples with the model in a subgraph made of it (as "Convert to

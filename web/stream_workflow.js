@@ -106,10 +106,34 @@ function loaderFile(node) {
   return named?.value ?? describe(node);
 }
 
-// Everything downstream of a loader that still carries its model, into the subgraphs it goes into: the patches (its
-// region: {graph, node} by key, and for each subgraph input it enters, {graph, input}), the edges between them
-// (SINK: a sampler), and what stops the action (a model mixed in from elsewhere, a saver, the model leaving a
-// subgraph).
+// The loader at the top of a chain of patches ending in ``link``, each of them (the loader too) feeding nothing but
+// the next; null where the chain branches, starts elsewhere or mixes models.
+function chainLoader(graph, link) {
+  let node = link ? graph.getNodeById(link.origin_id) : null;
+  while (node) {
+    if (consumers(graph, node, modelOutputSlot(graph, node)).length !== 1) return null;
+    if (isLoader(graph, node)) return node;
+    const inputs = modelInputLinks(graph, node);
+    if (!isModelPatch(graph, node) || inputs.length !== 1) return null;
+    node = inputs[0] ? graph.getNodeById(inputs[0].origin_id) : null;
+  }
+  return null;
+}
+
+// A merge (ModelMergeSimple and its kind) mixes models into one: where each of its model inputs is such a chain
+// from a loader, the node goes after it, on the merged model, which ComfyUI patches with the other models' weights
+// as it patches a LoRA's. Its loaders, or null where it is no such merge.
+function mergedLoaders(graph, node) {
+  const links = modelInputLinks(graph, node);
+  if (links.length < 2 || isSubgraphNode(node) || modelOutputSlot(graph, node) === null) return null;
+  const loaders = links.map((link) => chainLoader(graph, link));
+  return loaders.every(Boolean) ? loaders : null;
+}
+
+// Everything downstream of a loader (or a merge of loaders) that still carries its model, into the subgraphs it goes
+// into: the patches (its region: {graph, node} by key, and for each subgraph input it enters, {graph, input}), the
+// edges between them (SINK: a sampler), the merges of loaders it meets (``merges``), and what stops the action (a
+// model mixed in from elsewhere, a saver, the model leaving a subgraph).
 const SINK = "sink";
 
 const nodeKey = (graph, id) => `${graph.id}:${id}`;
@@ -123,7 +147,8 @@ function fromRegion(region, graph, link) {
 
 function traceRegion(graph, loader) {
   const start = nodeKey(graph, loader.id);
-  const region = { members: new Map([[start, { graph, node: loader }]]), edges: new Map(), problems: [], streamedBy: null };
+  const members = new Map([[start, { graph, node: loader }]]);
+  const region = { members, edges: new Map(), problems: [], merges: new Map(), streamedBy: null };
   const queue = [start];
   const join = (key, member, next) => {
     next.push(key);
@@ -156,9 +181,11 @@ function traceRegion(graph, loader) {
       }
     }
   }
-  for (const { graph: where, node } of region.members.values()) {
+  for (const [key, { graph: where, node }] of region.members) {
     const foreign = node && modelInputLinks(where, node).find((link) => link && !fromRegion(region, where, link));
-    if (foreign) region.problems.push(`meets another model in ${describe(node)}`);
+    if (!foreign || key === start) continue;  // a merge traced from itself mixes its inputs, as it should
+    if (mergedLoaders(where, node)) region.merges.set(key, { graph: where, node });
+    else region.problems.push(`meets another model in ${describe(node)}`);
   }
   return region;
 }
@@ -210,31 +237,40 @@ function graphsOf(root) {
 // streamed (files newly streamed), already (files already streamed by one of our nodes), leftAlone ({what, why}).
 export function streamWorkflowModels(root, nodeType) {
   const report = { streamed: [], already: [], leftAlone: [], inserted: [] };
+  const merges = new Map();  // the merges of loaders met, streamed once each after every loader
+  const stream = (graph, source, what) => {
+    const region = traceRegion(graph, source);
+    if (region.merges.size) {
+      for (const [key, merge] of region.merges) merges.set(key, merge);
+      return;
+    }
+    if (region.streamedBy) {
+      report.already.push(`${what} (${describe(region.streamedBy)})`);
+      return;
+    }
+    if (region.problems.length) {
+      report.leftAlone.push({ what, why: region.problems[0] });
+      return;
+    }
+    const end = lastSharedNode(region, nodeKey(graph, source.id));
+    if (!end) {
+      report.leftAlone.push({ what, why: "feeds no sampler" });
+      return;
+    }
+    report.inserted.push(insertAfter(end.graph, end.node, nodeType));
+    report.streamed.push(what);
+  };
   for (const graph of graphsOf(root)) {
     for (const node of [...graph.nodes]) {
       if (isGroupNode(node)) {
         report.leftAlone.push({ what: describe(node), why: "is a group node: convert it to a subgraph to stream its model" });
-        continue;
+      } else if (isLoader(graph, node)) {
+        stream(graph, node, loaderFile(node));
       }
-      if (!isLoader(graph, node)) continue;
-      const file = loaderFile(node);
-      const region = traceRegion(graph, node);
-      if (region.streamedBy) {
-        report.already.push(`${file} (${describe(region.streamedBy)})`);
-        continue;
-      }
-      if (region.problems.length) {
-        report.leftAlone.push({ what: file, why: region.problems[0] });
-        continue;
-      }
-      const end = lastSharedNode(region, nodeKey(graph, node.id));
-      if (!end) {
-        report.leftAlone.push({ what: file, why: "feeds no sampler" });
-        continue;
-      }
-      report.inserted.push(insertAfter(end.graph, end.node, nodeType));
-      report.streamed.push(file);
     }
+  }
+  for (const { graph, node } of merges.values()) {
+    stream(graph, node, `${mergedLoaders(graph, node).map(loaderFile).join(" + ")} (merged in ${describe(node)})`);
   }
   return report;
 }
