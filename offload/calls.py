@@ -35,6 +35,10 @@ class StepCalls:
         """Whether a step has begun calling blocks and not ended."""
         return bool(self.open or self.order)
 
+    def running(self, block: int) -> bool:
+        """Whether ``block`` has a call open now."""
+        return any(call.block == block for call in self.open)
+
     def held(self) -> set[int]:
         """The blocks running now: their memory must not be overwritten."""
         return {call.block for call in self.open}

@@ -33,12 +33,15 @@ def hook_calls(
     begins: Callable[[int], None],
     ends: Callable[[int], None],
     after: Callable[[], None],
+    running: Callable[[int], bool],
 ) -> list[Removable]:
     """Calls ``begins(i)`` before block ``i`` runs and ``ends(i)`` once it has (even when it raised), then
     ``after()``. ``holders[i]``: the module whose call brings block ``i`` in, where that is not the block
     itself. One pair of hooks per module called: a holder brings in every block it holds and lets them go in
     the reverse order, so a call ending never releases a call around it. ``methods[i]``: block ``i``'s own
-    methods the model runs it through besides its call, each run a call of the block."""
+    methods the model runs it through besides its call, each run a call of the block unless the block is
+    ``running`` already (the method runs inside its call or another of its methods: ending there would release
+    the block under the outer call)."""
     callers: dict[int, tuple[nn.Module, list[int]]] = {}
     for index, block in enumerate(blocks):
         caller = holders.get(index, block)
@@ -50,38 +53,34 @@ def hook_calls(
             caller.register_forward_hook(eager(_each(ends, tuple(reversed(indices)), after)), always_call=True)
         )
     for index, names in methods.items():
-        running = _Running()
-        handles += [_MethodCalls(blocks[index], name, index, running, begins, ends, after) for name in names]
+        handles += [_MethodCalls(blocks[index], name, index, begins, ends, after, running) for name in names]
     return handles
-
-
-class _Running:
-    """How deep one block's own methods are in each other: a method the block runs from within another is part
-    of the outer one's call, whose end must not release the block under it."""
-
-    depth = 0
 
 
 class _MethodCalls:
     """Block ``index``'s method ``name``, replaced on the block (an instance attribute before its class's) by
-    one that brackets it with ``begins(index)`` and ``ends(index)``, then ``after()``. The end runs whatever
-    the method raised: an interrupt (a ``BaseException``) leaves no call open either."""
+    one that brackets it with ``begins(index)`` and ``ends(index)``, then ``after()``, unless the block is
+    ``running`` already. The end runs whatever the method raised: an interrupt (a ``BaseException``) leaves no
+    call open either."""
 
     def __init__(
         self,
         block: nn.Module,
         name: str,
         index: int,
-        running: _Running,
         begins: Callable[[int], None],
         ends: Callable[[int], None],
         after: Callable[[], None],
+        running: Callable[[int], bool],
     ) -> None:
         method: Callable[..., object] = getattr(block, name)
 
         @eager
-        def begin() -> None:
+        def begin() -> bool:
+            if running(index):
+                return False
             begins(index)
+            return True
 
         @eager
         def end() -> None:
@@ -90,15 +89,11 @@ class _MethodCalls:
 
         @functools.wraps(method)
         def called(*args: object, **kwargs: object) -> object:
-            outermost = running.depth == 0
-            if outermost:
-                begin()
-            running.depth += 1
+            began = begin()
             try:
                 return method(*args, **kwargs)
             finally:
-                running.depth -= 1
-                if outermost:
+                if began:
                     end()
 
         self.block, self.name, self.called = block, name, called

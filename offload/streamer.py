@@ -197,7 +197,13 @@ class BlockStreamer(StreamerViews):
         self.host.pack_all(blocks, progress, later=self.pack_in_background)
         self.files.start()
         self._handles = hook_calls(
-            self.blocks, self.holders, self.entry_methods, self._call_begins, self._call_ends, self._after_call
+            self.blocks,
+            self.holders,
+            self.entry_methods,
+            self._call_begins,
+            self._call_ends,
+            self._after_call,
+            self.calls.running,
         )
         if self.root is not None:
             self._handles += hook_step(self.root, self.begin_step, self.end_step)
