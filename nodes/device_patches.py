@@ -63,6 +63,7 @@ class _CastLayer(Protocol):
     sets on it: the functions its forward applies to the weight and bias it casts, and whether it casts them."""
 
     comfy_cast_weights: bool
+    comfy_force_cast_weights: bool
     prev_comfy_cast_weights: bool
     weight_function: list[Callable[[torch.Tensor], torch.Tensor]]
     bias_function: list[Callable[[torch.Tensor], torch.Tensor]]
@@ -133,7 +134,25 @@ def patch_streamed_weights(
     # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
     # marked already is not counted again), back to 0 when its unpatch clears the marks.
     model.model.lowvram_patch_counter += counted
+    force_casts(model, streamed)
     return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host), tuple(on_arrival))
+
+
+def force_casts(model: ModelPatcher, streamed: frozenset[str]) -> None:
+    """Sets on each layer of the ``streamed`` modules what ComfyUI's load sets on each layer it loads, which it
+    never sees: whether the MODEL forces its layers to cast (``force_cast_weights``: a compute dtype set on it, as
+    ModelComputeDtype sets one). A forced layer casts its weights to the compute dtype at each call (and runs no
+    quantized kernel), as ComfyUI's do; its unpatch gives the layer back its own setting."""
+    force = bool(getattr(model, "force_cast_weights", False))
+    for name, module in model.model.named_modules():
+        if not hasattr(module, "comfy_cast_weights") or not inside(name, streamed):
+            continue
+        layer = cast(_CastLayer, module)
+        layer.comfy_force_cast_weights = force
+        if force:
+            if not hasattr(layer, "prev_comfy_cast_weights"):
+                layer.prev_comfy_cast_weights = layer.comfy_cast_weights
+            layer.comfy_cast_weights = True
 
 
 def twin_patches_as_cast(model: ModelPatcher, request: OffloadRequest) -> Callable[[str, torch.nn.Module], bool] | None:

@@ -157,6 +157,38 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
     comfy.mm.unload_all_models()
 
 
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+@pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
+def test_a_compute_dtype_set_on_the_model_computes_as_comfyui(
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, loading: str, node: str
+) -> None:
+    """ModelComputeDtype (fp16 here, on fp32 weights) makes ComfyUI's load force every layer it loads to cast its
+    weights to that dtype. The layers the node streams are hidden from that load: before, they computed with their
+    fp32 weights against fp16 inputs and every node raised "mat1 and mat2 must have the same dtype, but got Half
+    and Float", before or after the node, on both hosts."""
+    if loading == "dynamic_vram" and HOST_VERSION.startswith("0.3."):
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
+    compute_dtype = importlib.import_module("comfy_extras.nodes_model_advanced").ModelComputeDtype().patch
+    if loading == "classic":
+        load, load_reference = (lambda: wan(comfy)), (lambda: wan(comfy))
+    else:
+        dynamic_vram = request.getfixturevalue("dynamic_vram")
+        path = comfy.models["wan21"]
+        load = lambda: dynamic_vram.load(path, torch.float32)  # noqa: E731
+        load_reference = lambda: dynamic_vram.load_classic(path, torch.float32)  # noqa: E731
+    # Each on a model of its own: ComfyUI leaves the forced casts on a model it loaded with them.
+    reference = sample(comfy, compute_dtype(load_reference(), "fp16")[0])
+    plain = sample(comfy, load_reference())
+    comfy.mm.unload_all_models()
+    assert not torch.equal(reference, plain), "the compute dtype changes nothing: the test would prove nothing"
+    before = offloaded(comfy, node, compute_dtype(load(), "fp16")[0])
+    after = compute_dtype(offloaded(comfy, node, load()), "fp16")[0]
+    for streaming in (before, after):
+        assert torch.equal(sample(comfy, streaming), reference)
+        assert streaming.offload_engine.runner.streamed
+        comfy.mm.unload_all_models()
+
+
 def test_chained_nodes_last_one_wins(comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
     model = wan(comfy)
     reference = sample(comfy, model)
