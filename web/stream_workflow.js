@@ -49,25 +49,27 @@ function modelOutputSlot(graph, node) {
   return slot < 0 ? null : slot;
 }
 
-// What an output feeds: {node, slot, graph} per link; node is null where the link leaves the graph (a subgraph's
-// output).
-function consumers(graph, node, slot) {
-  return (node.outputs?.[slot]?.links ?? [])
+// Where links ``ids`` of ``graph`` lead: {node, slot, graph} per link; node is null where a link leaves the graph
+// (a subgraph's output).
+function linkTargets(graph, ids) {
+  return (ids ?? [])
     .map((id) => linkById(graph, id))
     .filter(Boolean)
     .map((link) => ({ node: graph.getNodeById(link.target_id) ?? null, slot: link.target_slot, graph }));
 }
 
+// What an output feeds.
+function consumers(graph, node, slot) {
+  return linkTargets(graph, node.outputs?.[slot]?.links);
+}
+
 // Links from a subgraph's input start at its input node, which has this id.
 const SUBGRAPH_INPUT_ID = -10;
 
-// What a subgraph node's input ``slot`` feeds inside its subgraph: {node, slot, graph} per link from that input.
+// What a subgraph node's input ``slot`` feeds inside its subgraph.
 function innerConsumers(subgraphNode, slot) {
   const inner = subgraphNode.subgraph;
-  return (inner.inputs?.[slot]?.linkIds ?? [])
-    .map((id) => linkById(inner, id))
-    .filter(Boolean)
-    .map((link) => ({ node: inner.getNodeById(link.target_id) ?? null, slot: link.target_slot, graph: inner }));
+  return linkTargets(inner, inner.inputs?.[slot]?.linkIds);
 }
 
 function isSubgraphNode(node) {
