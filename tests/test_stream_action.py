@@ -2,8 +2,8 @@
 in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader (or a merge
 of loaders) to its sampler, inside the official templates' subgraphs and into a subgraph the model goes into,
 after the LoRA toggle and ModelSampling patch and before the sampler; says what it did; is undone by one Ctrl+Z;
-changes nothing the second time; and leaves alone, naming them, the models it cannot stream safely (a merge whose
-input also goes elsewhere, a node of ours already there, no loader at all, a model leaving its subgraph).
+changes nothing the second time; follows a model out of the subgraphs it leaves; and leaves alone, naming them, the
+models it cannot stream safely (a merge whose input also goes elsewhere, a node of ours already there, no loader).
 """
 
 from __future__ import annotations
@@ -202,9 +202,10 @@ MERGE_JS = """
 """
 
 
-# A loader and its LoRA in the root graph, what samples with the model in a subgraph made of it (as "Convert to
-# Subgraph" makes one): ModelSamplingSD3 and KSampler, or (``branches``) two KSamplers fed by the subgraph's input
-# itself, or (``leaves``) a KSampler and the subgraph's output.
+# A loader, its LoRA, ModelSamplingSD3 and a KSampler, part of them made into a subgraph (as "Convert to Subgraph"
+# makes one), by ``shape``: "patched", the sampling patch and the sampler (the model goes in); "branches", two
+# KSamplers fed by the subgraph's input itself (the paths part right inside it); "returns", the sampling patch alone
+# (the model goes in and comes back out to the sampler); "loaded inside", all but the sampler (the model leaves).
 SUBGRAPH_JS = """
 (shape) => {
   const g = window.app.rootGraph ?? window.app.graph;
@@ -212,19 +213,17 @@ SUBGRAPH_JS = """
   const add = (type) => { const n = LiteGraph.createNode(type); g.add(n); return n; };
   const loader = add("UNETLoader"), lora = add("LoraLoaderModelOnly");
   loader.connect(0, lora, 0);
-  const inside = [];
   if (shape === "branches") {
     const first = add("KSampler"), second = add("KSampler");
     lora.connect(0, first, 0); lora.connect(0, second, 0);
-    inside.push(first, second);
-  } else {
-    const sampling = add("ModelSamplingSD3"), sampler = add("KSampler");
-    lora.connect(0, sampling, 0); sampling.connect(0, sampler, 0);
-    inside.push(sampling, sampler);
-    if (shape === "leaves") sampling.connect(0, add("ModelMergeSimple"), 0);
+    return g.convertToSubgraph(new Set([first, second])).node.type;
   }
-  const made = g.convertToSubgraph(new Set(inside));
-  return made.node.type;
+  const sampling = add("ModelSamplingSD3"), sampler = add("KSampler");
+  lora.connect(0, sampling, 0); sampling.connect(0, sampler, 0);
+  const inside = {
+    patched: [sampling, sampler], returns: [sampling], "loaded inside": [loader, lora, sampling],
+  }[shape];
+  return g.convertToSubgraph(new Set(inside)).node.type;
 }
 """
 
@@ -257,9 +256,7 @@ def test_a_model_going_into_a_subgraph_streams_inside_it_before_its_sampler(page
     assert graph_of(serialized(page)) == graph_of(before), "one Ctrl+Z did not give back the workflow"
 
 
-def test_a_model_parting_right_inside_a_subgraph_streams_before_it_and_one_leaving_it_is_left_alone(
-    page: Any,
-) -> None:
+def test_a_model_parting_right_inside_a_subgraph_streams_before_it(page: Any) -> None:
     subgraph = subgraph_workflow(page, "branches")
     text = run_action(page)
     assert "1 model now streams through Partial GPU Residency" in text, text
@@ -267,11 +264,50 @@ def test_a_model_parting_right_inside_a_subgraph_streams_before_it_and_one_leavi
     expected = {"from": "LoraLoaderModelOnly", "to": [subgraph], "budget": 0, "policy": "auto"}
     assert our_nodes(page) == [["root", [expected]]]
 
-    subgraph_workflow(page, "leaves")
+
+@pytest.mark.parametrize("shape", ["returns", "loaded inside"])
+def test_a_model_leaving_a_subgraph_is_followed_out_to_its_sampler(page: Any, shape: str) -> None:
+    subgraph = subgraph_workflow(page, shape)
     before = serialized(page)
     text = run_action(page)
-    assert "now stream" not in text and "leaves the subgraph it is in" in text, text
-    assert graph_of(serialized(page)) == graph_of(before)
+    assert "1 model now streams through Partial GPU Residency" in text, text
+    # After the subgraph the model comes out of (its patches applied inside), right before the sampler.
+    expected = {"from": subgraph, "to": ["KSampler"], "budget": 0, "policy": "auto"}
+    assert our_nodes(page) == [["root", [expected]]]
+    again = run_action(page)
+    assert "now stream" not in again and "Already streaming, left as they are" in again, again
+    undo(page)
+    assert graph_of(serialized(page)) == graph_of(before), "one Ctrl+Z did not give back the workflow"
+
+
+# Official templates whose model leaves a subgraph: USO's two pipelines (each model goes through patch subgraphs,
+# one of them bypassed, and comes back to its KSampler) and the Qwen-Image edit one whose loader is a subgraph of its
+# own, its model passed on by Reroutes typed "*" inside the next subgraph (which are no loaders). Per graph, our
+# nodes with what feeds them and what they feed, a subgraph node by its subgraph's name.
+LEAVING_TEMPLATES = {
+    "flux1_dev_uso_reference_image_gen": {
+        "USO Character Reference": [{"from": "USOStyleReference(Subgraph)", "to": ["KSampler"]}],
+        "USO Style Reference": [{"from": "USOStyleReference", "to": ["KSampler"]}],
+    },
+    "templates-1_click_multiple_scene_angles-v1.0": {
+        "root": [{"from": "Qwen Image Edit Model and Loras Loader", "to": ["Generate"]}],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEAVING_TEMPLATES))
+def test_a_template_whose_model_leaves_a_subgraph_streams_once_before_each_sampler(page: Any, name: str) -> None:
+    template = official_template(name)
+    load(page, template)
+    text = run_action(page)
+    streamed = sum(len(nodes) for nodes in LEAVING_TEMPLATES[name].values())
+    assert f"{streamed} model{'s' * (streamed > 1)} now stream" in text and "Left as it is" not in text, text
+    named = {s["id"]: s["name"] for s in template["definitions"]["subgraphs"]}
+    placed = {
+        graph: [{"from": named.get(n["from"], n["from"]), "to": [named.get(t, t) for t in n["to"]]} for n in nodes]
+        for graph, nodes in our_nodes(page)
+    }
+    assert placed == LEAVING_TEMPLATES[name]
 
 
 def test_the_panel_button_and_the_canvas_menu_run_the_action(page: Any) -> None:

@@ -2,8 +2,9 @@
 // loader to what samples with it, in the root graph and inside every subgraph (ComfyUI's official templates keep
 // their whole pipeline in one). Each path is walked from the loader through its chain of model patches (LoRA
 // loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else), into the subgraphs
-// the model goes into, and the node goes where the chain ends, before it branches: LoRAs and patches stay upstream
-// of the streaming clone, as ComfyUI applies them. What the action cannot do safely it leaves as it is and names. The whole edit is one undo step.
+// the model goes into and out of those it leaves, and the node goes where the chain ends, before it branches: LoRAs
+// and patches stay upstream of the streaming clone, as ComfyUI applies them. What the action cannot do safely it
+// leaves as it is and names. The whole edit is one undo step.
 
 import { app } from "../../scripts/app.js";
 
@@ -80,10 +81,21 @@ function isGroupNode(node) {
   return GROUP_NODE_PREFIXES.some((prefix) => String(node.type).startsWith(prefix));
 }
 
+// A node that passes on whatever it is given (Reroute, a switch typed "*"): fed by a subgraph's input, its input link is
+// typed "*" too, so it must not pass for a loader.
+function passesOnItsInput(node) {
+  return (node.inputs ?? []).some((input) => input?.type === "*" && input.link != null);
+}
+
 // A loader makes a MODEL from nothing upstream: Load Diffusion Model, Load Checkpoint, Unet Loader (GGUF) and any
 // other pack's file loader alike.
 function isLoader(graph, node) {
-  return !isSubgraphNode(node) && modelOutputSlot(graph, node) !== null && modelInputLinks(graph, node).length === 0;
+  return (
+    !isSubgraphNode(node) &&
+    modelOutputSlot(graph, node) !== null &&
+    modelInputLinks(graph, node).length === 0 &&
+    !passesOnItsInput(node)
+  );
 }
 
 // A model patch takes the model and gives it back changed (LoRA loaders, ModelSampling*, attention patches); a
@@ -93,10 +105,10 @@ function isModelPatch(graph, node) {
 }
 
 // What samples with the model uses it and gives something else (a latent, a guider, sigmas). A node that saves the
-// model or sits in another graph is not that (a subgraph the model goes into is followed before this is asked).
+// model or sits in another graph is not that (the subgraphs the model goes into or leaves are followed before this
+// is asked).
 function whyNotASampler(consumer) {
   const node = consumer.node;
-  if (!node) return "leaves the subgraph it is in";
   if (isSubgraphNode(node)) return `goes into the subgraph ${describe(node)}`;
   if (isGroupNode(node)) return `goes into the group node ${describe(node)}`;
   if (node.constructor?.nodeData?.output_node) return `goes to ${describe(node)}, which saves the model`;
@@ -133,23 +145,43 @@ function mergedLoaders(graph, node) {
 }
 
 // Everything downstream of a loader (or a merge of loaders) that still carries its model, into the subgraphs it goes
-// into: the patches (its region: {graph, node} by key, and for each subgraph input it enters, {graph, input}), the
-// edges between them (SINK: a sampler), the merges of loaders it meets (``merges``), and what stops the action (a
-// model mixed in from elsewhere, a saver, the model leaving a subgraph).
+// into and out of the subgraphs it leaves: the patches (its region's members: a node, a subgraph input the model
+// enters, or a subgraph node's output it leaves by), the edges between them (SINK: a sampler), the merges of loaders
+// it meets (``merges``), and what stops the action (a model mixed in from elsewhere, a saver).
+//
+// Each member knows ``via``: the subgraph nodes ({node, graph}) the model went in by, outermost first, so that it
+// leaves a subgraph by the node it came in by; a model loaded inside a subgraph leaves by every node using it. Keys
+// hold that path, so the same subgraph used twice gives two sets of members and the node goes before both.
 const SINK = "sink";
 
-const nodeKey = (graph, id) => `${graph.id}:${id}`;
-const inputKey = (graph, slot) => `${graph.id}:input ${slot}`;
+const frames = (via) => via.map((frame) => frame.node.id).join("/");
+const nodeKey = (via, graph, id) => `${frames(via)}|${graph.id}:${id}`;
+const inputKey = (via, graph, slot) => `${frames(via)}|${graph.id}:input ${slot}`;
 
-// Whether ``link`` (into a member) comes from the region: a member, or a subgraph input the region enters.
-function fromRegion(region, graph, link) {
-  if (String(link.origin_id) === String(SUBGRAPH_INPUT_ID)) return region.members.has(inputKey(graph, link.origin_slot));
-  return region.members.has(nodeKey(graph, link.origin_id));
+// The subgraph nodes ({node, graph}) in the whole workflow that use the subgraph ``definition``.
+function usesOf(root, definition) {
+  return graphsOf(root).flatMap((graph) =>
+    graph.nodes.filter((node) => node.subgraph === definition).map((node) => ({ node, graph })),
+  );
 }
 
-function traceRegion(graph, loader) {
-  const start = nodeKey(graph, loader.id);
-  const members = new Map([[start, { graph, node: loader }]]);
+// Whether ``link`` (into a member) comes from the region: a member, or a subgraph input the region enters.
+function fromRegion(region, member, link) {
+  const { via, graph } = member;
+  if (String(link.origin_id) === String(SUBGRAPH_INPUT_ID)) return region.members.has(inputKey(via, graph, link.origin_slot));
+  return region.members.has(nodeKey(via, graph, link.origin_id));
+}
+
+// What a member's model goes to: {node, slot, graph} per link, node null where it leaves the member's graph.
+function fedBy(member) {
+  if (member.node) return consumers(member.graph, member.node, modelOutputSlot(member.graph, member.node));
+  if (member.input !== undefined) return innerConsumers(member.subgraphNode, member.input);
+  return consumers(member.graph, member.subgraphNode, member.output);
+}
+
+function traceRegion(root, graph, loader) {
+  const start = nodeKey([], graph, loader.id);
+  const members = new Map([[start, { graph, node: loader, via: [] }]]);
   const region = { members, edges: new Map(), problems: [], merges: new Map(), streamedBy: null };
   const queue = [start];
   const join = (key, member, next) => {
@@ -162,20 +194,28 @@ function traceRegion(graph, loader) {
   while (queue.length) {
     const key = queue.shift();
     const member = region.members.get(key);
+    const { via } = member;
     const next = [];
     region.edges.set(key, next);
-    const fed = member.node
-      ? consumers(member.graph, member.node, modelOutputSlot(member.graph, member.node))
-      : innerConsumers(member.subgraphNode, member.input);
-    for (const consumer of fed) {
+    for (const consumer of fedBy(member)) {
       const node = consumer.node;
-      if (node && OUR_TYPES.has(node.type)) {
+      if (!node) {
+        // It leaves the subgraph: on by the node it came in by, or by every node using the subgraph it was loaded in.
+        const leaves = via.length ? [via[via.length - 1]] : usesOf(root, consumer.graph);
+        const outer = via.slice(0, -1);
+        for (const use of leaves) {
+          const out = { graph: use.graph, subgraphNode: use.node, output: consumer.slot, via: outer };
+          join(nodeKey(outer, use.graph, use.node.id), out, next);
+        }
+      } else if (OUR_TYPES.has(node.type)) {
         region.streamedBy = node;
-      } else if (node && isModelPatch(consumer.graph, node)) {
-        join(nodeKey(consumer.graph, node.id), { graph: consumer.graph, node }, next);
-      } else if (node?.subgraph && isSubgraphNode(node)) {
-        const inner = { graph: node.subgraph, input: consumer.slot, subgraphNode: node };
-        join(inputKey(node.subgraph, consumer.slot), inner, next);
+      } else if (node.subgraph && isSubgraphNode(node)) {
+        const inside = [...via, { node, graph: consumer.graph }];
+        const entered = { graph: node.subgraph, input: consumer.slot, subgraphNode: node, via: inside };
+        join(inputKey(inside, node.subgraph, consumer.slot), entered, next);
+      } else if (!isSubgraphNode(node) && modelOutputSlot(consumer.graph, node) !== null) {
+        // It takes the model and gives a MODEL back: a patch (its input may be typed "*", a Reroute in a subgraph).
+        join(nodeKey(via, consumer.graph, node.id), { graph: consumer.graph, node, via }, next);
       } else {
         const why = whyNotASampler(consumer);
         if (why) region.problems.push(why);
@@ -183,8 +223,9 @@ function traceRegion(graph, loader) {
       }
     }
   }
-  for (const [key, { graph: where, node }] of region.members) {
-    const foreign = node && modelInputLinks(where, node).find((link) => link && !fromRegion(region, where, link));
+  for (const [key, member] of region.members) {
+    const { graph: where, node } = member;
+    const foreign = node && modelInputLinks(where, node).find((link) => link && !fromRegion(region, member, link));
     if (!foreign || key === start) continue;  // a merge traced from itself mixes its inputs, as it should
     if (mergedLoaders(where, node)) region.merges.set(key, { graph: where, node });
     else region.problems.push(`meets another model in ${describe(node)}`);
@@ -192,10 +233,11 @@ function traceRegion(graph, loader) {
   return region;
 }
 
-// The last node every path from the loader to a sampler passes through ({graph, node}): the node goes right after
-// it, so every patch before it applies to the streamed clone and nothing after it branches. A subgraph input is no
-// node to put one after: where the paths part right inside a subgraph, the node goes before it, outside.
-function lastSharedNode(region, loaderKey) {
+// The last place every path from the loader to a sampler passes through: a patch, or a subgraph node's output the
+// model leaves by. The node goes right after it, so every patch before it applies to the streamed clone and nothing
+// after it branches. A subgraph input is no place to put one after: where the paths part right inside a subgraph,
+// the node goes before it, outside. Returns {graph, node, slot}, or null.
+function lastSharedPlace(region, loaderKey) {
   const paths = [];
   const walk = (key, path) => {
     if (paths.length > MAX_PATHS) return;
@@ -207,8 +249,12 @@ function lastSharedNode(region, loaderKey) {
   };
   walk(loaderKey, []);
   if (!paths.length || paths.length > MAX_PATHS) return null;
-  const shared = paths[0].filter((key) => region.members.get(key).node && paths.every((path) => path.includes(key)));
-  return region.members.get(shared[shared.length - 1]);
+  const isPlace = (key) => region.members.get(key).input === undefined;
+  const shared = paths[0].filter((key) => isPlace(key) && paths.every((path) => path.includes(key)));
+  const member = region.members.get(shared[shared.length - 1]);
+  return member.node
+    ? { graph: member.graph, node: member.node, slot: modelOutputSlot(member.graph, member.node) }
+    : { graph: member.graph, node: member.subgraphNode, slot: member.output };
 }
 
 function placeBelow(node, end) {
@@ -217,10 +263,9 @@ function placeBelow(node, end) {
   node.pos = [x, y + height + 60];
 }
 
-function insertAfter(graph, end, nodeType) {
+function insertAfter({ graph, node: end, slot }, nodeType) {
   const node = globalThis.LiteGraph.createNode(nodeType);
   if (!node) throw new Error(`ComfyUI does not know the node type ${nodeType}: is Block Offload loaded on the server?`);
-  const slot = modelOutputSlot(graph, end);
   const targets = consumers(graph, end, slot);
   graph.add(node);
   placeBelow(node, end);
@@ -241,7 +286,7 @@ export function streamWorkflowModels(root, nodeType) {
   const report = { streamed: [], already: [], leftAlone: [], inserted: [] };
   const merges = new Map();  // the merges of loaders met, streamed once each after every loader
   const stream = (graph, source, what) => {
-    const region = traceRegion(graph, source);
+    const region = traceRegion(root, graph, source);
     if (region.merges.size) {
       for (const [key, merge] of region.merges) merges.set(key, merge);
       return;
@@ -254,12 +299,12 @@ export function streamWorkflowModels(root, nodeType) {
       report.leftAlone.push({ what, why: region.problems[0] });
       return;
     }
-    const end = lastSharedNode(region, nodeKey(graph, source.id));
-    if (!end) {
+    const place = lastSharedPlace(region, nodeKey([], graph, source.id));
+    if (!place) {
       report.leftAlone.push({ what, why: "feeds no sampler" });
       return;
     }
-    report.inserted.push(insertAfter(end.graph, end.node, nodeType));
+    report.inserted.push(insertAfter(place, nodeType));
     report.streamed.push(what);
   };
   for (const graph of graphsOf(root)) {
