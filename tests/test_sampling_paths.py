@@ -1,0 +1,219 @@
+"""Ways ComfyUI's official templates run the model other than one call per step, each through the three nodes
+against the same graph without them, bit for bit, in-process on the CPU: context windows (the Wan Animate 2
+templates' ContextWindowsManual: several calls per step on parts of the latent), Ideogram 4's Dual Model CFG
+Guider (a second model for the negative pass, run with the first one's options), the autoregressive video sampler
+of Causal Forcing (calls per chunk of frames, a KV cache kept in the blocks' arguments), and a model patch that
+makes room on the device in the middle of the forward and loads the models again (what the DiffSynth, Z-Image
+and Uni3C control patches do when they encode their image with the VAE during sampling: ComfyUI unloads the
+streaming model, wholly or in part, between two of its blocks).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import HOST_VERSION
+from test_quantized_lora import reads_outside_the_engine
+
+from harness import tiny_dit
+from harness.inprocess import async_offload, every_block_streamed, wan
+from harness.prompts import ASYNC, NODES, differs
+
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
+
+LATENT_FRAMES = 9  # enough for context windows of 4 frames overlapping by 2
+
+
+def comfy_node(module: str, name: str) -> Any:
+    """A node class of ComfyUI's ``comfy_extras.<module>``, or a skip where this ComfyUI lacks it."""
+    found = getattr(importlib.import_module(f"comfy_extras.{module}"), name, None)
+    if found is None:
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no {name}")
+    return found
+
+
+def wan_conds(model: Any) -> tuple[list, list]:
+    """A positive and a different negative text conditioning for the tiny Wan."""
+    generator = torch.Generator().manual_seed(1)
+    width = model.model.diffusion_model.text_embedding[0].in_features
+    return [[torch.randn(1, 7, width, generator=generator), {}]], [[torch.randn(1, 7, width, generator=generator), {}]]
+
+
+def sample_video(comfy: SimpleNamespace, model: Any, steps: int = 2) -> torch.Tensor:
+    """``steps`` euler steps of a 9-frame tiny Wan latent at cfg 3 (both passes batched in one call)."""
+    positive, negative = wan_conds(model)
+    latent = torch.zeros(1, 16, LATENT_FRAMES, 8, 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+    return comfy.sample.sample(
+        model, noise, steps, 3.0, "euler", "normal", positive, negative, latent, seed=5, disable_pbar=True
+    )
+
+
+def assert_streams_as_comfyui(
+    comfy: SimpleNamespace, patch: Callable[[Any], Any], node: str, before_node: bool, streamed_by=None
+) -> None:
+    """``patch`` applied before or after ``node`` samples what it samples without the node, every streamed weight
+    read from the engine's buffers."""
+    stream = streamed_by or (lambda model: every_block_streamed(comfy, node, model))
+    model = wan(comfy)
+    reference = sample_video(comfy, patch(model))
+    comfy.mm.unload_all_models()
+    streamed = stream(patch(model)) if before_node else patch(stream(model))
+    with reads_outside_the_engine(comfy, streamed) as outside:
+        latent = sample_video(comfy, streamed)
+    assert streamed.offload_engine is not None, "not streamed"
+    comfy.mm.unload_all_models()
+    assert torch.equal(latent, reference), differs(latent, reference)
+    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
+
+
+def context_windows(schedule: str, freenoise: bool) -> Callable[[Any], Any]:
+    def apply(model: Any) -> Any:
+        node = comfy_node("nodes_context_windows", "ContextWindowsManualNode")
+        options = inspect.signature(node.execute).parameters
+        if freenoise and "freenoise" not in options:
+            pytest.skip(f"ComfyUI {HOST_VERSION}'s context windows have no FreeNoise")
+        # Windows of 4 frames overlapping by 2 on the latent's frames (dim 2); what 0.33 added left as default.
+        settings = dict(context_length=4, context_overlap=2, context_schedule=schedule, context_stride=1)
+        settings |= dict(closed_loop=False, fuse_method="pyramid", dim=2)
+        defaults = dict(freenoise=freenoise, cond_retain_index_list="", split_conds_to_windows=False)
+        defaults |= dict(latent_retain_index_list="", causal_window_fix=True)
+        settings |= {key: value for key, value in defaults.items() if key in options}
+        return node.execute(model=model, **settings).result[0]
+
+    return apply
+
+
+@pytest.mark.parametrize("before_node", [True, False], ids=["windows-before-node", "node-before-windows"])
+@pytest.mark.parametrize(
+    ("schedule", "freenoise"), [("standard_static", False), ("looped_uniform", False), ("standard_static", True)]
+)
+@pytest.mark.parametrize("node", NODES)
+def test_context_windows_stream_as_comfyui_computes_them(
+    comfy: SimpleNamespace, node: str, schedule: str, freenoise: bool, before_node: bool
+) -> None:
+    windowed = context_windows(schedule, freenoise)
+    plain = sample_video(comfy, wan(comfy))
+    assert not torch.equal(sample_video(comfy, windowed(wan(comfy))), plain), "the windows change nothing"
+    assert_streams_as_comfyui(comfy, windowed, node, before_node)
+
+
+def dual_model_guided(comfy: SimpleNamespace, model: Any, negative_model: Any) -> torch.Tensor:
+    """Dual Model CFG Guider at cfg 4: ``model`` for the positive pass, ``negative_model`` for the negative."""
+    samplers = importlib.import_module("comfy.samplers")
+    guider_node = comfy_node("nodes_custom_sampler", "DualModelGuider")
+    positive, negative = wan_conds(model)
+    guider = guider_node.execute(model, positive, 4.0, negative_model, negative).result[0]
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(5))
+    sigmas = samplers.calculate_sigmas(model.get_model_object("model_sampling"), "normal", 3)
+    return guider.sample(noise, latent, samplers.sampler_object("euler"), sigmas, seed=5, disable_pbar=True)
+
+
+@pytest.mark.parametrize("streamed", ["both", "positive", "negative"])
+@pytest.mark.parametrize("node", NODES)
+def test_a_dual_model_guider_streams_each_model_as_comfyui_computes_it(
+    comfy: SimpleNamespace, node: str, streamed: str
+) -> None:
+    positive = wan(comfy)
+    negative = comfy.sd.load_diffusion_model(
+        str(comfy.models["wan21"].with_name("block_offload_tiny_wan22_low_noise.safetensors"))
+    )
+    reference = dual_model_guided(comfy, positive, negative)
+    assert not torch.equal(reference, dual_model_guided(comfy, positive, positive)), "the second model changes nothing"
+    through = {
+        "positive": every_block_streamed(comfy, node, positive) if streamed != "negative" else positive,
+        "negative": every_block_streamed(comfy, node, negative) if streamed != "positive" else negative,
+    }
+    latent = dual_model_guided(comfy, through["positive"], through["negative"])
+    engines = [m.offload_engine for m in through.values() if m not in (positive, negative)]
+    assert engines and all(engine is not None and engine.recorder.steps_ended > 0 for engine in engines)
+    comfy.mm.unload_all_models()
+    assert torch.equal(latent, reference), differs(latent, reference)
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(comfy: SimpleNamespace, node: str) -> None:
+    samplers = importlib.import_module("comfy.samplers")
+    spec = next((s for s in tiny_dit.zoo() if s.config == "WAN21_CausalAR_T2V"), None)
+    ar_video = hasattr(importlib.import_module("comfy.k_diffusion.sampling"), "sample_ar_video")
+    if spec is None or not spec.available() or not ar_video:
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no Causal Forcing model or ar_video sampler")
+    model = tiny_dit.build(spec)
+
+    def sample_chunks(m: Any) -> torch.Tensor:
+        cond = tiny_dit.conditioning(spec, torch.Generator().manual_seed(1))
+        shape = (*spec.latent[:2], 4, *spec.latent[3:])  # 4 frames: 2 chunks of 2
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+        sampler = samplers.ksampler("ar_video", {"num_frame_per_block": 2})
+        sigmas = samplers.calculate_sigmas(m.get_model_object("model_sampling"), "normal", 3)
+        latent = torch.zeros(shape)
+        return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, cond, cond, latent, seed=5, disable_pbar=True)
+
+    reference = sample_chunks(model)
+    streamed = every_block_streamed(comfy, node, model)
+    with reads_outside_the_engine(comfy, streamed) as outside:
+        latent = sample_chunks(streamed)
+    assert streamed.offload_engine is not None, "not streamed"
+    comfy.mm.unload_all_models()
+    assert torch.equal(latent, reference), differs(latent, reference)
+    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
+
+
+def making_room_mid_forward(share: float | None) -> Callable[[Any], Any]:
+    """A patch after block 1 that, as the control patches encoding with the VAE during sampling, takes the models
+    loaded, makes room on the device (all of it, or ``share`` of each model ComfyUI loaded) and loads them again.
+    The patched model counts the unloads in ``room_made``."""
+
+    def apply(model: Any) -> Any:
+        import comfy.model_management as mm
+
+        patched = model.clone()
+        patched.room_made = []
+
+        def replace(args: dict, extra: dict) -> Any:
+            out = extra["original_block"](args)
+            loaded = mm.loaded_models(only_currently_used=True)
+            if share is None:
+                patched.room_made += mm.free_memory(1e30, mm.get_torch_device())
+            else:
+                for entry in list(mm.current_loaded_models):
+                    size = entry.model.loaded_size()
+                    entry.model_unload(memory_to_free=int(size * share))
+                    patched.room_made.append(size - entry.model.loaded_size())
+            mm.load_models_gpu(loaded)
+            return out
+
+        patched.set_model_patch_replace(replace, "dit", "double_block", 1)
+        return patched
+
+    return apply
+
+
+@pytest.mark.parametrize("before_node", [True, False], ids=["patch-before-node", "node-before-patch"])
+@pytest.mark.parametrize("node", NODES)
+def test_a_model_unloaded_between_two_blocks_and_loaded_again_streams_on(
+    comfy: SimpleNamespace, node: str, before_node: bool
+) -> None:
+    assert_streams_as_comfyui(comfy, making_room_mid_forward(None), node, before_node)
+
+
+@pytest.mark.parametrize("resident", [1, 3])
+def test_a_model_partly_unloaded_between_two_blocks_streams_on(comfy: SimpleNamespace, resident: int) -> None:
+    """ComfyUI unloads half of what it loaded of the streaming model (resident blocks) mid-forward, then loads it
+    again; the blocks it moved compute as ComfyUI's own cast, the streamed ones from the engine's buffers."""
+    room = making_room_mid_forward(0.5)
+    model = async_offload(comfy, wan(comfy), resident=resident)
+    probe = room(model)
+    sample_video(comfy, probe, steps=1)
+    assert probe.room_made and all(freed > 0 for freed in probe.room_made), probe.room_made
+    comfy.mm.unload_all_models()
+    assert_streams_as_comfyui(
+        comfy, room, ASYNC, True, streamed_by=lambda m: async_offload(comfy, m, resident=resident)
+    )
