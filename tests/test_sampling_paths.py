@@ -5,7 +5,7 @@ Guider (a second model for the negative pass, run with the first one's options),
 of Causal Forcing (calls per chunk of frames, a KV cache kept in the blocks' arguments), and a model patch that
 makes room on the device in the middle of the forward and loads the models again (what the DiffSynth, Z-Image
 and Uni3C control patches do when they encode their image with the VAE during sampling: ComfyUI unloads the
-streaming model, wholly or in part, between two of its blocks).
+streaming model, wholly or in part, between two of its blocks; classic, and the Dynamic VRAM twin).
 """
 
 from __future__ import annotations
@@ -56,13 +56,18 @@ def sample_video(comfy: SimpleNamespace, model: Any, steps: int = 2) -> torch.Te
 
 
 def assert_streams_as_comfyui(
-    comfy: SimpleNamespace, patch: Callable[[Any], Any], node: str, before_node: bool, streamed_by=None
+    comfy: SimpleNamespace,
+    patch: Callable[[Any], Any],
+    node: str,
+    before_node: bool,
+    streamed_by: Callable[[Any], Any] | None = None,
+    models: tuple[Any, Any] | None = None,
 ) -> None:
     """``patch`` applied before or after ``node`` samples what it samples without the node, every streamed weight
-    read from the engine's buffers."""
+    read from the engine's buffers. ``models``: the model and the one sampled without the node (the tiny Wan)."""
     stream = streamed_by or (lambda model: every_block_streamed(comfy, node, model))
-    model = wan(comfy)
-    reference = sample_video(comfy, patch(model))
+    model, reference_model = models or (wan(comfy),) * 2
+    reference = sample_video(comfy, patch(reference_model))
     comfy.mm.unload_all_models()
     streamed = stream(patch(model)) if before_node else patch(stream(model))
     with reads_outside_the_engine(comfy, streamed) as outside:
@@ -185,7 +190,8 @@ def making_room_mid_forward(share: float | None) -> Callable[[Any], Any]:
             else:
                 for entry in list(mm.current_loaded_models):
                     size = entry.model.loaded_size()
-                    entry.model_unload(memory_to_free=int(size * share))
+                    if entry.model_unload(memory_to_free=int(size * share)):  # wholly, as free_memory drops it
+                        mm.current_loaded_models.remove(entry)
                     patched.room_made.append(size - entry.model.loaded_size())
             mm.load_models_gpu(loaded)
             return out
@@ -217,3 +223,19 @@ def test_a_model_partly_unloaded_between_two_blocks_streams_on(comfy: SimpleName
     assert_streams_as_comfyui(
         comfy, room, ASYNC, True, streamed_by=lambda m: async_offload(comfy, m, resident=resident)
     )
+
+
+@pytest.mark.parametrize("share", [None, 0.5], ids=["wholly", "half"])
+@pytest.mark.parametrize("node", NODES)
+def test_a_dynamic_vram_twin_unloaded_between_two_blocks_streams_on(
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, node: str, share: float | None
+) -> None:
+    """The same on 0.33's default: the node streams a twin of the Dynamic VRAM MODEL, read from the file."""
+    if HOST_VERSION.startswith("0.3."):
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
+    dynamic_vram = request.getfixturevalue("dynamic_vram")
+    models = (
+        dynamic_vram.load(comfy.models["wan21"], torch.float32),
+        dynamic_vram.load_classic(comfy.models["wan21"], torch.float32),
+    )
+    assert_streams_as_comfyui(comfy, making_room_mid_forward(share), node, True, models=models)

@@ -1,6 +1,7 @@
 """The other weight adapters ComfyUI's LoRA loader reads (``comfy/weight_adapter``): DoRA (a LoRA with
 ``dora_scale``), LoHa, LoKr and OFT, whose patches hold other tensors than a LoRA's up and down, stream through
-every node exactly as ComfyUI computes them without one: on the plain tiny Wan before and after each node, and
+every node exactly as ComfyUI computes them without one: on the plain tiny Wan before and after each node (the
+classic load, and Dynamic VRAM's, whose twin the node streams), and
 on each stored format this host loads (GGUF through ComfyUI-GGUF) with the adapter after Async Block Offload.
 Bitwise the latent of the same model without the node, every streamed weight read from the engine's buffers.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import HOST_VERSION
 from test_quantized import loader  # noqa: F401 - the fixture
 from test_quantized_lora import reads_outside_the_engine
 
@@ -73,13 +75,21 @@ def assert_streams_as_comfyui(comfy: SimpleNamespace, reference: torch.Tensor, s
 @pytest.mark.parametrize("adapter_first", [True, False], ids=["adapter-before-node", "node-before-adapter"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("node", NODES)
+@pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
 def test_an_adapter_streams_as_comfyui_computes_it(
-    comfy: SimpleNamespace, node: str, kind: str, adapter_first: bool
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, loading: str, node: str, kind: str, adapter_first: bool
 ) -> None:
-    model = wan(comfy)
+    if loading == "classic":
+        model = reference_model = wan(comfy)
+    elif HOST_VERSION.startswith("0.3."):
+        pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
+    else:  # the node streams a twin of the dynamic MODEL; ComfyUI's classic load of the file is the reference
+        dynamic_vram = request.getfixturevalue("dynamic_vram")
+        model = dynamic_vram.load(comfy.models["wan21"], torch.float32)
+        reference_model = dynamic_vram.load_classic(comfy.models["wan21"], torch.float32)
     tensors = adapter(model, kind)
-    reference = sample(comfy, with_adapter(comfy, model, tensors))
-    assert not torch.equal(reference, sample(comfy, model)), "the adapter changes nothing"
+    reference = sample(comfy, with_adapter(comfy, reference_model, tensors))
+    assert not torch.equal(reference, sample(comfy, reference_model)), "the adapter changes nothing"
     comfy.mm.unload_all_models()
     if adapter_first:
         streamed = every_block_streamed(comfy, node, with_adapter(comfy, model, tensors))
