@@ -13,6 +13,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
 from .blocks import inside
+from .patch_routes import patched_by_comfyui
 
 
 def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
@@ -34,10 +35,12 @@ def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
 def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
     """Raises, before anything is loaded, where a patch changes the shape of a weight in a ``streamed`` module:
     the engine packs and streams each weight at the shape it is stored in, so it would compute with the wrong
-    one."""
+    one. A weight ComfyUI's load never patches (one of a module whose submodules hold weights too) is left out."""
     for key, patches in model.patches.items():
         if not inside(key, streamed):
             continue
+        if not patched_by_comfyui(comfy.utils.get_attr(model.model, key.rpartition(".")[0])):
+            continue  # a patch ComfyUI ignores, as the engine does
         weight = comfy.utils.get_attr(model.model, key)
         shape = patched_shape(patches, weight, key)
         if tuple(shape) != tuple(weight.shape):

@@ -357,6 +357,27 @@ def test_a_patch_that_resizes_a_streamed_weight_is_refused_before_anything_loads
     assert torch.equal(sample(comfy, model), reference)
 
 
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_patch_resizing_a_weight_comfyui_never_patches_is_ignored_as_comfyui_ignores_it(
+    comfy: SimpleNamespace, node: str
+) -> None:
+    """The same patch on a weight of a module whose submodules hold weights too (a Wan block's ``modulation``),
+    which ComfyUI's load never patches: ComfyUI samples as without it, and so does every node. It was refused."""
+    model = wan(comfy)
+    key = "diffusion_model.blocks.1.modulation"
+    weight = comfy.utils.get_attr(model.model, key)
+    patched = model.clone()
+    patched.add_patches({key: ("diff", (torch.ones(*weight.shape[:-1], weight.shape[-1] + 8), {"pad_weight": True}))})
+    reference = sample(comfy, patched)
+    comfy.mm.unload_all_models()
+    assert torch.equal(reference, sample(comfy, model)), "ComfyUI applied the patch: the test would prove nothing"
+    comfy.mm.unload_all_models()
+    streaming = offloaded(comfy, node, patched)
+    assert torch.equal(sample(comfy, streaming), reference)
+    assert streaming.offload_engine.runner.streamed
+    comfy.mm.unload_all_models()
+
+
 def sample_with_a_hook_lora(comfy: SimpleNamespace, model, lora: dict[str, torch.Tensor] | None) -> torch.Tensor:
     """``sample``'s run with ``lora`` as a hook (Create Hook LoRA) on the positive prompt only, at cfg 2: ComfyUI
     writes the hook's weights in before each positive call and takes them out before each negative one."""
