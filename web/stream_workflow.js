@@ -81,8 +81,8 @@ function isGroupNode(node) {
   return GROUP_NODE_PREFIXES.some((prefix) => String(node.type).startsWith(prefix));
 }
 
-// A node that passes on whatever it is given (Reroute, a switch typed "*"): fed by a subgraph's input, its input link is
-// typed "*" too, so it must not pass for a loader.
+// A node that passes on whatever it is given (Reroute, a switch typed "*"): fed by a subgraph's input, its input
+// link is typed "*" too, so it must not pass for a loader.
 function passesOnItsInput(node) {
   return (node.inputs ?? []).some((input) => input?.type === "*" && input.link != null);
 }
@@ -168,8 +168,8 @@ function usesOf(root, definition) {
 // Whether ``link`` (into a member) comes from the region: a member, or a subgraph input the region enters.
 function fromRegion(region, member, link) {
   const { via, graph } = member;
-  if (String(link.origin_id) === String(SUBGRAPH_INPUT_ID)) return region.members.has(inputKey(via, graph, link.origin_slot));
-  return region.members.has(nodeKey(via, graph, link.origin_id));
+  const fromInput = String(link.origin_id) === String(SUBGRAPH_INPUT_ID);
+  return region.members.has(fromInput ? inputKey(via, graph, link.origin_slot) : nodeKey(via, graph, link.origin_id));
 }
 
 // What a member's model goes to: {node, slot, graph} per link, node null where it leaves the member's graph.
