@@ -105,6 +105,19 @@ def reads_outside_the_engine(comfy: SimpleNamespace, patched: object) -> Iterato
             handle.remove()
 
 
+def assert_samples_from_the_engine(
+    comfy: SimpleNamespace, streamed: object, run: Callable[[object], torch.Tensor], reference: torch.Tensor
+) -> None:
+    """``run(streamed)`` streams and gives ``reference`` bit for bit, every streamed weight read from the engine's
+    buffers; the models are unloaded after it."""
+    with reads_outside_the_engine(comfy, streamed) as outside:
+        latent = run(streamed)
+    assert streamed.offload_engine is not None, "not streamed"
+    comfy.mm.unload_all_models()
+    assert torch.equal(latent, reference), differs(latent, reference)
+    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
+
+
 def with_lora(comfy: SimpleNamespace, model: object) -> object:
     lora = comfy.utils.load_torch_file(str(comfy.models[tm.WAN21_LORA]))
     return comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import HOST_VERSION
 from safetensors.torch import load_file, save_file
-from test_quantized_lora import reads_outside_the_engine
+from test_quantized_lora import assert_samples_from_the_engine
 
 from harness import tiny_dit
 from harness.inprocess import async_offload, every_block_streamed, wan
@@ -72,12 +72,7 @@ def assert_streams_as_comfyui(
     reference = sample_video(comfy, patch(reference_model))
     comfy.mm.unload_all_models()
     streamed = stream(patch(model)) if before_node else patch(stream(model))
-    with reads_outside_the_engine(comfy, streamed) as outside:
-        latent = sample_video(comfy, streamed)
-    assert streamed.offload_engine is not None, "not streamed"
-    comfy.mm.unload_all_models()
-    assert torch.equal(latent, reference), differs(latent, reference)
-    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
+    assert_samples_from_the_engine(comfy, streamed, lambda m: sample_video(comfy, m), reference)
 
 
 def context_windows(schedule: str, freenoise: bool) -> Callable[[Any], Any]:
@@ -164,13 +159,7 @@ def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(comfy: 
         return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, cond, cond, latent, seed=5, disable_pbar=True)
 
     reference = sample_chunks(model)
-    streamed = every_block_streamed(comfy, node, model)
-    with reads_outside_the_engine(comfy, streamed) as outside:
-        latent = sample_chunks(streamed)
-    assert streamed.offload_engine is not None, "not streamed"
-    comfy.mm.unload_all_models()
-    assert torch.equal(latent, reference), differs(latent, reference)
-    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
+    assert_samples_from_the_engine(comfy, every_block_streamed(comfy, node, model), sample_chunks, reference)
 
 
 def making_room_mid_forward(share: float | None) -> Callable[[Any], Any]:

@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import HOST_VERSION
 from test_quantized import loader  # noqa: F401 - the fixture
-from test_quantized_lora import reads_outside_the_engine
+from test_quantized_lora import assert_samples_from_the_engine
 
 from harness import tiny_models as tm
 from harness.inprocess import every_block_streamed, sample, wan
-from harness.prompts import ASYNC, NODES, differs
+from harness.prompts import ASYNC, NODES
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
 
@@ -63,15 +63,6 @@ def with_adapter(comfy: SimpleNamespace, model: Any, tensors: dict[str, torch.Te
     return patched
 
 
-def assert_streams_as_comfyui(comfy: SimpleNamespace, reference: torch.Tensor, streamed: Any) -> None:
-    with reads_outside_the_engine(comfy, streamed) as outside:
-        latent = sample(comfy, streamed)
-    assert streamed.offload_engine is not None, "not streamed"
-    comfy.mm.unload_all_models()
-    assert torch.equal(latent, reference), differs(latent, reference)
-    assert not outside, f"read outside the engine's buffers: {sorted(set(outside))[:5]}"
-
-
 @pytest.mark.parametrize("adapter_first", [True, False], ids=["adapter-before-node", "node-before-adapter"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("node", NODES)
@@ -95,7 +86,7 @@ def test_an_adapter_streams_as_comfyui_computes_it(
         streamed = every_block_streamed(comfy, node, with_adapter(comfy, model, tensors))
     else:
         streamed = with_adapter(comfy, every_block_streamed(comfy, node, model), tensors)
-    assert_streams_as_comfyui(comfy, reference, streamed)
+    assert_samples_from_the_engine(comfy, streamed, lambda m: sample(comfy, m), reference)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -112,4 +103,4 @@ def test_an_adapter_on_a_quantized_checkpoint_streams_as_comfyui_computes_it(
         reference = sample(comfy, with_adapter(comfy, model, tensors))
         comfy.mm.unload_all_models()
         streamed = with_adapter(comfy, every_block_streamed(comfy, ASYNC, model), tensors)
-        assert_streams_as_comfyui(comfy, reference, streamed)
+        assert_samples_from_the_engine(comfy, streamed, lambda m: sample(comfy, m), reference)
