@@ -103,6 +103,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                 node.setup = lambda: None  # type: ignore[method-assign]
 
 
+#: Each test's reports by phase (setup, call, teardown), for fixtures that share something only while tests pass.
+PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    item.stash.setdefault(PHASE_REPORTS, {})[report.when] = report
+    return report
+
+
+def failed(item: pytest.Item) -> bool:
+    """Whether a phase of ``item`` run so far failed."""
+    return any(report.failed for report in item.stash.get(PHASE_REPORTS, {}).values())
+
+
 @pytest.fixture(scope="session")
 def comfyui_path() -> Path:
     """The ComfyUI folder ($COMFYUI_PATH or the one scripts/setup.sh installed), on sys.path."""

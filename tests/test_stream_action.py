@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
+from conftest import failed
 
 from harness.browser import ServedFrontend, browser_page, chromium_missing, launch_browser, page_frontend_version
 from harness.comfy_host import REPO
@@ -30,6 +32,8 @@ CLEAR_TOASTS_JS = """() => {
   const toast = window.app.extensionManager.toast;
   (toast.dismissAll ?? toast.removeAll).call(toast);
 }"""
+#: What each test starts from: a new workflow with nothing in it.
+EMPTY_WORKFLOW = {"last_node_id": 0, "last_link_id": 0, "nodes": [], "links": [], "groups": [], "version": 0.4}
 TAB_COMMAND = "Workspace.ToggleBottomPanelTab.block-offload"
 COMMAND_LABEL = "Stream this workflow's models"
 
@@ -55,14 +59,38 @@ def browser() -> Iterator[Any]:
         yield browser
 
 
+@pytest.fixture(scope="module")
+def open_pages() -> Iterator[dict[str, tuple[ExitStack, Any]]]:
+    """The page of each frontend, shared by the module's tests: starting the frontend was most of each test's time
+    (4-7 s of 6-9 on this machine)."""
+    pages: dict[str, tuple[ExitStack, Any]] = {}
+    yield pages
+    for stack, _ in pages.values():
+        stack.close()
+
+
 @pytest.fixture
-def page(browser: Any, served_frontend: ServedFrontend) -> Iterator[Any]:
-    """A fresh page on each frontend: the host's pinned one and the newest (tests/conftest.py)."""
-    with browser_page(browser, served_frontend.host) as page:
+def page(
+    browser: Any, served_frontend: ServedFrontend, open_pages: dict[str, tuple[ExitStack, Any]], request: Any
+) -> Iterator[Any]:
+    """The page on each frontend (the host's pinned one and the newest, tests/conftest.py), an empty workflow on its
+    canvas and no message shown. A test that fails, or raises in the page, leaves it closed: the next starts on a fresh one."""
+    if served_frontend.version not in open_pages:
+        stack = ExitStack()
+        page = stack.enter_context(browser_page(browser, served_frontend.host))
+        open_pages[served_frontend.version] = (stack, page)
         assert page_frontend_version(page) == served_frontend.version
         page.wait_for_function(f"import('{MODULE}').then(() => true)")
-        yield page
-        assert not [e for e in page.errors if "stream_workflow" in e], page.errors
+    stack, page = open_pages[served_frontend.version]
+    load(page, EMPTY_WORKFLOW)
+    clear_messages(page)
+    seen = len(page.errors)
+    yield page
+    errors = page.errors[seen:]
+    if errors or failed(request.node):
+        del open_pages[served_frontend.version]
+        stack.close()
+    assert not [e for e in errors if "stream_workflow" in e], errors
 
 
 def load(page: Any, workflow: dict[str, Any]) -> str:
