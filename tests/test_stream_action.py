@@ -74,7 +74,8 @@ def page(
     browser: Any, served_frontend: ServedFrontend, open_pages: dict[str, tuple[ExitStack, Any]], request: Any
 ) -> Iterator[Any]:
     """The page on each frontend (the host's pinned one and the newest, tests/conftest.py), an empty workflow on its
-    canvas and no message shown. A test that fails, or raises in the page, leaves it closed: the next starts on a fresh one."""
+    canvas and no message shown. A test that fails, or raises in the page, leaves it closed: the next starts on a
+    fresh one."""
     if served_frontend.version not in open_pages:
         stack = ExitStack()
         page = stack.enter_context(browser_page(browser, served_frontend.host))
@@ -323,13 +324,26 @@ LEAVING_TEMPLATES = {
 }
 
 
+#: The models of those templates in a part switched off, as the message names them.
+SWITCHED_OFF = {"flux1_dev_uso_reference_image_gen": ["flux1-dev-fp8.safetensors"]}
+SWITCHED_OFF_LINE = "Switched off (bypassed or muted), given a node to stream once switched on: "
+
+
+def switched_off(text: str) -> list[str]:
+    """The files the message names as switched off."""
+    lines = [line for line in text.splitlines() if line.startswith(SWITCHED_OFF_LINE)]
+    return [name for line in lines for name in line.removeprefix(SWITCHED_OFF_LINE).rstrip(".").split(", ")]
+
+
 @pytest.mark.parametrize("name", sorted(LEAVING_TEMPLATES))
 def test_a_template_whose_model_leaves_a_subgraph_streams_once_before_each_sampler(page: Any, name: str) -> None:
     template = official_template(name)
     load(page, template)
     text = run_action(page)
-    streamed = sum(len(nodes) for nodes in LEAVING_TEMPLATES[name].values())
+    # USO's style pipeline is a bypassed subgraph: its model gets its node, and is named as switched off.
+    streamed = sum(len(nodes) for nodes in LEAVING_TEMPLATES[name].values()) - len(SWITCHED_OFF.get(name, []))
     assert f"{streamed} model{'s' * (streamed > 1)} now stream" in text and "Left as it is" not in text, text
+    assert switched_off(text) == SWITCHED_OFF.get(name, []), text
     named = {s["id"]: s["name"] for s in template["definitions"]["subgraphs"]}
     placed = {
         graph: [{"from": named.get(n["from"], n["from"]), "to": [named.get(t, t) for t in n["to"]]} for n in nodes]
@@ -359,3 +373,33 @@ def test_the_panel_button_and_the_canvas_menu_run_the_action(page: Any) -> None:
     page.wait_for_selector(TOAST)
     assert "1 model now streams" in page.inner_text(TOAST)
     assert [name for name, _ in our_nodes(page)] == [subgraph]
+
+
+# Two loaders, each to a KSampler of its own, the second muted.
+TWO_LOADERS_ONE_MUTED_JS = """
+() => {
+  const g = window.app.rootGraph ?? window.app.graph;
+  const add = (type) => { const n = LiteGraph.createNode(type); g.add(n); return n; };
+  const on = add("UNETLoader"), muted = add("UNETLoader");
+  on.connect(0, add("KSampler"), 0); muted.connect(0, add("KSampler"), 0);
+  muted.mode = 2;
+}
+"""
+
+
+def test_models_switched_off_get_their_node_and_are_named_apart(page: Any) -> None:
+    """Wan 2.2's first-last-frame template ships its 4-step variant bypassed (two more loaders, with their LoRAs):
+    every loader gets its node, the message counts only the two that run and names the bypassed two apart. A muted
+    loader (mode "never") is switched off too."""
+    load(page, official_template("video_wan2_2_14B_flf2v"))
+    text = run_action(page)
+    assert "2 models now stream through Partial GPU Residency" in text, text
+    assert len(switched_off(text)) == 2, text
+    assert sum(len(nodes) for _, nodes in our_nodes(page)) == 4
+
+    load(page, EMPTY_WORKFLOW)
+    page.evaluate(TWO_LOADERS_ONE_MUTED_JS)
+    page.wait_for_timeout(300)
+    text = run_action(page)
+    assert "1 model now streams through Partial GPU Residency" in text and len(switched_off(text)) == 1, text
+    assert sum(len(nodes) for _, nodes in our_nodes(page)) == 2

@@ -165,6 +165,17 @@ function usesOf(root, definition) {
   );
 }
 
+// LiteGraph's node modes ComfyUI runs nothing in: 2, muted ("never"); 4, bypassed.
+const SWITCHED_OFF_MODES = new Set([2, 4]);
+
+// Whether ``node`` of ``graph`` is switched off: muted or bypassed itself, or inside a subgraph whose every use is
+// (the templates ship their 4-step variants and second pipelines so).
+function switchedOff(root, graph, node) {
+  if (SWITCHED_OFF_MODES.has(node.mode)) return true;
+  const uses = graph === root ? [] : usesOf(root, graph);
+  return uses.length > 0 && uses.every((use) => switchedOff(root, use.graph, use.node));
+}
+
 // Whether ``link`` (into a member) comes from the region: a member, or a subgraph input the region enters.
 function fromRegion(region, member, link) {
   const { via, graph } = member;
@@ -281,11 +292,12 @@ function graphsOf(root) {
 }
 
 // Plans and applies the insertion over the whole workflow. Returns what it did, for the message and the tests:
-// streamed (files newly streamed), already (files already streamed by one of our nodes), leftAlone ({what, why}).
+// streamed (files newly streamed), switchedOff (files given a node in a part of the workflow switched off, which
+// stream once it is on), already (files already streamed by one of our nodes), leftAlone ({what, why}).
 export function streamWorkflowModels(root, nodeType) {
-  const report = { streamed: [], already: [], leftAlone: [], inserted: [] };
+  const report = { streamed: [], switchedOff: [], already: [], leftAlone: [], inserted: [] };
   const merges = new Map();  // the merges of loaders met, streamed once each after every loader
-  const stream = (graph, source, what) => {
+  const stream = (graph, source, what, off) => {
     const region = traceRegion(root, graph, source);
     if (region.merges.size) {
       for (const [key, merge] of region.merges) merges.set(key, merge);
@@ -305,19 +317,21 @@ export function streamWorkflowModels(root, nodeType) {
       return;
     }
     report.inserted.push(insertAfter(place, nodeType));
-    report.streamed.push(what);
+    (off ? report.switchedOff : report.streamed).push(what);
   };
   for (const graph of graphsOf(root)) {
     for (const node of [...graph.nodes]) {
       if (isGroupNode(node)) {
         report.leftAlone.push({ what: describe(node), why: "is a group node: convert it to a subgraph to stream its model" });
       } else if (isLoader(graph, node)) {
-        stream(graph, node, loaderFile(node));
+        stream(graph, node, loaderFile(node), switchedOff(root, graph, node));
       }
     }
   }
   for (const { graph, node } of merges.values()) {
-    stream(graph, node, `${mergedLoaders(graph, node).map(loaderFile).join(" + ")} (merged in ${describe(node)})`);
+    const loaders = mergedLoaders(graph, node);
+    const what = `${loaders.map(loaderFile).join(" + ")} (merged in ${describe(node)})`;
+    stream(graph, node, what, [node, ...loaders].some((part) => switchedOff(root, graph, part)));
   }
   return report;
 }
@@ -328,6 +342,10 @@ function message(report, displayName) {
     const n = report.streamed.length;
     const files = [...report.streamed].sort().join(", ");
     lines.push(`${n} model${n > 1 ? "s" : ""} now stream${n > 1 ? "" : "s"} through ${displayName}: ${files}.`);
+  }
+  if (report.switchedOff.length) {
+    const files = [...report.switchedOff].sort().join(", ");
+    lines.push(`Switched off (bypassed or muted), given a node to stream once switched on: ${files}.`);
   }
   if (report.already.length) lines.push(`Already streaming, left as they are: ${report.already.join(", ")}.`);
   for (const { what, why } of report.leftAlone) lines.push(`Left as it is: ${what} ${why}.`);
@@ -353,7 +371,8 @@ export function runStreamCommand() {
     tracker?.afterChange();
   }
   app.canvas?.setDirty(true, true);
-  const severity = report.streamed.length ? "success" : report.leftAlone.length ? "warn" : "info";
+  const placed = report.streamed.length + report.switchedOff.length;
+  const severity = placed ? "success" : report.leftAlone.length ? "warn" : "info";
   app.extensionManager?.toast?.add({ severity, summary: COMMAND_LABEL, detail: message(report, displayName), life: 8000 });
   return report;
 }
