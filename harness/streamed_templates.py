@@ -50,6 +50,7 @@ async ([modulePath, workflow]) => {
     ui: JSON.parse(JSON.stringify((window.app.rootGraph ?? window.app.graph).serialize())),
     api: prompt.output,
     streamed: report.streamed,
+    switchedOff: report.switchedOff,
     leftAlone: report.leftAlone,
   };
 }
@@ -66,7 +67,8 @@ def example_name(template: str) -> str:
 
 
 def stream_template(page: Any, template: str) -> dict[str, Any]:
-    """The action's result on ``template`` in ``page``: ``ui``, ``api``, ``streamed`` (files), ``leftAlone``."""
+    """The action's result on ``template`` in ``page``: ``ui``, ``api``, ``streamed`` (files),
+    ``switchedOff`` (files in a part switched off, given their node too), ``leftAlone``."""
     return dict(page.evaluate(STREAM_JS, [MODULE, official_template(template)]))
 
 
