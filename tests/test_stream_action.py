@@ -207,6 +207,21 @@ def test_a_merge_streams_after_it_and_a_model_already_streaming_is_left_alone(pa
     assert our_nodes(page) == [["root", [expected]]]
 
 
+def test_a_model_through_a_node_of_ours_switched_off_is_left_to_the_user(page: Any) -> None:
+    """The pack's Wan example with its Async Block Offload bypassed (a user comparing): not "already streaming",
+    and no second node: left as it is, saying so."""
+    load(page, json.loads((REPO / "example_workflows" / "async_block_offload_wan21_t2v.json").read_text()))
+    page.evaluate(
+        "() => { const g = window.app.rootGraph ?? window.app.graph;"
+        " g.nodes.find(n => n.type === 'AsyncBlockOffload').mode = 4; }"
+    )
+    before = serialized(page)
+    text = run_action(page)
+    assert "Already streaming" not in text and "now stream" not in text, text
+    assert "Left as it is: " in text and "which is bypassed or muted: switch it on." in text, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
 def test_a_merge_whose_input_also_feeds_another_sampler_is_left_alone_and_named(page: Any) -> None:
     page.evaluate("(window.app.rootGraph ?? window.app.graph).clear()")
     page.evaluate(MERGE_JS, True)

@@ -303,8 +303,15 @@ export function streamWorkflowModels(root, nodeType) {
       for (const [key, merge] of region.merges) merges.set(key, merge);
       return;
     }
-    if (region.streamedBy) {
-      report.already.push(`${what} (${describe(region.streamedBy)})`);
+    const ours = region.streamedBy;
+    if (ours && SWITCHED_OFF_MODES.has(ours.mode)) {
+      // Switched off by the user (to compare, say): theirs to switch on, not "already streaming".
+      const why = `passes through ${describe(ours)}, which is bypassed or muted: switch it on`;
+      report.leftAlone.push({ what, why });
+      return;
+    }
+    if (ours) {
+      report.already.push(`${what} (${describe(ours)})`);
       return;
     }
     if (region.problems.length) {
