@@ -2,8 +2,10 @@
 in headless Chromium: it puts a Partial GPU Residency node on every path from a diffusion model loader (or a merge
 of loaders) to its sampler, inside the official templates' subgraphs and into a subgraph the model goes into,
 after the LoRA toggle and ModelSampling patch and before the sampler; says what it did; is undone by one Ctrl+Z;
-changes nothing the second time; follows a model out of the subgraphs it leaves; and leaves alone, naming them, the
-models it cannot stream safely (a merge whose input also goes elsewhere, a node of ours already there, no loader).
+changes nothing the second time; follows a model out of the subgraphs it leaves; names apart the models in parts of
+the workflow switched off (bypassed or muted), which get their node too; and leaves alone, naming them, the models it
+cannot stream safely (a merge whose input also goes elsewhere, a node of ours already there, on or switched off, no
+loader).
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def open_pages() -> Iterator[dict[str, tuple[ExitStack, Any]]]:
 
 @pytest.fixture
 def page(
-    browser: Any, served_frontend: ServedFrontend, open_pages: dict[str, tuple[ExitStack, Any]], request: Any
+    browser: Any,
+    served_frontend: ServedFrontend,
+    open_pages: dict[str, tuple[ExitStack, Any]],
+    request: pytest.FixtureRequest,
 ) -> Iterator[Any]:
     """The page on each frontend (the host's pinned one and the newest, tests/conftest.py), an empty workflow on its
     canvas and no message shown. A test that fails, or raises in the page, leaves it closed: the next starts on a
