@@ -21,6 +21,7 @@ from ..offload.device import is_accelerator
 from ..offload.step_timeline import StepTimeline
 from .engine import Engine
 from .panel_run import RunRecord
+from .pinned_memory import host_ram
 from .status_schema import (
     FROM_FILE,
     FULL_STEP,
@@ -136,7 +137,7 @@ class MemoryGauge:
 
     def __init__(self) -> None:
         self._process = psutil.Process()
-        self._host_total = psutil.virtual_memory().total
+        self._host_total = host_ram().total  # a container's limit where it has one
 
     def reading(
         self, device: torch.device, resident_weights: int | None, streaming_buffers: int | None

@@ -27,8 +27,10 @@ from ..offload import (
     GIB,
     PROCESS_STATE,
     CudaHostRegistrar,
+    HostRam,
     PinnedMemoryBudget,
     can_pin_memory,
+    clamp_to_cgroups,
     use_host_registrar,
 )
 
@@ -44,9 +46,16 @@ def pinning_enabled() -> bool:
     return not args.disable_pinned_memory
 
 
+def host_ram() -> HostRam:
+    """The RAM this process may use: psutil's figures, clamped to the limits of its memory cgroups (a container's
+    limit, which psutil does not see; ComfyUI 0.33 and 0.3.75 do not either)."""
+    memory = psutil.virtual_memory()
+    return clamp_to_cgroups(memory.total, memory.available)
+
+
 def _comfyui_like_cap() -> int:
     """ComfyUI 0.33's pinned budget for NVIDIA and AMD, for a device it sets none for (Intel XPU)."""
-    ram = psutil.virtual_memory().total
+    ram = host_ram().total
     if comfy.model_management.WINDOWS:
         return int(ram * 0.40)
     return int(max(ram * 0.40, min(ram * 0.90, ram - 4 * GIB)))
@@ -75,7 +84,7 @@ def host_buffer_room(held: int) -> int:
     streamed blocks, the pack already holding ``held`` for others: the available RAM less a headroom, the
     pinned budget's room where the pack pins, and ``BLOCK_OFFLOAD_MAX_PINNED_GB``, which there caps every
     host buffer, pinned or not (what does not fit is read from the file at each step)."""
-    rooms = [psutil.virtual_memory().available - RAM_HEADROOM]
+    rooms = [host_ram().available - RAM_HEADROOM]
     setting = os.environ.get(PINNED_LIMIT_ENV)
     if setting:
         rooms.append(int(float(setting) * GIB) - held)
@@ -91,7 +100,7 @@ def ram_admits(nbytes: int) -> bool:
     ensure_pin_budget = getattr(comfy.model_management, "ensure_pin_budget", None)
     if ensure_pin_budget is not None:
         return ensure_pin_budget(nbytes)
-    return psutil.virtual_memory().available - nbytes >= RAM_HEADROOM
+    return host_ram().available - nbytes >= RAM_HEADROOM
 
 
 def _count_in_comfyui(nbytes: int) -> None:

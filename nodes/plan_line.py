@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from ..offload import GIB, Runner
-from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY
+from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram
 
 
 def packing_clause(runner: Runner, seconds: float) -> str:
@@ -52,6 +52,9 @@ def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> st
         held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"
     if not read:
         return f"; {held}, none read from the checkpoint file"
+    cgroup = host_ram().cgroup
+    if cgroup is not None and not fast_disk:
+        held += f" (within this process's memory limit, {cgroup.limit / GIB:.2f} GiB: cgroup {cgroup.path})"
     read_from = (
         f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
         f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"

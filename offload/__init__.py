@@ -31,6 +31,7 @@ from .simulator import simulate
 from .step_aside import StepAside, platform_aside, step_aside
 from .step_timeline import BlockSpan, ReadSpan, StepTimeline
 from .streamer import BlockStreamer
+from .system_memory import HostRam, clamp_to_cgroups
 from .timeline import TimelineRecorder
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "BlockSpan",
     "BlockStreamer",
     "FoundBlocks",
+    "HostRam",
     "NoBlocksError",
     "find_blocks",
     "BakeDecision",
@@ -78,6 +80,7 @@ __all__ = [
     "place_falling_back",
     "platform_aside",
     "release_freed_host_memory",
+    "clamp_to_cgroups",
     "resident_for_budget",
     "resident_indices",
     "simulate",

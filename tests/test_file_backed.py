@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from harness import tiny_models as tm
 from harness import tiny_specs
+from harness.cgroups import CgroupUnavailable, limited
 from harness.dynamic_vram import COMPUTE, DynamicVram
 from harness.host_memory import peak_during
 from harness.inprocess import count_packs, offloaded, sample
@@ -216,6 +217,37 @@ def test_host_memory_at_the_peak_is_the_cap_and_the_buffers(
     else:
         assert host_buffers <= cap and runner.read_each_step
     assert peak.anon_growth <= bound, (peak.anon_growth, bound)
+    comfy.mm.unload_all_models()
+
+
+def test_in_a_container_the_twin_s_host_buffers_stay_within_its_memory_limit(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, deep_wan: dict[str, Path]
+) -> None:
+    """The twin with no cap of the pack's own, run in a real memory cgroup whose limit leaves room for a quarter of
+    its blocks beyond the pack's RAM headroom, as a container's ``--memory`` would: psutil sees the host's RAM, the
+    kernel kills at the limit. Host buffers for at most that room, the rest read from the file at each step,
+    bitwise the classic load; the plan line names the limit."""
+    from block_offload.nodes.pinned_memory import RAM_HEADROOM
+
+    path, dtype = deep_wan["fp32"], COMPUTE["fp16"]
+    classic = dynamic_vram.load_classic(path, dtype)
+    reference = sample(comfy, classic)
+    room = block_bytes(classic) // 4
+    comfy.mm.unload_all_models()
+    del classic
+    model = dynamic_vram.load(path, dtype)
+    try:
+        with limited(RAM_HEADROOM + room) as group:
+            streaming = offloaded(comfy, ASYNC, model)
+            latent = sample(comfy, streaming)
+    except CgroupUnavailable as why:
+        pytest.skip(f"no memory cgroup can be made here: {why}")
+    assert torch.equal(latent, reference), differs(latent, reference)
+    engine = streaming.offload_engine
+    runner = engine.runner
+    assert runner.host_bytes - runner.staging_bytes <= room, (runner.host_bytes, runner.staging_bytes, room)
+    assert len(runner.read_each_step) >= len(runner.streamed) // 2, (len(runner.read_each_step), runner.streamed)
+    assert f"memory limit, {(RAM_HEADROOM + room) / GIB:.2f} GiB: cgroup {group}" in engine.summary, engine.summary
     comfy.mm.unload_all_models()
 
 

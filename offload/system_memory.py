@@ -1,0 +1,127 @@
+"""Host RAM as the kernel enforces it: the host's figures clamped to the memory cgroups the process is in.
+
+``/proc/meminfo`` (psutil's source) is not namespaced: inside a container with a memory limit (Docker's
+``--memory``, a Kubernetes pod, most rented GPU machines) it reports the host's RAM, while the kernel kills the
+process at the limit of its cgroup, or of any cgroup above it. The room left is therefore the least, over the
+process's memory cgroup and its ancestors that set a limit, of that limit less the group's working set: its usage
+less its inactive file pages, which the kernel reclaims before it kills anything (what the kubelet counts, and
+what newer ComfyUI's ``comfy/system_memory.py`` counts). A limit at or above the host's RAM (cgroup v1 spells "no
+limit" as a huge number) changes nothing; where there is no cgroup file system (Windows, macOS) the host's
+figures stand.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+#: Each memory cgroup version's files: the limit, the usage, and the ``memory.stat`` field of inactive file pages.
+V2_FILES = ("memory.max", "memory.current", "inactive_file")
+V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+@dataclass(frozen=True)
+class ProcFiles:
+    """Where the kernel says which cgroups the process is in, and where their file systems are mounted."""
+
+    cgroup: Path = Path("/proc/self/cgroup")
+    mountinfo: Path = Path("/proc/self/mountinfo")
+
+
+@dataclass(frozen=True)
+class CgroupLimit:
+    """A memory cgroup of the process (or above it) that sets a limit, in bytes."""
+
+    path: Path
+    limit: int
+    working_set: int
+
+    @property
+    def room(self) -> int:
+        return max(0, self.limit - self.working_set)
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """The host's total and available RAM as the process may use them; ``cgroup``: where memory cgroups limit
+    the process, the one with the least room."""
+
+    total: int
+    available: int
+    cgroup: CgroupLimit | None = None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _stat_field(path: Path, field: str) -> int:
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == field and value.isdigit():
+            return int(value)
+    return 0
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field)
+
+
+def memory_cgroup_dirs(files: ProcFiles = ProcFiles()) -> list[tuple[Path, Path, tuple[str, str, str]]]:
+    """Each memory cgroup directory the process is in (cgroup v2, and v1's memory controller), with the mount
+    point above which no ancestor is visible, and its version's file names."""
+    memberships = []
+    for line in (_read(files.cgroup) or "").splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        memberships.append((controllers, path))
+    found = []
+    for line in (_read(files.mountinfo) or "").splitlines():
+        before, _, after = line.partition(" - ")
+        fields, filesystem = before.split(), after.split()
+        if len(fields) < 5 or len(filesystem) < 3:
+            continue
+        root, mount = _unescape(fields[3]), Path(_unescape(fields[4]))
+        kind, options = filesystem[0], filesystem[2].split(",")
+        for controllers, path in memberships:
+            if kind == "cgroup2" and controllers == "":
+                names = V2_FILES
+            elif kind == "cgroup" and "memory" in options and "memory" in controllers.split(","):
+                names = V1_FILES
+            else:
+                continue
+            relative = PurePosixPath(path).relative_to(root) if PurePosixPath(path).is_relative_to(root) else None
+            if relative is not None:
+                found.append((mount / relative, mount, names))
+    return found
+
+
+def cgroup_limits(host_total: int, files: ProcFiles = ProcFiles()) -> list[CgroupLimit]:
+    """The limits below ``host_total`` set by the process's memory cgroups and their visible ancestors."""
+    limits = []
+    for directory, mount, (limit_file, usage_file, inactive_field) in memory_cgroup_dirs(files):
+        for group in (directory, *[parent for parent in directory.parents if parent.is_relative_to(mount)]):
+            limit = _number(_read(group / limit_file))
+            if limit is None or limit >= host_total:
+                continue
+            usage = _number(_read(group / usage_file)) or 0
+            working_set = max(0, usage - _stat_field(group / "memory.stat", inactive_field))
+            limits.append(CgroupLimit(group, limit, working_set))
+    return limits
+
+
+def clamp_to_cgroups(host_total: int, host_available: int, files: ProcFiles = ProcFiles()) -> HostRam:
+    """``host_total`` and ``host_available`` (psutil's) clamped to what the process's memory cgroups allow."""
+    limits = cgroup_limits(host_total, files)
+    if not limits:
+        return HostRam(host_total, host_available)
+    tightest = min(limits, key=lambda group: group.room)
+    return HostRam(min(group.limit for group in limits), min(host_available, tightest.room), tightest)
