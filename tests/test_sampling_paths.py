@@ -5,7 +5,9 @@ Guider (a second model for the negative pass, run with the first one's options),
 of Causal Forcing (calls per chunk of frames, a KV cache kept in the blocks' arguments), and a model patch that
 makes room on the device in the middle of the forward and loads the models again (what the DiffSynth, Z-Image
 and Uni3C control patches do when they encode their image with the VAE during sampling: ComfyUI unloads the
-streaming model, wholly or in part, between two of its blocks; classic, and the Dynamic VRAM twin).
+streaming model, wholly or in part, between two of its blocks; classic, and the Dynamic VRAM twin), and the
+patches that change which blocks a step calls (Skip Layer Guidance's extra pass without some blocks, EasyCache and
+LazyCache answering whole model calls from their cache).
 """
 
 from __future__ import annotations
@@ -160,6 +162,66 @@ def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(comfy: 
 
     reference = sample_chunks(model)
     assert_samples_from_the_engine(comfy, every_block_streamed(comfy, node, model), sample_chunks, reference)
+
+
+#: Steps of the skipping patches' runs: enough for the caches to answer some of them and for a later step to
+#: follow a skipped one.
+SKIPPING_STEPS = 8
+#: Model patches of ComfyUI's that change which blocks a step calls: Skip Layer Guidance adds a pass without blocks
+#: 1 and 2 at every step; EasyCache and LazyCache answer whole model calls from their cache (no block called).
+SKIPPING_PATCHES = {
+    "skip-layer-guidance": ("nodes_slg", "SkipLayerGuidanceDiT", dict(double_layers="1, 2", single_layers="")),
+    "easycache": ("nodes_easycache", "EasyCacheNode", dict(reuse_threshold=3.0, verbose=False)),
+    "lazycache": ("nodes_easycache", "LazyCacheNode", dict(reuse_threshold=3.0, verbose=False)),
+}
+#: Settings every skipping patch above takes alike: acting from the first step to the last.
+SKIPPING_RANGE = dict(start_percent=0.0, end_percent=1.0)
+SLG_SETTINGS = dict(scale=3.0, rescaling_scale=0.0)
+
+
+def skipping_patch(name: str) -> Callable[[Any], Any]:
+    module, node_class, settings = SKIPPING_PATCHES[name]
+    settings = {**settings, **SKIPPING_RANGE, **(SLG_SETTINGS if module == "nodes_slg" else {})}
+    return lambda model: comfy_node(module, node_class).execute(model=model, **settings).result[0]
+
+
+@pytest.mark.parametrize("before_node", [True, False], ids=["patch-before-node", "node-before-patch"])
+@pytest.mark.parametrize("patch", list(SKIPPING_PATCHES))
+@pytest.mark.parametrize("node", NODES)
+def test_patches_that_skip_blocks_or_whole_model_calls_stream_as_comfyui_computes_them(
+    comfy: SimpleNamespace, node: str, patch: str, before_node: bool
+) -> None:
+    """The engine learns each step's call order from the last: an extra pass calling some blocks only (Skip Layer
+    Guidance), or model calls answered from a cache (EasyCache, LazyCache) between steps that call every block,
+    stream bit for bit as ComfyUI computes them, the patch before or after the node."""
+    apply = skipping_patch(patch)
+    passes: list[int] = []  # the calls of the first block (never skipped) in each run
+
+    def run(model: Any) -> torch.Tensor:
+        first_block = model.model.diffusion_model.blocks[0]
+        calls = [0]
+        counting = first_block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            return sample_video(comfy, model, steps=SKIPPING_STEPS)
+        finally:
+            counting.remove()
+            passes.append(calls[0])
+
+    plain = run(wan(comfy))
+    reference = run(apply(wan(comfy)))
+    comfy.mm.unload_all_models()
+    assert not torch.equal(reference, plain), f"{patch} changes nothing: the test would prove nothing"
+    model = wan(comfy)
+    streamed = (
+        every_block_streamed(comfy, node, apply(model))
+        if before_node
+        else apply(every_block_streamed(comfy, node, model))
+    )
+    assert_samples_from_the_engine(comfy, streamed, run, reference)
+    # The passes through the blocks: two a step with Skip Layer Guidance's, fewer than the steps where a cache
+    # answered; the same streamed as in the reference.
+    expected = 2 * SKIPPING_STEPS if patch == "skip-layer-guidance" else passes[1]
+    assert passes[2] == passes[1] == expected and (patch == "skip-layer-guidance" or expected < SKIPPING_STEPS), passes
 
 
 def making_room_mid_forward(share: float | None) -> Callable[[Any], Any]:
