@@ -98,9 +98,9 @@ def memory_cgroup_dirs(files: ProcFiles = ProcFiles()) -> list[tuple[Path, Path,
                 names = V1_FILES
             else:
                 continue
-            relative = PurePosixPath(path).relative_to(root) if PurePosixPath(path).is_relative_to(root) else None
-            if relative is not None:
-                found.append((mount / relative, mount, names))
+            group = PurePosixPath(path)
+            if group.is_relative_to(root):  # else the group is outside what this mount shows
+                found.append((mount / group.relative_to(root), mount, names))
     return found
 
 
