@@ -15,26 +15,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from block_offload.offload.system_memory import memory_cgroup_dirs
+from block_offload.offload.system_memory import V1_FILES, MemoryCgroup, memory_cgroups
 
 
 class CgroupUnavailable(RuntimeError):
     """No memory cgroup can be made for this process here."""
 
 
-def _own_group() -> tuple[Path, tuple[str, str, str]]:
+def _own_group() -> MemoryCgroup:
     """The process's memory cgroup with a memory controller (v1 first: with both, v1's holds the memory files)."""
-    dirs = memory_cgroup_dirs()
-    for directory, _, names in sorted(dirs, key=lambda found: found[2][0] != "memory.limit_in_bytes"):
-        if (directory / names[1]).exists():
-            return directory, names
-    raise CgroupUnavailable(f"no memory cgroup with a memory controller among {[str(d) for d, _, _ in dirs]}")
+    groups = memory_cgroups()
+    for group in sorted(groups, key=lambda group: group.files != V1_FILES):
+        if (group.directory / group.files.usage).exists():
+            return group
+    raise CgroupUnavailable(f"no memory cgroup with a memory controller among {[str(g.directory) for g in groups]}")
 
 
 @contextmanager
 def limited(limit: int) -> Iterator[Path]:
     """This process in a new memory cgroup of ``limit`` bytes for the ``with`` block; yields the group."""
-    parent, (limit_file, _, _) = _own_group()
+    own = _own_group()
+    parent, limit_file = own.directory, own.files.limit
     group = parent / f"block-offload-test-{uuid.uuid4().hex[:8]}"
     try:
         group.mkdir()

@@ -15,10 +15,28 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
-#: Each memory cgroup version's files: the limit, the usage, and the ``memory.stat`` field of inactive file pages.
-V2_FILES = ("memory.max", "memory.current", "inactive_file")
-V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+class CgroupFiles(NamedTuple):
+    """A memory cgroup version's files: the limit, the usage, and the ``memory.stat`` field of inactive file pages."""
+
+    limit: str
+    usage: str
+    inactive_field: str
+
+
+V2_FILES = CgroupFiles("memory.max", "memory.current", "inactive_file")
+V1_FILES = CgroupFiles("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+class MemoryCgroup(NamedTuple):
+    """A memory cgroup the process is in: its directory, the mount point above which no ancestor is visible, and
+    its version's files."""
+
+    directory: Path
+    mount: Path
+    files: CgroupFiles
 
 
 @dataclass(frozen=True)
@@ -76,9 +94,8 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field)
 
 
-def memory_cgroup_dirs(files: ProcFiles = ProcFiles()) -> list[tuple[Path, Path, tuple[str, str, str]]]:
-    """Each memory cgroup directory the process is in (cgroup v2, and v1's memory controller), with the mount
-    point above which no ancestor is visible, and its version's file names."""
+def memory_cgroups(files: ProcFiles = ProcFiles()) -> list[MemoryCgroup]:
+    """Each memory cgroup the process is in: cgroup v2's, and v1's memory controller's."""
     memberships = []
     for line in (_read(files.cgroup) or "").splitlines():
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
@@ -93,27 +110,27 @@ def memory_cgroup_dirs(files: ProcFiles = ProcFiles()) -> list[tuple[Path, Path,
         kind, options = filesystem[0], filesystem[2].split(",")
         for controllers, path in memberships:
             if kind == "cgroup2" and controllers == "":
-                names = V2_FILES
+                version = V2_FILES
             elif kind == "cgroup" and "memory" in options and "memory" in controllers.split(","):
-                names = V1_FILES
+                version = V1_FILES
             else:
                 continue
             group = PurePosixPath(path)
             if group.is_relative_to(root):  # else the group is outside what this mount shows
-                found.append((mount / group.relative_to(root), mount, names))
+                found.append(MemoryCgroup(mount / group.relative_to(root), mount, version))
     return found
 
 
 def cgroup_limits(host_total: int, files: ProcFiles = ProcFiles()) -> list[CgroupLimit]:
     """The limits below ``host_total`` set by the process's memory cgroups and their visible ancestors."""
     limits = []
-    for directory, mount, (limit_file, usage_file, inactive_field) in memory_cgroup_dirs(files):
+    for directory, mount, names in memory_cgroups(files):
         for group in (directory, *[parent for parent in directory.parents if parent.is_relative_to(mount)]):
-            limit = _number(_read(group / limit_file))
+            limit = _number(_read(group / names.limit))
             if limit is None or limit >= host_total:
                 continue
-            usage = _number(_read(group / usage_file)) or 0
-            working_set = max(0, usage - _stat_field(group / "memory.stat", inactive_field))
+            usage = _number(_read(group / names.usage)) or 0
+            working_set = max(0, usage - _stat_field(group / "memory.stat", names.inactive_field))
             limits.append(CgroupLimit(group, limit, working_set))
     return limits
 

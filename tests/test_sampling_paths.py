@@ -170,18 +170,21 @@ SKIPPING_STEPS = 8
 #: Model patches of ComfyUI's that change which blocks a step calls: Skip Layer Guidance adds a pass without blocks
 #: 1 and 2 at every step; EasyCache and LazyCache answer whole model calls from their cache (no block called).
 SKIPPING_PATCHES = {
-    "skip-layer-guidance": ("nodes_slg", "SkipLayerGuidanceDiT", dict(double_layers="1, 2", single_layers="")),
+    "skip-layer-guidance": (
+        "nodes_slg",
+        "SkipLayerGuidanceDiT",
+        dict(double_layers="1, 2", single_layers="", scale=3.0, rescaling_scale=0.0),
+    ),
     "easycache": ("nodes_easycache", "EasyCacheNode", dict(reuse_threshold=3.0, verbose=False)),
     "lazycache": ("nodes_easycache", "LazyCacheNode", dict(reuse_threshold=3.0, verbose=False)),
 }
 #: Settings every skipping patch above takes alike: acting from the first step to the last.
 SKIPPING_RANGE = dict(start_percent=0.0, end_percent=1.0)
-SLG_SETTINGS = dict(scale=3.0, rescaling_scale=0.0)
 
 
 def skipping_patch(name: str) -> Callable[[Any], Any]:
     module, node_class, settings = SKIPPING_PATCHES[name]
-    settings = {**settings, **SKIPPING_RANGE, **(SLG_SETTINGS if module == "nodes_slg" else {})}
+    settings = {**settings, **SKIPPING_RANGE}
     return lambda model: comfy_node(module, node_class).execute(model=model, **settings).result[0]
 
 
