@@ -18,14 +18,16 @@ How one step runs:
   the compute stream has not finished reading; later copies on the same stream
   come after it. Weights are only read, so nothing is copied back.
 
-``BlockStreamer`` wires the parts at each call; each keeps its own state:
+``BlockStreamer`` owns the parts, each with its own state, and changes what is streamed (enable, disable,
+make resident, unpin):
 
 * ``HostBlocks`` (``host_blocks.py``): the host buffers, pinning, parking and adoption;
 * ``DeviceRing`` (``device_ring.py``): the ring's memory, copies and events, the regions'
   books (``ring.py``, whose schedule the planner replays), companions;
 * ``FileTier`` (``file_tier.py``): blocks read from their checkpoint file at each copy;
 * ``StepCalls`` (``calls.py``): the calls open now and the learned call order;
-* the hooks (``hooks.py``) through which it sees the model run.
+* ``BlockCalls`` (``block_calls.py``): what runs at each step and block call, through the hooks (``hooks.py``)
+  by which it sees the model run.
 
 Stopping can *park* instead of restoring: blocks that came from the CPU keep
 their host buffers, which then are their only storage (valid CPU tensors holding
@@ -44,19 +46,18 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from .calls import OpenCall, StepCalls
-from .device import current_stream, synchronize
+from .block_calls import BlockCalls
+from .calls import StepCalls
+from .device import synchronize
 from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
-from .hooks import Removable, hook_calls, hook_step
+from .hooks import Removable
 from .host_blocks import HostBlocks
 from .layout import DtypeOf
 from .page_lock import can_pin_memory
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
-from .ring import copy_ahead
-from .streamed_block import StreamedBlock
 from .timeline import TimelineRecorder
 from .views import StreamerViews
 
@@ -148,8 +149,6 @@ class BlockStreamer(StreamerViews):
         self.holders = dict(holders or {})
         self.entry_methods = dict(entry_methods or {})
         self.persistent_allocations = persistent_allocations
-        self.prefetch = prefetch
-        self.recorder = recorder
         self.root = root
         self.recurse = recurse
         self.host = HostBlocks(
@@ -176,12 +175,21 @@ class BlockStreamer(StreamerViews):
             persistent_allocations=persistent_allocations,
             scratch_bytes=scratch_bytes,
         )
-        self.copy_stream = self.ring.copy_stream
         self.files = FileTier(self.host, self.ring, staging_slots, recorder)
         # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
         self.calls = StepCalls(len(self.blocks), call_order)
+        self.steps = BlockCalls(
+            self.device,
+            self.host,
+            self.ring,
+            self.files,
+            self.calls,
+            prefetch=prefetch,
+            recorder=recorder,
+            transforms=self.transforms,
+            unit=self.unit,
+        )
         self._handles: list[Removable] = []
-        self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
         self.pack_in_background = pack_in_background
         self.enabled = False
 
@@ -196,18 +204,8 @@ class BlockStreamer(StreamerViews):
         blocks = {index: self.blocks[index] for index in self.streamed}
         self.host.pack_all(blocks, progress, later=self.pack_in_background)
         self.files.start()
-        self._handles = hook_calls(
-            self.blocks,
-            self.holders,
-            self.entry_methods,
-            self._call_begins,
-            self._call_ends,
-            self._after_call,
-            self.calls.running,
-        )
-        if self.root is not None:
-            self._handles += hook_step(self.root, self.begin_step, self.end_step)
-        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
+        self._handles = self.steps.hook(self.blocks, self.holders, self.entry_methods, self.root)
+        self.steps.sources_changed()
         self.enabled = True
         self._pack_in_call_order()
 
@@ -219,7 +217,7 @@ class BlockStreamer(StreamerViews):
     def finish_packing(self) -> None:
         """Waits until every block waiting to be packed is (see ``pack_in_background``)."""
         self.host.background.finish()
-        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
+        self.steps.sources_changed()
 
     def disable(self, park: bool = False) -> None:
         """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers.
@@ -231,7 +229,7 @@ class BlockStreamer(StreamerViews):
         if not self.enabled:
             return
         self.host.check_can_park(park)
-        self._finish_active()
+        self.steps.finish_active()
         synchronize(self.device)
         for handle in self._handles:
             handle.remove()
@@ -243,7 +241,7 @@ class BlockStreamer(StreamerViews):
 
     def release_device_buffers(self) -> None:
         """Frees the ring; it is allocated again by the next call that needs it."""
-        self._finish_active()
+        self.steps.finish_active()
         synchronize(self.device)
         self.ring.free()
 
@@ -255,7 +253,7 @@ class BlockStreamer(StreamerViews):
         transformed = sorted(set(indices) & self.transforms.keys())
         if transformed:
             raise ValueError(f"blocks {transformed} are transformed where they arrive and cannot be made resident")
-        self._finish_active()
+        self.steps.finish_active()
         synchronize(self.device)
         self.host.background.stop()
         for index in indices:
@@ -283,7 +281,7 @@ class BlockStreamer(StreamerViews):
         freed = self.host.unpin_some(nbytes)
         if packing:
             self._pack_in_call_order()
-        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
+        self.steps.sources_changed()
         return freed
 
     def wrote_content(self, indices: Iterable[int]) -> None:
@@ -296,118 +294,6 @@ class BlockStreamer(StreamerViews):
         if self.host.blocks and self.ring.books is None:
             self.ring.allocate()
 
-    # -- each step and call ----------------------------------------------------------------------
-
-    def _prefetch(self, defer_pageable: bool = False) -> None:
-        """Issues the copies of the next streamed blocks, as far ahead as the ring has room, and the reads of
-        the file-tier blocks after them.
-
-        ``defer_pageable``: skip blocks in pageable memory. A copy from pageable memory holds the host
-        thread until it is done (the driver stages it), so issued before a block's kernels are launched
-        it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
-        just launched computing meanwhile. A file-tier block whose read is not done is copied later too:
-        waiting for it would hold up the launch of the block about to run."""
-        if not self.host.blocks:
-            return
-        books, _ = self.ring.allocated()
-
-        def skip(index: int) -> bool:
-            return self.files.reading(index) or (defer_pageable and self._deferred(self.host.blocks[index]))
-
-        copy_ahead(
-            self.calls.upcoming(self.host.blocks, self.prefetch), self.calls.held(), books.regions, self.ring.load, skip
-        )
-        if self.files.reader is not None:  # no look-ahead over every block at each call without a file tier
-            self.files.read_ahead(self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.prefetch)
-
-    def _deferred(self, state: StreamedBlock) -> bool:
-        if self.copy_stream is None:
-            return False
-        if state.companions is not None and not state.companions.pinned:
-            return True
-        return not (self.files.pinned if state.read is not None else state.pinned)
-
-    def begin_step(self) -> None:
-        """Marks the start of one pass through the blocks (the root module's forward)."""
-        self._finish_active()
-        self.files.check_files()
-        packing = self.host.background.running
-        self.host.background.settle()
-        if packing:  # blocks were packed since the last step: some of them copy from pinned memory now
-            self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
-        self.calls.step_began()
-        if self.recorder:
-            self.recorder.begin_step(current_stream(self.device))
-        self._prefetch()
-
     def close_open_step(self) -> None:
-        """Ends a step an exception left open; nothing when none is.
-
-        The hooks that close a step run with ``always_call``, which PyTorch honours for ``Exception``
-        only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
-        leaves the block's region held and its weights pointing at the device until this is called."""
-        if self.calls.in_step:
-            self.end_step()
-
-    def end_step(self) -> None:
-        self._finish_active()
-        self.calls.step_ended()
-        if self.recorder:
-            self.recorder.end_step(current_stream(self.device))
-
-    def _call_begins(self, index: int) -> None:
-        compute = current_stream(self.device)
-        record = self.recorder.call_arrived(index, compute) if self.recorder else None
-        self.calls.arrived(index)
-        copy = None
-        state = self.host.blocks.get(index)
-        if state is not None:
-            region = self.region_of(index)
-            if region is None:
-                if not self.ring.load(index, self.calls.held()):
-                    raise RuntimeError(
-                        f"no room for {self.unit} {index} in the device ring of {self.capacity} bytes: "
-                        f"{len(self.calls.open)} streamed {self.unit}s are running nested inside each other"
-                    )
-                region = self.region_of(index)
-                assert region is not None  # just placed
-            if compute is not None and state.ready is not None:
-                compute.wait_event(state.ready)
-            copy, state.copy = state.copy, None
-            views = self.ring.views(state, region[0])
-            with self.host.lock:
-                state.in_call = True
-                state.layout.point_at(views)
-        self.calls.opened(OpenCall(index, state is not None, record))
-        if self.recorder:
-            self.recorder.call_started(record, copy, compute)
-        if state is not None and index in self.transforms:  # part of the call's compute, as timed
-            self.ring.transform(index, self.transforms[index])
-        self._prefetch(defer_pageable=True)
-
-    def _call_ends(self, index: int) -> None:
-        for call in self.calls.closed(index):
-            self._release(call)
-
-    def _after_call(self) -> None:
-        if self._pageable_deferred or self.files.reader is not None:
-            self._prefetch()
-
-    def _release(self, call: OpenCall) -> None:
-        compute = current_stream(self.device)
-        if self.recorder:
-            self.recorder.call_finished(call.record, compute)
-        if not call.streamed:
-            return
-        state = self.host.blocks[call.block]
-        if state.released is not None:
-            state.released.record(compute)
-            state.released_once = True
-        with self.host.lock:
-            state.in_call = False
-            state.layout.point_at(state.host_views)
-
-    def _finish_active(self) -> None:
-        """Releases calls an exception left open, so the next step starts clean."""
-        for call in self.calls.close_all():
-            self._release(call)
+        """See ``BlockCalls.close_open_step``."""
+        self.steps.close_open_step()

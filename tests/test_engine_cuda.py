@@ -162,8 +162,8 @@ def test_a_fresh_slot_is_not_written_before_the_compute_stream_is_done_with_its_
         total = ones.sum(dtype=torch.int64)
         del ones  # back to the allocator, reusable on the compute stream at once
         streamer.allocate_device_buffers()
-        streamer.begin_step()  # prefetch: a copy-stream write into the fresh slot
-        streamer.end_step()
+        streamer.steps.begin_step()  # prefetch: a copy-stream write into the fresh slot
+        streamer.steps.end_step()
         corrupted += int(total.item() != nbytes)
     streamer.disable()
     assert corrupted == 0, f"{corrupted}/3 reads saw a streamed block's bytes"
@@ -175,8 +175,8 @@ def test_one_copy_stream_per_device() -> None:
     model = transformer_stack(num_blocks=2)
     first = BlockStreamer(model.blocks, CUDA, [0])
     second = BlockStreamer(model.blocks, CUDA, [1])
-    assert first.copy_stream is second.copy_stream is not None
-    assert first.copy_stream != torch.cuda.current_stream(CUDA)
+    assert first.ring.copy_stream is second.ring.copy_stream is not None
+    assert first.ring.copy_stream != torch.cuda.current_stream(CUDA)
 
 
 def test_each_step_reports_its_own_peak() -> None:

@@ -1,7 +1,9 @@
 """The house rules that can be read from the source: state lives on objects, not module globals (what must be
-process-wide is an entry of ``PROCESS_STATE``, with why); tests read others' objects through public views.
+process-wide is an entry of ``PROCESS_STATE``, with why); tests read others' objects through public views; no
+class runs over 300 lines (one that does is doing several jobs).
 
-Both are counted with ``ast``, so a new module dict or a new ``obj._private`` read in a test fails here, named.
+Each is counted with ``ast``, so a new module dict, a new ``obj._private`` read in a test or a class grown past
+its limit fails here, named.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ MUTABLE_MAKERS = frozenset(
 )
 MAX_MODULE_STATE = 5
 MAX_PRIVATE_READS = 5
+MAX_CLASS_LINES = 300
+#: Where the pack's own classes are (its engine, its nodes, what tests, benchmarks and scripts share).
+CODE = ("offload", "nodes", "harness", "bench")
 
 
 def _called_name(call: ast.Call) -> str:
@@ -77,6 +82,16 @@ def private_reads(path: Path) -> Iterator[str]:
         yield f"{path.name}:{node.lineno}: {ast.unparse(node)}"
 
 
+def long_classes(paths: list[Path], limit: int = MAX_CLASS_LINES) -> Iterator[str]:
+    """``file:line: Class (N lines)`` for each class of ``paths`` longer than ``limit`` lines, docstrings included."""
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    yield f"{path.name}:{node.lineno}: {node.name} ({lines} lines)"
+
+
 def test_the_counters_see_what_they_count(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()
@@ -92,6 +107,9 @@ def test_the_counters_see_what_they_count(tmp_path: Path) -> None:
     test = tmp_path / "test_x.py"
     test.write_text("def test(self, other):\n    self._mine\n    other._theirs\n    other.__class__\n")
     assert list(private_reads(test)) == ["test_x.py:3: other._theirs"]
+    body = "".join(f"    def m{index}(self) -> None: ...\n" for index in range(4))
+    (package / "b.py").write_text(f"class Short:\n{body}\n\nclass Long:\n{body}{body}")
+    assert list(long_classes([package / "b.py"], limit=6)) == ["b.py:8: Long (9 lines)"]
 
 
 def test_process_wide_state_is_a_few_named_objects() -> None:
@@ -107,6 +125,13 @@ def test_tests_read_others_objects_through_public_views() -> None:
         "private reads in tests (give the object a public view, or read ComfyUI's or torch's private parts "
         "through harness/private_views.py):\n" + "\n".join(reads)
     )
+
+
+def test_no_class_runs_over_300_lines() -> None:
+    paths = [path for folder in CODE for path in sorted((REPO / folder).glob("*.py"))]
+    assert len(paths) > 100
+    long = list(long_classes(paths))
+    assert not long, "classes over 300 lines (split them by job):\n" + "\n".join(long)
 
 
 def test_a_process_entry_is_made_once_whoever_asks_first() -> None:
