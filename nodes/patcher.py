@@ -121,7 +121,11 @@ class LoadEntry(NamedTuple):
 
 
 class BlockOffloadPatcher(ModelPatcher):
-    """Mixin: must come before the patcher class in the MRO (see ``_offload_class``)."""
+    """Mixin: must come before the patcher class in the MRO (see ``_offload_class``).
+
+    Each call on to that class passes its arguments as ComfyUI passes them: the leading ones by position, the
+    flags by keyword. A class that forwards ``*args`` with a keyword-only flag of its own (ComfyUI-GGUF's
+    ``partially_load`` and ``partially_unload`` since 2026) would otherwise get a flag twice."""
 
     def clone(self, *args, **kwargs):
         cloned = super().clone(*args, **kwargs)
@@ -165,19 +169,18 @@ class BlockOffloadPatcher(ModelPatcher):
         # Left as the last engine parked them, the resident modules stay loaded: ComfyUI's load skips what
         # it has loaded and patched (``comfy_patched_weights``), so a queue does not copy them again.
         try:
-            return super().partially_load(device_to, extra_memory, force_patch_weights)
+            return super().partially_load(device_to, extra_memory, force_patch_weights=force_patch_weights)
         finally:
             state.end_load(self.patcher_id)
 
-    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
         # ComfyUI's load calls this for every weight of every module it loads, before it moves the module.
         if device_to is not None and self.offload_request.dynamic_vram_twin:
             load_in_recorded_dtype(self, key, device_to)
             # A patched weight computes as on the Dynamic VRAM MODEL, which patches in the compute dtype.
-            return_weight = kwargs.get("return_weight", args[0] if args else False)
-            if not return_weight and patch_loaded_as_dynamic_vram(self, key, inplace_update):
+            if not kwargs.get("return_weight", False) and patch_loaded_as_dynamic_vram(self, key, inplace_update):
                 return None
-        return super().patch_weight_to_device(key, device_to, inplace_update, *args, **kwargs)
+        return super().patch_weight_to_device(key, device_to=device_to, inplace_update=inplace_update, **kwargs)
 
     def loaded_state(self) -> LoadedBooks:
         model = self.model
@@ -330,10 +333,10 @@ class BlockOffloadPatcher(ModelPatcher):
             self._stop_streaming()
             state.parking.unpark(self.model.modules())
             state.unloaded()
-            unpatched = super().unpatch_model(device_to, unpatch_weights)
+            unpatched = super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
             back_to_file(self.model)  # a Dynamic VRAM twin keeps no copy of what ComfyUI loaded
             return unpatched
-        return super().unpatch_model(device_to, unpatch_weights)
+        return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
 
     def detach(self, unpatch_all=True):
         # A hand-over parks the engine: the streamed blocks stay on their host buffers for the next engine to adopt
@@ -343,7 +346,8 @@ class BlockOffloadPatcher(ModelPatcher):
         hands_over = state.hands_over(self.patcher_id, unpatch_all)
         if hands_over:
             self._stop_streaming(park=True)
-        detached = super().detach(unpatch_all)  # unpatch_all: a real unload (``unpatch_model`` stops the engine)
+        # unpatch_all: a real unload (``unpatch_model`` stops the engine)
+        detached = super().detach(unpatch_all=unpatch_all)
         if hands_over:
             state.handed_over(self.loaded_state())
         return detached

@@ -189,6 +189,47 @@ def test_a_compute_dtype_set_on_the_model_computes_as_comfyui(
         comfy.mm.unload_all_models()
 
 
+def flags_by_keyword(base: type) -> type:
+    """A patcher class below the node's that forwards ``*args`` with its flags keyword-only, as ComfyUI-GGUF's
+    ``GGUFModelPatcher`` does since 2026 (its ``partially_load`` and ``partially_unload`` force
+    ``force_patch_weights``): a flag the node passed on by position would reach ComfyUI's method twice. Only
+    flags ComfyUI itself passes by keyword can be keyword-only (it calls ``detach(unpatch_all)`` by position)."""
+
+    class FlagsByKeyword(base):
+        def partially_load(self, *args, force_patch_weights=False, **kwargs):
+            return super().partially_load(*args, force_patch_weights=force_patch_weights, **kwargs)
+
+        def partially_unload(self, *args, force_patch_weights=False, **kwargs):
+            return super().partially_unload(*args, force_patch_weights=force_patch_weights, **kwargs)
+
+        def unpatch_model(self, *args, unpatch_weights=True, **kwargs):
+            return super().unpatch_model(*args, unpatch_weights=unpatch_weights, **kwargs)
+
+        def patch_weight_to_device(self, key, *args, device_to=None, inplace_update=False, **kwargs):
+            flags = {"device_to": device_to, "inplace_update": inplace_update}
+            return super().patch_weight_to_device(key, *args, **flags, **kwargs)
+
+    return FlagsByKeyword
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_patcher_class_that_takes_its_flags_by_keyword_streams(comfy: SimpleNamespace, node: str) -> None:
+    model = wan(comfy).clone()
+    model.__class__ = flags_by_keyword(type(model))  # as a loader's own patcher class is set (GGUF's clone)
+    lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
+    with_lora = comfy.sd.load_lora_for_models(model, None, lora, 1.0, 0)[0]
+    reference = sample(comfy, with_lora)
+    comfy.mm.unload_all_models()
+    streamed = offloaded(comfy, node, with_lora)
+    for _ in range(2):  # a first load, then a load after ComfyUI's unload
+        assert torch.equal(sample(comfy, streamed), reference)
+        engine = streamed.offload_engine
+        assert engine is not None and engine.runner.streamed, "the node did not stream"
+        assert isinstance(streamed, type(model))
+        comfy.mm.unload_all_models()
+        assert streamed.offload_engine is None and streamed.loaded_size() == 0
+
+
 def test_chained_nodes_last_one_wins(comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
     model = wan(comfy)
     reference = sample(comfy, model)
