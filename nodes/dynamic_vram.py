@@ -83,12 +83,29 @@ def _twins() -> _Twins:
     )
 
 
+def own_classic_path(model: ModelPatcher) -> str:
+    """The name of the Dynamic VRAM ``model``'s patcher class where that class makes its classic clone itself
+    (overrides ``clone``), else "". ComfyUI-GGUF's ``GGUFModelPatcherDynamic`` (2026) does: its Dynamic VRAM
+    weights are GGUF blocks as ``QuantizedTensor``s that only its Dynamic VRAM patcher patches (its classic
+    ``GGUFModelPatcher`` leaves a LoRA out of them), and ``clone(disable_dynamic=True)`` reloads the file its
+    classic way, the model ComfyUI's hooks and TorchCompileModel run. The pack streams that one."""
+    if not uses_dynamic_vram(model) or type(model).clone is ModelPatcher.clone:
+        return ""
+    return type(model).__name__
+
+
 def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
     """A clone of ``model`` whose weights ComfyUI loads the classic way (partial load, ``_load_list``)."""
     if not uses_dynamic_vram(model):
         return model.clone()
     twins = _twins()
     twin = twins.of_model.get(model.model)
+    if twin is None and own_classic_path(model):
+        logging.info(
+            f"Block Offload ({node}): this MODEL uses Dynamic VRAM through {own_classic_path(model)}, which makes "
+            "its classic clone itself; streaming that clone (the MODEL you connected is unchanged)"
+        )
+        twin = twins.of_model[model.model] = model.clone(disable_dynamic=True).get_clone_model_override()
     if twin is None:
         twin = twins.of_model[model.model] = _file_backed_twin(model, node)
         # Tensors of their own over the file's bytes: a Parameter's data is replaced as ComfyUI loads it.

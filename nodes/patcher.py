@@ -41,6 +41,7 @@ from .dynamic_vram import (
     classic_clone,
     keep_fast_disk,
     load_in_recorded_dtype,
+    own_classic_path,
     patch_loaded_as_dynamic_vram,
     uses_dynamic_vram,
 )
@@ -74,7 +75,8 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     if previous is not None:
         logging.info(f"Block Offload: {request.node} replaces the earlier {previous.node} on this model")
     patched = classic_clone(model, request.node)
-    request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model))
+    own = own_classic_path(model)
+    request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model) and not own, own_classic_path=own)
     # clone() builds self.__class__, so giving the clone our subclass makes every later clone inherit it.
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)

@@ -35,6 +35,9 @@ class OffloadRequest:
     auto_placement: bool = False
     # The MODEL came from ComfyUI's Dynamic VRAM: the pack streams its classic twin (``nodes/dynamic_vram.py``).
     dynamic_vram_twin: bool = False
+    # The MODEL's Dynamic VRAM patcher class makes its classic clone itself (ComfyUI-GGUF's): its name; the pack
+    # streams that clone, as a classic model.
+    own_classic_path: str = ""
     # Why a block node streams module by module (its model has no block lists): logged, and shown by the panel.
     notice: str = ""
 
@@ -55,6 +58,8 @@ class OffloadRequest:
         """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
         if self.dynamic_vram_twin:
             return "a Dynamic VRAM model, streamed from its checkpoint file"
+        if self.own_classic_path:
+            return f"the classic reload that the Dynamic VRAM model's {self.own_classic_path} makes of it"
         return "ComfyUI's classic loader"
 
 

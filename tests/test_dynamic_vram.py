@@ -179,6 +179,44 @@ def test_the_twin_kept_loaded_across_a_plain_prompt_streams_again(
     comfy.mm.unload_all_models()
 
 
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_dynamic_patcher_class_with_its_own_classic_path_streams_that_path(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], node: str
+) -> None:
+    """A loader's own Dynamic VRAM patcher class that makes its classic clone itself, as ComfyUI-GGUF's
+    ``GGUFModelPatcherDynamic`` (2026) does: its Dynamic VRAM weights are only patched right by its Dynamic VRAM
+    patcher, so the node streams the model its ``clone(disable_dynamic=True)`` gives (what ComfyUI's hooks and
+    TorchCompileModel run), LoRA included, rather than a twin of its Dynamic VRAM build."""
+    path, dtype = stored_wan["bf16"], torch.bfloat16
+    lora = load_file(comfy.models["wan21_lora"])
+
+    class OwnClassicPath(dynamic_vram.patcher_class):
+        def clone(self, disable_dynamic=False, model_override=None, **kwargs):
+            if disable_dynamic and model_override is None:  # its classic reload, its own way
+                model_override = dynamic_vram.load_classic(path, dtype).get_clone_model_override()
+            return super().clone(disable_dynamic=disable_dynamic, model_override=model_override, **kwargs)
+
+    def with_lora(m):
+        return comfy.sd.load_lora_for_models(m, None, lora, 1.0, 0)[0]
+
+    model = dynamic_vram.load(path, dtype)
+    model.__class__ = OwnClassicPath
+    reference = sample(comfy, with_lora(model.clone(disable_dynamic=True)))
+    # A twin of the Dynamic VRAM build computes the LoRA as ComfyUI's Dynamic VRAM patches it, which differs.
+    assert not torch.equal(reference, sample(comfy, dynamic_vram.load_patched_as_cast(path, dtype, lora)))
+    comfy.mm.unload_all_models()
+    streaming = run_node(comfy, node, with_lora(model))
+    latent = sample(comfy, streaming)
+    assert torch.equal(latent, reference), differs(latent, reference)
+    engine = streaming.offload_engine
+    assert engine.recorder.latest().spans, "nothing streamed"
+    assert engine.placement.summary.endswith(
+        "weights from the classic reload that the Dynamic VRAM model's OwnClassicPath makes of it"
+    ), engine.placement.summary
+    comfy.mm.unload_all_models()
+    assert model.is_dynamic() and model.get_attachment(comfy.patcher.ATTACHMENT) is None
+
+
 def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
     comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
 ) -> None:
