@@ -19,6 +19,7 @@ blocks (host buffers packed in the recorded dtypes, file-tier blocks read as sto
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import weakref
@@ -88,10 +89,13 @@ def own_classic_path(model: ModelPatcher) -> str:
     (overrides ``clone``), else "". ComfyUI-GGUF's ``GGUFModelPatcherDynamic`` (2026) does: its Dynamic VRAM
     weights are GGUF blocks as ``QuantizedTensor``s that only its Dynamic VRAM patcher patches (its classic
     ``GGUFModelPatcher`` leaves a LoRA out of them), and ``clone(disable_dynamic=True)`` reloads the file its
-    classic way, the model ComfyUI's hooks and TorchCompileModel run. The pack streams that one."""
-    if not uses_dynamic_vram(model) or type(model).clone is ModelPatcher.clone:
+    classic way, the model ComfyUI's hooks and TorchCompileModel run. The pack streams that one. A ``clone`` that
+    names no ``disable_dynamic`` only passes its arguments on (to copy attributes of its own): ComfyUI's classic
+    reload would copy every weight into memory, so such a class keeps the file-backed twin."""
+    clone = type(model).clone
+    if not uses_dynamic_vram(model) or clone is ModelPatcher.clone:
         return ""
-    return type(model).__name__
+    return type(model).__name__ if "disable_dynamic" in inspect.signature(clone).parameters else ""
 
 
 def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:

@@ -127,7 +127,8 @@ class BlockOffloadPatcher(ModelPatcher):
 
     Each call on to that class passes its arguments as ComfyUI passes them: the leading ones by position, the
     flags by keyword. A class that forwards ``*args`` with a keyword-only flag of its own (ComfyUI-GGUF's
-    ``partially_load`` and ``partially_unload`` since 2026) would otherwise get a flag twice."""
+    ``partially_load`` and ``partially_unload`` since 2026) would otherwise get a flag twice. One exception, the
+    resident part's budget (see ``_place``)."""
 
     def clone(self, *args, **kwargs):
         cloned = super().clone(*args, **kwargs)
@@ -261,6 +262,10 @@ class BlockOffloadPatcher(ModelPatcher):
         # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
         # a weight to another dtype, ComfyUI counting it as it was).
         offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
+        # The budget by position, unlike ComfyUI: ComfyUI-GGUF's ``load`` finds it among the keywords, and after a
+        # partial load moves every module whose weights are still on the host to the device and back, one by one
+        # ("release mmap"), which for the streamed blocks would be the whole stack over the bus twice and a second
+        # copy of it in RAM until the first step; the engine holds them itself.
         load_resident = functools.partial(
             super().load, device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False
         )

@@ -217,6 +217,30 @@ def test_a_dynamic_patcher_class_with_its_own_classic_path_streams_that_path(
     assert model.is_dynamic() and model.get_attachment(comfy.patcher.ATTACHMENT) is None
 
 
+def test_a_dynamic_patcher_class_whose_clone_only_passes_arguments_on_keeps_the_file_backed_twin(
+    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
+) -> None:
+    path, dtype = stored_wan["fp32"], torch.float16
+    reference = sample(comfy, dynamic_vram.load_classic(path, dtype))
+
+    class OwnAttributes(dynamic_vram.patcher_class):
+        def clone(self, *args, **kwargs):
+            cloned = super().clone(*args, **kwargs)
+            cloned.own_setting = getattr(self, "own_setting", None)
+            return cloned
+
+    model = dynamic_vram.load(path, dtype)
+    model.__class__ = OwnAttributes
+    model.own_setting = "kept"
+    streaming = async_offload(comfy, model, resident=1)
+    assert streaming.own_setting == "kept"
+    latent = sample(comfy, streaming)
+    assert torch.equal(latent, reference), differs(latent, reference)
+    summary = streaming.offload_engine.placement.summary
+    assert summary.endswith("weights from a Dynamic VRAM model, streamed from its checkpoint file"), summary
+    comfy.mm.unload_all_models()
+
+
 def test_a_dynamic_model_without_a_reload_recipe_is_refused_with_what_to_do(
     comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path]
 ) -> None:
