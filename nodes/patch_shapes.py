@@ -1,6 +1,7 @@
 """What a patch may not change about a streamed weight: the engine packs and streams each weight at the shape
 it is stored in, in the form it is stored in. A patch that changes a weight's shape is refused before anything
-is loaded (``refuse_reshaping_patches``); a patched weight stored otherwise than the streamed copy it is
+is loaded (``refuse_reshaping_patches``), as is one a weight stored as packed integers would get through a weight
+function (``refuse_patches_on_packed_weights``); a patched weight stored otherwise than the streamed copy it is
 written over, as it is written (``overwrite_in_place``).
 """
 
@@ -13,7 +14,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
 from .blocks import inside
-from .patch_routes import patched_by_comfyui
+from .patch_routes import patched_by_comfyui, patched_parameters
 
 
 def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
@@ -50,6 +51,24 @@ def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node
                 "they are stored in. Apply that patch (a LoRA or merge that resizes layers) without the node, or "
                 "save the patched model and load that instead."
             )
+
+
+def refuse_patches_on_packed_weights(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
+    """Raises, before anything is loaded, where a patch would reach a ``streamed`` weight stored as packed integers
+    (not a float, not a quantized tensor ComfyUI's ops cast) through a weight function: ComfyUI's
+    ``calculate_weight`` would read the packed bytes as the weight (ComfyUI-GGUF's Q4_CR_W4A4 layers, whose
+    patches only the layer itself applies, from its patcher's ``patch_weight_to_device``)."""
+    for name, module, routes in patched_parameters(model, streamed):
+        for param, tensor, route in routes:
+            key = f"{name}.{param}"
+            if route == "device" and key in model.patches and not tensor.is_floating_point():
+                raise ValueError(
+                    f"{node}: a patch (a LoRA or merge) on this MODEL reaches {key}, a weight of a block the node "
+                    f"streams that {type(module).__name__} stores packed as {tensor.dtype} {tuple(tensor.shape)} "
+                    "and patches itself, which the node cannot do where it streams it. Apply the LoRA without the "
+                    "node, or merge it into the checkpoint (ComfyUI-GGUF: Fuse LoRAs), or use a format the node "
+                    "patches (bf16, fp8, int8, GGUF Q8_0/Q4_K)."
+                )
 
 
 def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:

@@ -47,7 +47,7 @@ from .dynamic_vram import (
 )
 from .engine import Engine, call_order_of, start_engine
 from .load_protocol import LoadedBooks, Unpatch
-from .patch_shapes import refuse_reshaping_patches
+from .patch_shapes import refuse_patches_on_packed_weights, refuse_reshaping_patches
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
@@ -213,6 +213,7 @@ class BlockOffloadPatcher(ModelPatcher):
             placement = describe(fallback.placed, self, asked.patch_ms)
         if placement.plan is not None:
             refuse_reshaping_patches(self, placement.streamed, request.node)  # before anything moves
+        refuse_patches_on_packed_weights(self, placement.streamed, request.node)
         refuse_weight_hooks(self, placement.streamed, request.node)
         if engine is not None and (engine.request, engine.placement) != (request, placement):
             self._stop_streaming()

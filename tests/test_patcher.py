@@ -399,6 +399,30 @@ def test_a_patch_that_resizes_a_streamed_weight_is_refused_before_anything_loads
 
 
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
+def test_a_patch_on_a_weight_stored_as_packed_integers_is_refused_before_anything_loads(
+    comfy: SimpleNamespace, node: str
+) -> None:
+    """A layer that stores its weight as packed integers and applies its patches itself (ComfyUI-GGUF's
+    Q4_CR_W4A4, 2026: int8 of half the input width) would be given its LoRA through a weight function, which
+    reads the packed bytes as the weight (a shape error at the first step). The load refuses it, saying what to
+    do, before anything moves."""
+    model = wan(comfy)
+    key = "diffusion_model.blocks.1.ffn.0.weight"
+    layer = comfy.utils.get_attr(model.model, key.rpartition(".")[0])
+    rows, columns = layer.weight.shape
+    layer.weight = torch.nn.Parameter(torch.zeros(rows, columns // 2, dtype=torch.int8), requires_grad=False)
+    packed = layer.weight
+    patched = model.clone()
+    patched.add_patches({key: ("diff", (torch.zeros(rows, columns),))}, 1.0)
+    streaming = offloaded(comfy, node, patched)
+    with pytest.raises(ValueError, match=rf"reaches {re.escape(key)}, .* packed as torch\.int8 .*without the node"):
+        comfy.mm.load_models_gpu([streaming])
+    assert streaming.offload_engine is None and streaming.loaded_size() == 0
+    assert comfy.utils.get_attr(model.model, key) is packed
+    comfy.mm.unload_all_models()
+
+
+@pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 def test_a_patch_resizing_a_weight_comfyui_never_patches_is_ignored_as_comfyui_ignores_it(
     comfy: SimpleNamespace, node: str
 ) -> None:
