@@ -104,9 +104,10 @@ def classic_clone(model: ModelPatcher, node: str) -> ModelPatcher:
         return model.clone()
     twins = _twins()
     twin = twins.of_model.get(model.model)
-    if twin is None and own_classic_path(model):
+    own = own_classic_path(model)
+    if twin is None and own:
         logging.info(
-            f"Block Offload ({node}): this MODEL uses Dynamic VRAM through {own_classic_path(model)}, which makes "
+            f"Block Offload ({node}): this MODEL uses Dynamic VRAM through {own}, which makes "
             "its classic clone itself; streaming that clone (the MODEL you connected is unchanged)"
         )
         twin = twins.of_model[model.model] = model.clone(disable_dynamic=True).get_clone_model_override()

@@ -29,29 +29,25 @@ from .timeline import TimelineRecorder
 
 
 class BlockCalls:
-    """The steps and block calls of one streamer (see the module docstring). ``prefetch`` caps how many blocks are
-    copied ahead; ``transforms``: see ``BlockStreamer``."""
+    """The steps and block calls of one streamer (see the module docstring): its ring's device, host blocks,
+    prefetch (how many blocks are copied ahead) and recorder; ``transforms``: see ``BlockStreamer``."""
 
     def __init__(
         self,
-        device: torch.device,
-        host: HostBlocks,
         ring: DeviceRing,
         files: FileTier,
         calls: StepCalls,
         *,
-        prefetch: int,
-        recorder: TimelineRecorder | None,
         transforms: Mapping[int, Callable[[bool], None]],
         unit: str,
     ) -> None:
-        self.device = device
-        self.host = host
         self.ring = ring
         self.files = files
         self.calls = calls
-        self.prefetch = prefetch
-        self.recorder = recorder
+        self.device: torch.device = ring.device
+        self.host: HostBlocks = ring.host
+        self.prefetch: int = ring.prefetch
+        self.recorder: TimelineRecorder | None = ring.recorder
         self.transforms = transforms
         self.unit = unit
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook

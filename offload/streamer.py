@@ -178,17 +178,7 @@ class BlockStreamer(StreamerViews):
         self.files = FileTier(self.host, self.ring, staging_slots, recorder)
         # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
         self.calls = StepCalls(len(self.blocks), call_order)
-        self.steps = BlockCalls(
-            self.device,
-            self.host,
-            self.ring,
-            self.files,
-            self.calls,
-            prefetch=prefetch,
-            recorder=recorder,
-            transforms=self.transforms,
-            unit=self.unit,
-        )
+        self.steps = BlockCalls(self.ring, self.files, self.calls, transforms=self.transforms, unit=self.unit)
         self._handles: list[Removable] = []
         self.pack_in_background = pack_in_background
         self.enabled = False
