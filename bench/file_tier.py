@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from harness.mapped_file import MappedFile
 from harness.transformer_stack import transformer_stack
 
 from bench.engine_microbench import time_forward
-from bench.timing import h2d_bandwidth_gbps
+from bench.timing import drop_from_cache, h2d_bandwidth_gbps
 from block_offload.offload import BlockStreamer, TimelineRecorder, module_bytes, read_bandwidth
 from block_offload.offload.host_tier import host_tier
 
@@ -49,18 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--folder", type=Path, default=None, help="where to write the file (default: a temp dir)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU as a smoke test")
     return parser.parse_args(argv)
-
-
-def drop_from_cache(path: Path) -> None:
-    """The file's clean pages out of the page cache (POSIX only; elsewhere a no-op)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        advise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(handle)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

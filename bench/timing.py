@@ -72,3 +72,15 @@ def file_read_gbps(path: Path, nbytes: int = 1 << 30, chunk: int = 64 << 20) -> 
     finally:
         os.close(handle)
     return None if bandwidth is None else bandwidth / 1e9
+
+
+def drop_from_cache(path: Path) -> None:
+    """The file's clean pages out of the page cache (POSIX only; elsewhere a no-op)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        advise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(handle)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .device_ring import DeviceRing
-from .file_source import FileSlice, FileStamp, stamps
+from .file_source import FileSlice, FileStamp, read_threads, stamps
 from .host_blocks import HostBlocks
 from .layout import aligned
 from .reader import FileReader
@@ -46,7 +46,9 @@ class FileTier:
             slot, reserved, _ = self.host.memory.buffer(slot_bytes)
             self._slot_reservation += reserved
             slots.append(slot)
-        self.reader = self.ring.reader = FileReader(slots, self.recorder.read_done if self.recorder else None)
+        handles = {source.handle for read in reads for source in read.slices()}
+        on_read = self.recorder.read_done if self.recorder else None
+        self.reader = self.ring.reader = FileReader(slots, on_read, read_threads(handles))
         self._stamps = stamps(source for read in reads for source in read.slices())
 
     def stop(self) -> None:

@@ -5,7 +5,9 @@ The streamer decides everything that touches a stream: it schedules the next fil
 are free, and copies a block out of its slot only once its read is done (``is_read``), so the thread that
 launches the model's kernels waits for a read only when the block is needed now (``take``). A slot is
 given back (``release``) as soon as the copy out of it is issued; the reader waits for that copy's event
-before it reads another block into the slot. File reads release the GIL, so the sampling thread runs on.
+before it reads another block into the slot. A block's file slices are read in chunks by several threads at
+once, unless the disk seeks (``SliceReader``, ``read_threads``); file reads release the GIL, so the sampling
+thread runs on.
 
 A block needed before it was scheduled (the first step, before the call order is known, or a model that
 changes it) is read at once on the calling thread, into a spare pageable buffer: the reads under way for
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .file_source import FileSlice, read_slice
+from .file_source import FileSlice, SliceReader
 from .layout import Part
 
 #: How a read is reported, from the reader's thread: block, start and end (``time.perf_counter``), bytes
@@ -54,12 +56,14 @@ class _Slot:
 
 
 class FileReader:
-    """Reads blocks into ``buffers`` (the staging slots, each as large as the largest file-tier block)."""
+    """Reads blocks into ``buffers`` (the staging slots, each as large as the largest file-tier block), each block's
+    file slices with ``threads`` at once."""
 
-    def __init__(self, buffers: list[torch.Tensor], on_read: ReadListener | None = None) -> None:
+    def __init__(self, buffers: list[torch.Tensor], on_read: ReadListener | None, threads: int) -> None:
         self._slots = [_Slot(buffer) for buffer in buffers]
         self._on_read = on_read
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-offload-read")
+        self._slices = SliceReader(threads)
         # Pageable, so a copy out of it has read it by the time the copy call returns: reusable at once.
         self._spare: torch.Tensor | None = None
         self.file_bytes = 0  # bytes read from files so far
@@ -115,6 +119,7 @@ class FileReader:
     def close(self) -> None:
         """Waits for the reads under way (their slots are about to be freed) and stops the thread."""
         self._pool.shutdown(wait=True)
+        self._slices.close()
         for slot in self._slots:
             slot.block, slot.read = None, None
         self._spare = None
@@ -130,12 +135,13 @@ class FileReader:
         if freed is not None:
             freed.synchronize()  # the copy out of the slot's last block has read it
         start = time.perf_counter()
-        from_file = 0
+        in_file = []
         for part, source in read.parts:
             if isinstance(source, FileSlice):
-                from_file += read_slice(source, buffer[part.offset : part.offset + part.nbytes])
+                in_file.append((source, buffer[part.offset : part.offset + part.nbytes]))
             else:
                 part.view(buffer).copy_(source)
+        from_file = self._slices.read(in_file)
         self.file_bytes += from_file
         if self._on_read is not None:
             self._on_read(block, start, time.perf_counter(), from_file)

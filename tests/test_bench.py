@@ -46,6 +46,7 @@ from bench.results import (
     markdown,
     series,
 )
+from block_offload.offload.file_source import READ_THREADS
 from block_offload.offload.layout import ALIGNMENT
 
 
@@ -531,6 +532,19 @@ def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> Non
     assert [(r["host_share"], r["cold"]) for r in rows] == [(s, c) for s in (0, 0.5, 1) for c in (False, True)]
     assert all(r["bitwise"] for r in rows)
     assert [r["blocks_from_file"] for r in rows[::2]] == [4, 2, 0]
+
+
+def test_the_file_reads_benchmark_times_one_thread_against_the_pool_warm_and_cold(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from bench import file_reads
+
+    medians = file_reads.main(["--gib", "0.125", "--rounds", "1", "--folder", str(tmp_path)])
+    assert set(medians) == {(cache, n) for cache in ("warm", "cold") for n in (1, READ_THREADS)}, medians
+    assert all(gbps > 0 for gbps in medians.values()), medians
+    out = capsys.readouterr().out
+    assert "0.12 GiB read as Wan 14B blocks' weights, medians of 1 rounds; the engine reads this file with" in out, out
+    assert "| warm |" in out and "| cold |" in out and not list(tmp_path.iterdir()), out  # the file is gone
 
 
 def test_the_lora_cost_benchmark_measures_every_row_on_the_cpu(

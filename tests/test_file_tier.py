@@ -8,7 +8,9 @@ Dynamic VRAM loader maps them; nodes-level tests run ComfyUI's own reader (test_
 from __future__ import annotations
 
 import copy
+import itertools
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -170,6 +172,98 @@ def test_a_short_read_is_a_clear_error(tmp_path: Path) -> None:
     beyond = file_source.FileSlice(source.handle, os.path.getsize(mapped.path) - 4, 16, source.mapped)
     with pytest.raises(FileChangedError, match=r"stack.safetensors ended 12 bytes early.*load the model again"):
         file_source.read_slice(beyond, torch.empty(16, dtype=torch.uint8))
+
+
+def describe_device(devices: Path, path: Path, rotational: str, partition: bool = False) -> None:
+    """A block device description as Linux lays it out under ``/sys/dev/block``, at ``devices``, for the device
+    ``path`` lies on: its queue's ``rotational`` flag, on the device itself or, for a partition, on its disk."""
+    number = os.stat(path).st_dev
+    disk = devices.parent / "devices" / "disk"
+    device = disk / "part1" if partition else disk
+    device.mkdir(parents=True, exist_ok=True)
+    (disk / "queue").mkdir(exist_ok=True)
+    (disk / "queue" / "rotational").write_text(f"{rotational}\n")
+    devices.mkdir(parents=True, exist_ok=True)
+    (devices / f"{os.major(number)}:{os.minor(number)}").symlink_to(device)
+
+
+@pytest.mark.parametrize(
+    ("rotational", "partition", "threads"),
+    [("0", False, file_source.READ_THREADS), ("1", False, 1), ("1", True, 1), (None, False, file_source.READ_THREADS)],
+    ids=["solid-state", "rotational", "rotational-disk-s-partition", "not-described"],
+)
+def test_files_on_a_disk_that_seeks_are_read_by_one_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rotational: str | None, partition: bool, threads: int
+) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"0" * 4096)
+    devices = tmp_path / "sys" / "dev" / "block"
+    if rotational is not None:
+        describe_device(devices, path, rotational, partition)
+    monkeypatch.setattr(file_source, "SYS_BLOCK_DEVICES", devices)
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        assert file_source.read_threads([handle]) == threads
+        monkeypatch.setattr(file_source, "POSITIONAL_READ", None)
+        assert file_source.read_threads([handle]) == 1
+    finally:
+        os.close(handle)
+
+
+def test_a_block_s_slices_are_read_by_several_threads_at_once_and_stream_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a solid-state disk, the file tier reads a block's slices (12 weights of 4 MiB here) in chunks on several
+    threads at once, as ComfyUI's own Dynamic VRAM reader does: the first two positional reads wait for each other,
+    which would time out if one thread read them in turn."""
+    real_read, count = file_source.POSITIONAL_READ, itertools.count()
+    both_reading = threading.Barrier(2, timeout=10)
+    readers: set[int] = set()
+
+    def positional_read(handle: int, buffers: list, offset: int) -> int:
+        readers.add(threading.get_ident())
+        if next(count) < 2:
+            both_reading.wait()
+        return real_read(handle, buffers, offset)
+
+    model, mapped = _mapped_stack(tmp_path, blocks=2, dim=1024)
+    describe_device(tmp_path / "sys" / "dev" / "block", mapped.path, "0")
+    monkeypatch.setattr(file_source, "SYS_BLOCK_DEVICES", tmp_path / "sys" / "dev" / "block")
+    monkeypatch.setattr(file_source, "POSITIONAL_READ", positional_read)
+    x = torch.randn(1, 4, 1024)
+    streamer = _streamer(mapped, range(2))
+    streamer.enable()
+    for out, expected in zip(forward_steps(mapped.module, x, steps=2), forward_steps(model, x, steps=2), strict=True):
+        assert torch.equal(out, expected)
+    assert streamer.bytes_read >= streamer.file_tier_bytes > 2 * 8 * 2**20, streamer.bytes_read
+    assert len(readers) >= 2, readers
+    streamer.disable()
+
+
+def test_chunks_read_at_once_are_the_file_s_bytes_and_a_short_one_is_a_clear_error(tmp_path: Path) -> None:
+    """Slices at odd offsets and of odd sizes, read in chunks of 1000 bytes by 4 threads, hold exactly the file's
+    bytes; a slice running past the file's end fails with the file named, however its chunks fall."""
+    path = tmp_path / "bytes.bin"
+    content = os.urandom(100_003)
+    path.write_bytes(content)
+    handle = os.open(path, os.O_RDONLY)
+    reader = file_source.SliceReader(threads=4, chunk=1000)
+    try:
+        unused = torch.empty(0, dtype=torch.uint8)
+        spans = [(0, 1), (1, 4_999), (5_000, 45_001), (50_001, 50_002)]
+        reads = [
+            (file_source.FileSlice(handle, at, size, unused), torch.empty(size, dtype=torch.uint8))
+            for at, size in spans
+        ]
+        assert reader.read(reads) == sum(size for _, size in spans)
+        for (at, size), (_, destination) in zip(spans, reads, strict=True):
+            assert bytes(destination.numpy()) == content[at : at + size]
+        beyond = file_source.FileSlice(handle, 97_003, 5_500, unused)
+        with pytest.raises(FileChangedError, match=r"bytes.bin ended 2500 bytes early at offset 100003"):
+            reader.read([(beyond, torch.empty(5_500, dtype=torch.uint8))])
+    finally:
+        reader.close()
+        os.close(handle)
 
 
 def test_the_timeline_has_a_read_lane(tmp_path: Path) -> None:
