@@ -25,7 +25,8 @@
 #   CALL 8: the first prompt (issue 49; the first to run on the next GPU): the Flux 12B head-to-head on a 12 GiB
 #          card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the steady
 #          step, with blocks packed in the background while the first steps run), then bench/pinning.py's four
-#          ways of pinning a first load.
+#          ways of pinning a first load, then the file tier's reads with one thread and with its pool
+#          (bench/file_reads.py).
 #   CALL 9: the model switch (issue 49): Wan 2.2's two experts in every prompt, Wan 2.1 14B-shaped, on a 16 GiB card
 #          (harness/card.py), through real servers (bench/model_switch.py): ComfyUI alone against the node, under
 #          Dynamic VRAM, then under classic loading; the first prompt (both experts loaded) and the warm ones.
@@ -132,6 +133,7 @@ if [[ $dry == 1 ]]; then
   lru_tests=(tests/test_every_prompt_streams.py -k "cpu and lru and plain_then")
   lora_cost=("$python" -m bench.lora_cost --device cpu --steps 2 --rounds 1)
   pinning=("$python" -m bench.pinning --dry-run --gib 0.25 --block-mib 32 --rounds 1)
+  file_reads=("$python" -m bench.file_reads --gib 0.125 --rounds 1)
   # The CPU has neither a card nor Dynamic VRAM: classic loading only, tiny experts.
   model_switch=("$python" -m bench.model_switch --dim 256 --ffn 512 --layers 4 --rounds 1 --prompts 2 --steps 2
     --modes classic --linked-experts --out "$out/switch")
@@ -139,6 +141,7 @@ else
   lru_tests=(tests/test_every_prompt_streams.py -k "cuda and dynamic and lru")
   lora_cost=("$python" -m bench.lora_cost --device cuda --real --rank 64 --dtype bfloat16 --steps 3 --rounds 3)
   pinning=("$python" -m bench.pinning --gib 4 --rounds 3)
+  file_reads=("$python" -m bench.file_reads --gib 4 --rounds 3)
   # Two 28.6 GB experts as one file (hard-linked): two would fill most of the machine's 64 GiB disk. Dynamic VRAM
   # first, ComfyUI's default and the case that counts most.
   model_switch=("$python" -m bench.model_switch --dim 5120 --ffn 13824 --layers 40 --cuda --card 16 --rounds 1
@@ -210,7 +213,9 @@ elif [[ $call == 8 ]]; then
   part flux12b-12gib-first-prompt 400 "$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets \
     --cards 12 --rounds 2 --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
-  part pinning "$(( seconds - (SECONDS - start) ))" "${pinning[@]}"
+  part pinning "$(( seconds - (SECONDS - start) - 45 ))" "${pinning[@]}"
+  # The file tier's reads on this machine's disk: one thread against the pool, warm and cold (about 30 s).
+  part file-reads 45 "${file_reads[@]}"
 elif [[ $call == 9 ]]; then
   # Wan 2.2's switch as users meet it on a 16 GiB card: every prompt runs the high-noise expert, then the
   # low-noise one, each server on its own, the card carved out of the GPU (checked first by its test).
