@@ -125,7 +125,7 @@ class SliceReader:
 
     def __init__(self, threads: int, chunk: int = READ_CHUNK) -> None:
         parallel = POSITIONAL_READ is not None and threads > 1
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="block-offload-read") if parallel else None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="block-offload-read-chunk") if parallel else None
         self.chunk = chunk
 
     def read(self, reads: Iterable[tuple[FileSlice, torch.Tensor]]) -> int:
