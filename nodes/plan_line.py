@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from ..offload import GIB, Runner
+from ..offload.file_source import POSITIONAL_READ, read_threads
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram
 
 
@@ -59,12 +60,21 @@ def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> st
         f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
         f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
     )
+    threads = read_threads(source.handle for source in runner.file_slices())
+    read_from += f", read by {threads_said(threads)}"
     read_ms = least_read_ms(runner, bandwidth)
     if read_ms is not None and bandwidth:
-        read_from += (
-            f", {bandwidth / 1e9:.2f} GB/s read as the page cache holds it now: {read_ms:.1f} ms per step at least"
-        )
+        read_from += f", {bandwidth / 1e9:.2f} GB/s as the page cache holds it now: {read_ms:.1f} ms per step at least"
     return f"; {held}, {read_from})"
+
+
+def threads_said(threads: int) -> str:
+    """How many threads read the checkpoint, and why, for the plan line."""
+    if threads > 1:
+        return f"{threads} threads at once"
+    if POSITIONAL_READ is None:
+        return "one thread copying from the file's mapping, this system having no positional read"
+    return "one thread, the file's disk being rotational (several readers would make it seek)"
 
 
 def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:

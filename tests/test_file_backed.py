@@ -29,6 +29,7 @@ from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
 from bench.checkpoints import resized
 from block_offload.offload import StackCosts, release_freed_host_memory
+from block_offload.offload.file_source import read_threads
 
 FAST_READS = 100e9  # bytes/s
 
@@ -151,6 +152,10 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
     assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
+    from block_offload.nodes.plan_line import threads_said
+
+    threads = read_threads(source.handle for source in runner.file_slices())
+    assert f"as stored, read by {threads_said(threads)}, " in engine.summary, engine.summary
     # The panel: the three tiers in the placement strip, the plan line, a read lane in the last step.
     status = comfy.panel.snapshot()
     assert status["placement"].count("F") == len(read) and status["plan"] == engine.summary, status["placement"]
