@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ..offload import GIB, Runner
-from ..offload.file_source import POSITIONAL_READ, read_threads
+from ..offload import GIB, Runner, file_source
 from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram
 
 
@@ -60,7 +59,7 @@ def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> st
         f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
         f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
     )
-    threads = read_threads(source.handle for source in runner.file_slices())
+    threads = file_source.read_threads(source.handle for source in runner.file_slices())
     read_from += f", read by {threads_said(threads)}"
     read_ms = least_read_ms(runner, bandwidth)
     if read_ms is not None and bandwidth:
@@ -72,7 +71,7 @@ def threads_said(threads: int) -> str:
     """How many threads read the checkpoint, and why, for the plan line."""
     if threads > 1:
         return f"{threads} threads at once"
-    if POSITIONAL_READ is None:
+    if file_source.POSITIONAL_READ is None:
         return "one thread copying from the file's mapping, this system having no positional read"
     return "one thread, the file's disk being rotational (several readers would make it seek)"
 
