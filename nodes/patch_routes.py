@@ -48,6 +48,8 @@ def patched_parameters(
     ``device`` (any other weight of ComfyUI's ops, and one with only wrapper patches: weight functions at compute
     time), ``bake`` (outside ComfyUI's ops: once before packing).
     Modules ComfyUI has loaded and patched only with ``patched_too``."""
+    if not model.patches and not any(model.weight_wrapper_patches.values()):
+        return  # nothing to look for: the walk of every module would be most of a load's time with no LoRA
     for name, module in model.model.named_modules():
         # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
         # as ComfyUI's own load trusts the flag (its unpatch clears it).
