@@ -125,6 +125,20 @@ class LoadEntry(NamedTuple):
         return cls(offload_mem, module_mem, name, module)
 
 
+def loader_need(entries: Sequence[Any], streamed: frozenset[str]) -> int:
+    """The budget ComfyUI's loader needs to load every module of ``entries`` (its ``_load_list``) outside
+    ``streamed``. It takes modules largest first, each only while the bytes loaded so far, the module and cast
+    buffers for it and the next ``NUM_STREAMS`` modules fit (``load()`` in comfy/model_patcher.py; 0.3.75 counts
+    this module's cast size for each of those, 0.33 the next modules' sizes, which are no larger)."""
+    kept = sorted((e for e in map(LoadEntry.of, entries) if not inside(e.name, streamed)), key=lambda e: -e.offload_mem)
+    buffers = comfy.model_management.NUM_STREAMS + 1
+    need = loaded = 0
+    for entry in kept:
+        need = max(need, loaded + entry.module_mem + buffers * entry.offload_mem)
+        loaded += entry.module_mem
+    return need + 1  # ComfyUI's test is strict (<)
+
+
 class BlockOffloadPatcher(ModelPatcher):
     """Mixin: must come before the patcher class in the MRO (see ``_offload_class``).
 
@@ -227,7 +241,7 @@ class BlockOffloadPatcher(ModelPatcher):
         budget = math.inf if full_load else lowvram_model_memory
         if math.isinf(budget) and request.automatic_budget:
             budget = self._device_room()
-        asked = place(request, self, budget, self._loader_need)
+        asked = place(request, self, budget, lambda streamed: loader_need(self._module_list(), streamed))
         placement = asked
         fallback = state.fallback
         if fallback is not None and (fallback.request, fallback.asked) == (request, asked.plan):
@@ -315,20 +329,6 @@ class BlockOffloadPatcher(ModelPatcher):
         mm = comfy.model_management
         free = mm.get_free_memory(self.load_device) + self.model.model_loaded_weight_memory
         return max(0.0, free - mm.minimum_inference_memory())
-
-    def _loader_need(self, streamed: frozenset[str]) -> int:
-        """The budget ComfyUI's loader needs to load every module outside ``streamed``. It takes modules
-        largest first, each only while the bytes loaded so far, the module and cast buffers for it and
-        the next ``NUM_STREAMS`` modules fit (``load()`` in comfy/model_patcher.py; 0.3.75 counts this
-        module's cast size for each of those, 0.33 the next modules' sizes, which are no larger)."""
-        entries = [LoadEntry.of(entry) for entry in self._module_list()]
-        kept = sorted((e for e in entries if not inside(e.name, streamed)), key=lambda e: -e.offload_mem)
-        buffers = comfy.model_management.NUM_STREAMS + 1
-        need = loaded = 0
-        for entry in kept:
-            need = max(need, loaded + entry.module_mem + buffers * entry.offload_mem)
-            loaded += entry.module_mem
-        return need + 1  # ComfyUI's test is strict (<)
 
     def _check_resident_loaded(self, request: OffloadRequest, offered: int) -> None:
         """Whether ComfyUI loaded all it was ``offered`` (the planned resident part); says so when it did not."""
