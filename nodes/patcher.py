@@ -54,8 +54,8 @@ from .state import state_of
 from .weight_hooks import refuse_weight_hooks
 
 ATTACHMENT = "block_offload"
-# A patcher's own entries while its ``load`` runs (``BlockOffloadPatcher._module_list``).
-_IN_LOAD = "_block_offload_in_load"
+# Present only while the patcher's ``load`` runs: ComfyUI's module list once walked, else None
+# (``BlockOffloadPatcher._module_list``).
 _MODULE_LIST = "_block_offload_module_list"
 
 
@@ -190,7 +190,7 @@ class BlockOffloadPatcher(ModelPatcher):
         entries = self.__dict__.get(_MODULE_LIST)
         if entries is None:
             entries = super()._load_list()
-            if self.__dict__.get(_IN_LOAD):
+            if _MODULE_LIST in self.__dict__:
                 self.__dict__[_MODULE_LIST] = entries
         return entries
 
@@ -223,12 +223,11 @@ class BlockOffloadPatcher(ModelPatcher):
         )
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        self.__dict__[_IN_LOAD] = True
+        self.__dict__[_MODULE_LIST] = None
         try:
             with one_tree_per_load():  # the placement, its fallbacks and the engine's start each ask for the blocks
                 self._load(device_to, lowvram_model_memory, force_patch_weights, full_load)
         finally:
-            self.__dict__.pop(_IN_LOAD, None)
             self.__dict__.pop(_MODULE_LIST, None)
 
     def _load(self, device_to, lowvram_model_memory, force_patch_weights, full_load) -> None:
@@ -352,7 +351,8 @@ class BlockOffloadPatcher(ModelPatcher):
         """
         self.unpatch_model(self.offload_device, unpatch_weights=True)
         self.patch_model(load_weights=False)
-        self.__dict__.pop(_MODULE_LIST, None)  # the unload moved weights back, maybe in other dtypes
+        if _MODULE_LIST in self.__dict__:
+            self.__dict__[_MODULE_LIST] = None  # the unload moved weights back, maybe in other dtypes: walk again
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         state = state_of(self.model)
