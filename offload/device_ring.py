@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 import torch
 
 from .device import copy_stream, current_stream, free_device_bytes, is_accelerator
 from .host_blocks import HostBlocks
-from .layout import TensorForm, aligned
+from .layout import TensorForm, Views, aligned
 from .reader import FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
 from .streamed_block import StreamedBlock
@@ -22,10 +23,10 @@ from .timeline import TimelineRecorder
 #: to step once the ring's cycle and the step's line up; when they drift, views are made again.
 _VIEWS_KEPT = 16
 
+CachedViews = TypeVar("CachedViews", bound=tuple[torch.Tensor, ...])  # a block's (``Views``) or its companions'
 
-def _cached_views(
-    cache: dict[int, tuple[torch.Tensor, ...]], start: int, make: Callable[[], tuple[torch.Tensor, ...]]
-) -> tuple[torch.Tensor, ...]:
+
+def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], CachedViews]) -> CachedViews:
     """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
     views = cache.get(start)
     if views is None:
@@ -153,7 +154,7 @@ class DeviceRing:
         assert self.books is not None and self.memory is not None
         return self.books, self.memory
 
-    def views(self, state: StreamedBlock, start: int) -> tuple[torch.Tensor, ...]:
+    def views(self, state: StreamedBlock, start: int) -> Views:
         """The block's tensors as views of its region at ``start``."""
         _, memory = self.allocated()
         return _cached_views(state.device_views, start, lambda: state.layout.views(memory[start:]))

@@ -13,7 +13,7 @@ import torch
 
 from .companions import PackedCompanions
 from .file_source import FileSlice
-from .layout import BlockLayout, aligned
+from .layout import BlockLayout, Views, aligned
 from .reader import BlockRead
 from .timeline import CopyRecord
 
@@ -25,7 +25,7 @@ class StreamedBlock:
     layout: BlockLayout
     storage: BlockLayout
     host: torch.Tensor
-    host_views: tuple[torch.Tensor, ...]
+    host_views: Views
     origin_device: torch.device
     # Kept with a lossy storage dtype (restoring from the rounded copy would change the model), and for a
     # block whose weights are views of their file (they cost no memory, and restoring copies nothing).
@@ -40,7 +40,7 @@ class StreamedBlock:
     released: torch.Event | None = None
     released_once: bool = False
     copy: CopyRecord | None = None
-    device_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # by region start
+    device_views: dict[int, Views] = field(default_factory=dict)  # by region start
     # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
     read: BlockRead | None = None
     file_backed: bool = False  # ``originals`` are views of the file

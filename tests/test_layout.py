@@ -17,7 +17,7 @@ from harness.parking import lot_of
 from harness.private_views import plain_torch_function, wrapper_subclass
 from harness.transformer_stack import Stack, forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, SequentialOffloader, module_bytes
+from block_offload.offload import BlockStreamer, SequentialOffloader, layout, module_bytes
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
 
 CPU = torch.device("cpu")
@@ -218,20 +218,55 @@ def test_a_subclass_of_unknown_make_is_refused_naming_the_kinds_streamed() -> No
     assert "ComfyUI-GGUF's GGMLTensor" in message and "plain tensors of any dtype" in message
 
 
+def made_in_inference_mode(model: Stack) -> Stack:
+    """``model`` with every Parameter made again inside ``torch.inference_mode``, as ComfyUI 0.33 makes them."""
+    with torch.inference_mode():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(param.detach().clone(), requires_grad=False))
+    assert all(p.is_inference() for p in model.parameters())
+    return model
+
+
+def test_a_streamed_call_makes_its_inference_aliases_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parameter made in inference mode takes a normal tensor's memory (its host buffer, a ring region) as an
+    inference alias of it (see the test below). Each streamed call made one per tensor, twice (into the ring and
+    back), 0.3 of the 0.31 ms a streamed call cost on a 2-core CPU: they are made once per view, then kept. So
+    from the second step on, a step makes none, and the output stays the resident model's."""
+    model = made_in_inference_mode(transformer_stack())
+    x = torch.randn(1, 5, 32)
+    reference = forward_steps(model, x, steps=1)[0]
+    made: list[torch.Tensor] = []
+    inference_alias = layout._inference_alias
+
+    def counted(tensor: torch.Tensor) -> torch.Tensor:
+        made.append(tensor)
+        return inference_alias(tensor)
+
+    monkeypatch.setattr(layout, "_inference_alias", counted)
+    streamer = BlockStreamer(model.blocks, CPU, [0, 1, 2, 3], root=model)
+    streamer.enable()  # host buffers made outside inference mode, as by a packing thread (the mode is per thread)
+    per_step = []
+    for _ in range(4):
+        assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+        per_step.append(len(made) - sum(per_step))
+    tensors = sum(len(list(block.parameters())) + len(list(block.buffers())) for block in model.blocks)
+    assert per_step[0] >= tensors, "enabling and a first step place every streamed tensor as an alias"
+    assert per_step[1:] == [0, 0, 0]
+    assert all(p.is_inference() for p in model.parameters())
+    streamer.disable()
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+
+
 def test_parameters_made_in_inference_mode_stay_usable_after_streaming_stops_outside_it() -> None:
     """ComfyUI 0.33 builds and moves its Parameters inside ``torch.inference_mode`` (the prompt's execution;
     ``comfy.ops`` re-creates them as it moves them), but unloads models outside it (``POST /free`` runs
     ``unload_all_models`` in the prompt worker). A Parameter made in inference mode that takes a normal
     tensor's memory through ``.data`` loses its version counter: the next prompt's first view of it failed
     with "Inference tensors do not track version counter"."""
-    model = transformer_stack()
-    with torch.inference_mode():
-        for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                module.register_parameter(name, nn.Parameter(param.detach().clone(), requires_grad=False))
+    model = made_in_inference_mode(transformer_stack())
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    assert all(p.is_inference() for p in model.parameters())
     for park in (True, False):
         streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], root=model, parking=lot_of(model))
         with torch.inference_mode():
