@@ -230,9 +230,9 @@ def made_in_inference_mode(model: Stack) -> Stack:
 
 def test_a_streamed_call_makes_its_inference_aliases_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Parameter made in inference mode takes a normal tensor's memory (its host buffer, a ring region) as an
-    inference alias of it (see the test below). Each streamed call made one per tensor, twice (into the ring and
-    back), 0.3 of the 0.31 ms a streamed call cost on a 2-core CPU: they are made once per view, then kept. So
-    from the second step on, a step makes none, and the output stays the resident model's."""
+    inference alias of it (see the test below). Each streamed call made one per tensor as it pointed the block
+    back at its host buffer, half of the call's host work on a 2-core CPU: they are made once per kept view, then
+    kept. So from the second step on, a step makes none, and the output stays the resident model's."""
     model = made_in_inference_mode(transformer_stack())
     x = torch.randn(1, 5, 32)
     reference = forward_steps(model, x, steps=1)[0]
