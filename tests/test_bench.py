@@ -595,6 +595,33 @@ def test_the_search_benchmark_times_and_counts_every_budget() -> None:
     assert all(int(row[4]) > 0 and "2400.0 ms predicted" in row[5] for row in rows), done.stdout
 
 
+def test_the_engine_micro_benchmark_prints_each_configuration_and_what_a_streamed_call_adds() -> None:
+    """On the CPU only with ``--allow-cpu``; each streamed row gives its step, its ratio to resident, the time a
+    streamed call adds over the resident step, and the overlap the recorder measured."""
+    command = [sys.executable, "-m", "bench.engine_microbench", "--blocks", "4", "--dim", "64", "--tokens", "16"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert refused.returncode != 0 and "--allow-cpu" in refused.stderr, refused.stdout + refused.stderr
+    done = subprocess.run(
+        [*command, "--dtype", "float32", "--steps", "3", "--allow-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {line[:22].strip(): line[22:].split() for line in done.stdout.splitlines()[3:]}
+    assert list(rows) == ["resident", "synchronous offload", "async, prefetch 1", "async, prefetch 2"], done.stdout
+    assert len(rows["resident"]) == 2 and float(rows["resident"][1]) == 1.0, done.stdout
+    for name in ("synchronous offload", "async, prefetch 1", "async, prefetch 2"):
+        step, ratio, added, overlap = rows[name]
+        resident = float(rows["resident"][0])
+        # The two times are printed to 0.005 ms, the ratio and the added time come from the unrounded ones.
+        rounding = 0.005 * (1 + float(ratio)) / resident + 1e-3
+        assert math.isclose(float(ratio), float(step) / resident, abs_tol=rounding), done.stdout
+        assert math.isclose(int(added), (float(step) - resident) * 1e3 / 4, abs_tol=3), done.stdout
+        assert overlap.endswith("%"), done.stdout
+
+
 def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
