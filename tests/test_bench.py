@@ -46,7 +46,6 @@ from bench.results import (
     markdown,
     series,
 )
-from block_offload.offload.file_source import READ_THREADS
 from block_offload.offload.layout import ALIGNMENT
 
 
@@ -534,17 +533,18 @@ def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> Non
     assert [r["blocks_from_file"] for r in rows[::2]] == [4, 2, 0]
 
 
-def test_the_file_reads_benchmark_times_one_thread_against_the_pool_warm_and_cold(
+def test_the_file_reads_benchmark_times_one_thread_the_pool_and_the_mapping_warm_and_cold(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from bench import file_reads
 
     medians = file_reads.main(["--gib", "0.125", "--rounds", "1", "--folder", str(tmp_path)])
-    assert set(medians) == {(cache, n) for cache in ("warm", "cold") for n in (1, READ_THREADS)}, medians
+    assert set(medians) == {(cache, way) for cache in ("warm", "cold") for way in file_reads.WAYS}, medians
     assert all(gbps > 0 for gbps in medians.values()), medians
     out = capsys.readouterr().out
     assert "0.12 GiB read as Wan 14B blocks' weights, medians of 1 rounds; the engine reads this file with" in out, out
     assert "| warm |" in out and "| cold |" in out and not list(tmp_path.iterdir()), out  # the file is gone
+    assert "the mapping copied, 1 thread" in out and out.count("x |") == 4, out
 
 
 def test_the_lora_cost_benchmark_measures_every_row_on_the_cpu(
