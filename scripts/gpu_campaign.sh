@@ -6,7 +6,7 @@
 #                                                                 # .gpu/whl-0.33.0, .gpu/env.sh
 #   scripts/gpu_campaign.sh [CALL] --dry-run [--out DIR]          # here: the CPU, tiny shapes, every step run
 #
-#   CALL 1 (default; 222 s on an H100, 2026-11-26): the engine's CUDA tests while ComfyUI 0.33's GPU server
+#   CALL 1 (222 s on an H100, 2026-11-26): the engine's CUDA tests while ComfyUI 0.33's GPU server
 #          tests run (Dynamic VRAM on and off: every node streams, bitwise; parking; every prompt streams) and
 #          every tiny DiT streams through each node on the device (fp32, then bf16); then the head-to-head on a
 #          Flux 12B-shaped model on a 12 GiB card: ComfyUI 0.33's Dynamic VRAM, its classic async offload,
@@ -16,17 +16,17 @@
 #   CALL 4 (481 s on an H100, 2026-11-26): issue 33's allocation counts on the device and the zoo in bf16, then the head-to-head for a Wan 2.1
 #          14B-shaped model on a 16 GiB card (Dynamic VRAM, classic async offload, the node on both).
 #   CALL 5: Dynamic VRAM with the LRU cache on a server and the recorder's cost while nobody watches, then
-#          four ways to pin a first load's weights (bench/pinning.py) and the LoRA cost rows
+#          seven ways to pin a first load's weights (bench/pinning.py) and the LoRA cost rows
 #          (bench/lora_cost.py, Wan 14B- and Flux 12B-shaped blocks).
 #   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
 #   CALL 7: the Wan 2.1 14B head-to-head of call 4 again, alone, every row loaded from the checkpoint file the
 #          benchmark writes (since 2026-11-27): ComfyUI's Dynamic VRAM reading its own file, and host RAM
 #          measured alike for every row; 20 steps a round, so its table has the first 4- and 20-step prompts.
-#   CALL 8: the first prompt (issue 49; the first to run on the next GPU): the Flux 12B head-to-head on a 12 GiB
-#          card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the steady
-#          step, with blocks packed in the background while the first steps run), then bench/pinning.py's four
-#          ways of pinning a first load, then the file tier's reads with one thread and with its pool
-#          (bench/file_reads.py).
+#   CALL 8 (the default: the first to run on the next GPU): the first prompt (issue 49): the Flux 12B head-to-head
+#          on a 12 GiB card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the
+#          steady step, with blocks packed in the background while the first steps run), then bench/pinning.py's
+#          seven ways of pinning a first load, then the file tier's reads with one thread, with its pool, and from
+#          the mapping (bench/file_reads.py).
 #   CALL 9: the model switch (issue 49): Wan 2.2's two experts in every prompt, Wan 2.1 14B-shaped, on a 16 GiB card
 #          (harness/card.py), through real servers (bench/model_switch.py): ComfyUI alone against the node, under
 #          Dynamic VRAM, then under classic loading; the first prompt (both experts loaded) and the warm ones.
@@ -39,7 +39,9 @@ set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-call=1
+# No call named: the one a lent GPU runs first (docs/benchmarks.md, "The order still to run"), which the suite
+# dry-runs (tests/test_bench.py); change both as the order moves on.
+call=8
 out="$repo/gpu-campaign"
 dry=0
 seconds=510
