@@ -80,6 +80,18 @@ def test_the_gpu_check_refuses_without_cuda_and_runs_nothing(tmp_path: Path) -> 
     assert not any(tmp_path.iterdir()), "it wrote a report without running anything"
 
 
+#: Every way ``bench/pinning.py`` pins a first load's weights, by the name it prints each under.
+PINNING_WAYS = (
+    "register first",
+    "copy first",
+    "in place",
+    "torch's pinned allocator",
+    "file copied first",
+    "file read",
+    "file in place",
+)
+
+
 @pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
 def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_first(tmp_path: Path) -> None:
     """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first (docs/benchmarks.md's
@@ -100,12 +112,10 @@ def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_fi
     assert report.startswith("### GPU campaign call 8,"), report
     for part in ("flux12b-12gib-first-prompt", "pinning", "file-reads"):
         assert f"#### {part}: exit 0" in report, report
-    # The head-to-head's first-prompt columns, every way of pinning, and the reads both ways warm and cold.
+    # The head-to-head's first-prompt columns, every way of pinning, and the reads each way warm and cold.
     assert "| load + 1st step s | first 4-step prompt s | first 20-step prompt s |" in report, report
     assert "| fully resident |" in report, report
-    ways = ("register first", "copy first", "in place", "torch's pinned allocator", "file copied first", "file read",
-            "file in place")  # fmt: skip
-    assert all(f"\n{way}: " in report for way in ways), report
+    assert all(f"\n{way}: " in report for way in PINNING_WAYS), report
     assert "| warm |" in report and "| cold |" in report and "the mapping copied, 1 thread" in report, report
 
 
@@ -640,8 +650,7 @@ def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
     assert torch.equal(buffer, torch.cat(weights))
     args = ["--dry-run", "--gib", "0.0625", "--block-mib", "16", "--parts", "8", "--rounds", "2"]
     ways = pinning.main([*args, "--folder", str(tmp_path)])
-    assert set(ways) == {"register first", "copy first", "in place", "torch's pinned allocator", "file copied first",
-                         "file read", "file in place"}  # fmt: skip
+    assert set(ways) == set(PINNING_WAYS)
     out = capsys.readouterr().out
     assert "4 blocks of 16 MiB in 8 weights (0.06 GiB), cpu, medians of 2 rounds" in out, out
     assert all(f"{way}: " in out for way in ways) and "0 of 32 weights refused" in out, out
