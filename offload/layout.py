@@ -203,6 +203,8 @@ def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Modul
 
 def stored_bytes(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` is stored in: a quantized weight's data and scales, not its dequantized size."""
+    if type(tensor) in (torch.Tensor, nn.Parameter):  # one part, its own: no alias to make (most of a load's calls)
+        return tensor.numel() * tensor.element_size()
     return sum(part.nbytes for part in TensorForm.of(tensor, type(tensor).__name__).parts_of(tensor))
 
 
