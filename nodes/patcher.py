@@ -314,7 +314,7 @@ class BlockOffloadPatcher(ModelPatcher):
                 self, request, placement, device_to, state.parking, load_resident, state.call_order, state.patch_history
             )
             state.placed(self.patcher_id, engine, request)
-            self._check_resident_loaded(request, offered)
+            self._check_resident_loaded(request, placement, offered)
         else:  # the engine ``load`` kept: this placement is the one it streams
             load_resident()
             state.placed(self.patcher_id, state.engine, request)
@@ -329,14 +329,19 @@ class BlockOffloadPatcher(ModelPatcher):
         free = mm.get_free_memory(self.load_device) + self.model.model_loaded_weight_memory
         return max(0.0, free - mm.minimum_inference_memory())
 
-    def _check_resident_loaded(self, request: OffloadRequest, offered: int) -> None:
+    def _check_resident_loaded(self, request: OffloadRequest, placement: Placement, offered: int) -> None:
         """Whether ComfyUI loaded all it was ``offered`` (the planned resident part); says so when it did not."""
         loaded = self.model.model_loaded_weight_memory
         if loaded >= offered:
             return
+        # Over the budget no block is resident: only more device memory lets ComfyUI load the rest.
+        fewer = "Keep fewer blocks resident (or a smaller budget)"
+        remedy = (
+            "Streaming needs more device memory than the budget (see the plan line)" if placement.over_budget else fewer
+        )
         notice = (
             f"ComfyUI loaded {loaded / GIB:.2f} of the {offered / GIB:.2f} GiB planned resident; the rest is cast "
-            "per layer by ComfyUI, more slowly. Keep fewer blocks resident (or a smaller budget)."
+            f"per layer by ComfyUI, more slowly. {remedy}."
         )
         logging.warning(f"Block Offload ({request.node}): {notice}")
         engine = self.offload_engine

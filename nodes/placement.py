@@ -60,6 +60,8 @@ class Placement:
     # planner's ``StackCosts.patch_ms``): what a measuring run's streamed calls spent beyond their compute.
     patch_ms: tuple[float, ...] = ()
     costs: StackCosts | None = None  # what the planner planned a planned automatic placement from
+    # Not even every block streamed fits the budget: the stream buffers are taken all the same (``place``).
+    over_budget: bool = False
 
     @classmethod
     def of_plan(cls, plan: OffloadPlan) -> Placement:
@@ -89,10 +91,32 @@ def place(
     if patches:  # placed again with the room they take: more blocks may stream, so counted on that placement
         placement = _place(request, model, budget - staging - patches, loader_need)
         patches = _room_for_patches(request, model, placement)
-    summary = f"{placement.summary}; weights from {request.loader}"
+    buffers = placement.buffer_bytes + staging + patches
+    over = _over_budget(request, placement, budget, loader_need(placement.streamed) + buffers)
+    summary = f"{placement.summary}{over}; weights from {request.loader}"
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
-    return dataclasses.replace(placement, summary=summary, buffer_bytes=placement.buffer_bytes + staging + patches)
+    return dataclasses.replace(placement, summary=summary, buffer_bytes=buffers, over_budget=bool(over))
+
+
+def _over_budget(request: OffloadRequest, placement: Placement, budget: float, need: int) -> str:
+    """What the plan line says where the budget (the node's, or what ComfyUI grants the model) is below the least
+    placement, every block streamed: ``need``, the stream buffers and the room ComfyUI's loader needs for what is
+    outside the blocks. The buffers are allocated all the same; ComfyUI casts per layer what it then cannot load."""
+    asked = request.budget_bytes or math.inf
+    limit = min(budget, asked)
+    if placement.plan is None or placement.plan.resident or math.isinf(limit) or need <= limit:
+        return ""
+    held = math.ceil(need / GIB * 100) / 100  # rounded up: a budget of that much holds it
+    if asked <= budget:
+        whose, remedy = "the budget", f"give at least {held:.2f} GiB"
+    else:
+        whose, remedy = "what ComfyUI grants this model", "free device memory (other models, other programs)"
+    return (
+        f"; over {whose} of {limit / GIB:.2f} GiB: every block streamed, the device holds {held:.2f} GiB (the "
+        f"stream buffers, and what ComfyUI loads outside the blocks); {remedy}, lower prefetch_blocks, or stream "
+        "module by module with the Sequential Offload Wrapper"
+    )
 
 
 def _room_for_patches(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
@@ -213,8 +237,8 @@ def _blocks(
                     pin_memory=pin_memory,
                     inline_copies=copies_inline(model),
                 )
-            except ValueError as error:  # not even the stream buffers fit: the fallback decides
-                unplanned += f"; the planner found no placement: {error}"
+            except ValueError:  # not even the stream buffers fit: the policy's placement, over the budget (``place``)
+                unplanned += "; no placement fits the budget"
             else:
                 planned = describe(predicted.plan, model)
                 summary = f"{planned.summary}; chosen by the planner, {predicted.describe(costs)}{unplanned}"

@@ -65,6 +65,8 @@ if [[ $dry == 1 ]]; then
   bench_size=(--smoke)
   # The head-to-head's code is the same for any number of rounds and steps: the fewest that give every column.
   flux_runs=(--rounds 1 --steps 2)
+  # The first-prompt head-to-heads need their 20 steps for every column; one round gives them all.
+  prompt_rounds=(--rounds 1)
 else
   [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
   # A warm machine keeps the folder unpacked by an earlier call, but not its files: unpack it again.
@@ -75,6 +77,7 @@ else
   export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
   bench_size=()
   flux_runs=(--rounds 2 --steps 6)
+  prompt_rounds=(--rounds 2)
 fi
 export PYTHONUNBUFFERED=1
 
@@ -206,14 +209,14 @@ elif [[ $call == 7 ]]; then
   # The decisive comparison as users meet it: ComfyUI 0.33's default (Dynamic VRAM, reading the file it maps) and
   # its classic offload against the node on each, every model loaded from the checkpoint file.
   part wan14b-16gib-from-file "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
-    --models wan14b --budgets --cards 16 --rounds 2 --steps 20 --out "$out/bench" \
+    --models wan14b --budgets --cards 16 "${prompt_rounds[@]}" --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 elif [[ $call == 8 ]]; then
   # What a user who presses Run waits for: a first prompt from the file, the node's blocks packed in the
   # background while its first steps run, against ComfyUI's classic offload and Dynamic VRAM; then what pinning a
   # first load costs each way (the packing thread's way among them: copy first, then register).
   part flux12b-12gib-first-prompt 400 "$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets \
-    --cards 12 --rounds 2 --steps 20 --out "$out/bench" \
+    --cards 12 "${prompt_rounds[@]}" --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
   part pinning "$(( seconds - (SECONDS - start) - 60 ))" "${pinning[@]}"
   # The file tier's reads on this machine's disk: one thread against the pool, and the mapping copied as a Dynamic

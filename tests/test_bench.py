@@ -96,7 +96,7 @@ PINNING_WAYS = (
 def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_first(tmp_path: Path) -> None:
     """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first (docs/benchmarks.md's
     order: 8, the first prompt), each part with tiny shapes, exits 0 and leaves its figures in the report: what the
-    next GPU runs cannot break unseen."""
+    next GPU runs cannot break unseen, the node's row of the head-to-head included (a share budget for the card)."""
     from harness.comfy_host import resolve_comfyui_path
 
     done = subprocess.run(
@@ -115,6 +115,8 @@ def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_fi
     # The head-to-head's first-prompt columns, every way of pinning, and the reads each way warm and cold.
     assert "| load + 1st step s | first 4-step prompt s | first 20-step prompt s |" in report, report
     assert "| fully resident |" in report, report
+    # On the CPU half the model's bytes stand in for the card: ComfyUI's offloading and the node's rows run too.
+    assert "| ComfyUI, async offload on | 50% (" in report and "| Partial GPU Residency, auto | 50% (" in report, report
     assert all(f"\n{way}: " in report for way in PINNING_WAYS), report
     assert "| warm |" in report and "| cold |" in report and "the mapping copied, 1 thread" in report, report
 

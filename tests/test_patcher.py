@@ -20,6 +20,8 @@ from harness.inprocess import async_offload, offloaded, sample, wan
 from harness.private_views import load_list
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL
 
+from block_offload.offload import GIB
+
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
 
 
@@ -370,6 +372,55 @@ def test_comfyui_loads_exactly_the_planned_resident_part_within_a_tight_budget(c
     (notice,) = forced.offload_engine.notices
     assert "planned resident; the rest is cast per layer by ComfyUI" in notice
     forced.detach()
+
+
+def partial_residency(comfy: SimpleNamespace, model, budget_gb: float):
+    return comfy.nodes.PartialGPUResidency.execute(
+        model, vram_budget_gb=budget_gb, policy="leading", prefetch_blocks=1, pin_memory=True
+    ).result[0]
+
+
+def test_a_budget_below_every_block_streamed_says_what_the_device_holds_and_what_to_do(comfy: SimpleNamespace) -> None:
+    """A budget that cannot hold even the stream buffers still streams every block (the buffers are allocated all
+    the same), and the plan line says by how much: the device memory it takes, rounded up, which as the budget
+    holds it; the same for a budget ComfyUI grants, where ComfyUI's loader then casts per layer what is outside
+    the blocks and the notice points at the plan line, not at resident blocks there are none of."""
+    model = wan(comfy)
+    cpu = torch.device("cpu")
+    small = partial_residency(comfy, model, 0.001)
+    comfy.mm.load_models_gpu([small])
+    engine = small.offload_engine
+    assert not engine.plan.resident and engine.placement.over_budget
+    found = re.search(r"; over the budget of 0\.00 GiB: every block streamed, the device holds ([\d.]+) GiB \(the "
+                      r"stream buffers, and what ComfyUI loads outside the blocks\); give at least ([\d.]+) GiB, lower "
+                      r"prefetch_blocks, or stream module by module", engine.placement.summary)  # fmt: skip
+    assert found is not None, engine.placement.summary
+    held, least = float(found[1]), float(found[2])
+    outside = small.model_size() - sum(engine.plan.block_bytes)
+    assert held == least and engine.placement.buffer_bytes + outside <= held * GIB
+    offered = sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(small))
+    assert (
+        small.loaded_size() == offered and not engine.notices
+    )  # the CPU's full load: ComfyUI loaded all it was offered
+    comfy.mm.unload_all_models()
+
+    enough = partial_residency(comfy, model, least)
+    comfy.mm.load_models_gpu([enough])
+    assert not enough.offload_engine.placement.over_budget, enough.offload_engine.placement.summary
+    assert "over the budget" not in enough.offload_engine.placement.summary
+    comfy.mm.unload_all_models()
+    enough.detach()
+
+    granted = partial_residency(comfy, model, 0.0)  # automatic: what ComfyUI grants
+    granted.partially_load(cpu, engine.placement.buffer_bytes // 2)
+    summary = granted.offload_engine.placement.summary
+    assert "; over what ComfyUI grants this model of " in summary and "free device memory" in summary, summary
+    (notice,) = granted.offload_engine.notices
+    assert notice.startswith("ComfyUI loaded 0.00 of the ") and notice.endswith(
+        "Streaming needs more device memory than the budget (see the plan line)."
+    ), notice
+    assert torch.equal(sample(comfy, granted), sample(comfy, model))
+    granted.detach()
 
 
 def test_the_sequential_wrapper_streams_every_module_with_and_without_a_lora(comfy: SimpleNamespace) -> None:
