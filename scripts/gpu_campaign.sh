@@ -21,9 +21,9 @@
 #   CALL 6: the head-to-head for a Qwen-Image 20B-shaped model on a 24 GiB card, classic rows only (host RAM).
 #   CALL 7: the Wan 2.1 14B head-to-head of call 4 again, alone, every row loaded from the checkpoint file the
 #          benchmark writes (since 2026-11-27): ComfyUI's Dynamic VRAM reading its own file, and host RAM
-#          measured alike for every row; 20 steps a round, so its table has the first 4- and 20-step prompts.
+#          measured alike for every row; one round of 20 steps, so its table has the first 4- and 20-step prompts.
 #   CALL 8 (the default: the first to run on the next GPU): the first prompt (issue 49): the Flux 12B head-to-head
-#          on a 12 GiB card from the file, 20 steps a round (load + 1st step, the first 4- and 20-step prompts, the
+#          on a 12 GiB card from the file, one round of 20 steps (load + 1st step, the first 4- and 20-step prompts, the
 #          steady step, with blocks packed in the background while the first steps run), then bench/pinning.py's
 #          seven ways of pinning a first load, then the file tier's reads with one thread, with its pool, and from
 #          the mapping (bench/file_reads.py).
@@ -65,8 +65,6 @@ if [[ $dry == 1 ]]; then
   bench_size=(--smoke)
   # The head-to-head's code is the same for any number of rounds and steps: the fewest that give every column.
   flux_runs=(--rounds 1 --steps 2)
-  # The first-prompt head-to-heads need their 20 steps for every column; one round gives them all.
-  prompt_rounds=(--rounds 1)
 else
   [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
   # A warm machine keeps the folder unpacked by an earlier call, but not its files: unpack it again.
@@ -77,7 +75,6 @@ else
   export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
   bench_size=()
   flux_runs=(--rounds 2 --steps 6)
-  prompt_rounds=(--rounds 2)
 fi
 export PYTHONUNBUFFERED=1
 
@@ -207,16 +204,19 @@ elif [[ $call == 5 ]]; then
     $([[ $dry == 1 ]] || echo --latent 128 128)
 elif [[ $call == 7 ]]; then
   # The decisive comparison as users meet it: ComfyUI 0.33's default (Dynamic VRAM, reading the file it maps) and
-  # its classic offload against the node on each, every model loaded from the checkpoint file.
+  # its classic offload against the node on each, every model loaded from the checkpoint file. One round of 20
+  # steps, as call 8: two would not fit the call beside the 28.6 GB file's writing.
   part wan14b-16gib-from-file "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \
-    --models wan14b --budgets --cards 16 "${prompt_rounds[@]}" --steps 20 --out "$out/bench" \
+    --models wan14b --budgets --cards 16 --rounds 1 --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
 elif [[ $call == 8 ]]; then
   # What a user who presses Run waits for: a first prompt from the file, the node's blocks packed in the
   # background while its first steps run, against ComfyUI's classic offload and Dynamic VRAM; then what pinning a
-  # first load costs each way (the packing thread's way among them: copy first, then register).
+  # first load costs each way (the packing thread's way among them: copy first, then register). One round of 20
+  # steps: the H100 ran its 8 rows in 258 s (2026-11-28); two rounds with Dynamic VRAM's row, about 470 s, would
+  # pass the part's cap, which loses the table (each round's line stays in the log).
   part flux12b-12gib-first-prompt 400 "$python" -m bench.comfy_bench "${bench_size[@]}" --models flux12b --budgets \
-    --cards 12 "${prompt_rounds[@]}" --steps 20 --out "$out/bench" \
+    --cards 12 --rounds 1 --steps 20 --out "$out/bench" \
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto"
   part pinning "$(( seconds - (SECONDS - start) - 60 ))" "${pinning[@]}"
   # The file tier's reads on this machine's disk: one thread against the pool, and the mapping copied as a Dynamic
