@@ -24,6 +24,7 @@ import mmap
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -123,6 +124,12 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
                         else:
                             measured = mapping_copy_bandwidth(path, slices)
                         gbps[cache, way].append(measured / 1e9)
+                        # As measured: a run stopped by its time cap still leaves these in its log.
+                        print(
+                            f"round {round_ + 1}, {cache}, {way}: {measured / 1e9:.2f} GB/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         finally:
             os.close(handle)
     medians = {case: statistics.median(values) for case, values in gbps.items()}

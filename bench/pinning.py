@@ -284,6 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 gbps = to_device_gbps(made, device)
                 if gbps is not None:
                     h2d[name].append(gbps)
+                # As measured: a run stopped by its time cap (a device call's) still leaves these in its log.
+                then = "" if gbps is None else f", then {gbps:.1f} GB/s to the device"
+                print(
+                    f"round {round_ + 1}, {name}: {seconds[name][-1]:.3f} s to pinned{then}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for one in made:
                     undo[name](one)
                 del made
