@@ -115,11 +115,15 @@ class DeviceRing:
                 if state.ready is None:
                     state.ready = torch.Event(device=self.device)
                     state.released = torch.Event(device=self.device)
+        # The allocator hands out memory on the compute stream: its last reader there may still be queued. The
+        # first copy into fresh memory has no released event to wait on.
+        self._copies_after_compute()
+
+    def _copies_after_compute(self) -> None:
+        """Orders the copy stream after everything the compute stream has issued so far: for ring bytes that no
+        region's released event covers."""
         compute = current_stream(self.device)
         if self.copy_stream is not None and compute is not None:
-            # The allocator hands out memory on the compute stream: its last reader there may still be
-            # queued. The first copy into fresh memory has no released event to wait on, so order the
-            # copy stream after everything the compute stream has issued so far.
             self.copy_stream.wait_stream(compute)
 
     def free(self) -> None:
@@ -167,6 +171,9 @@ class DeviceRing:
         try:
             transform(state.fresh)
         except BaseException:
+            # Its kernels queued so far may still write the region, which a copy placed there once it is forgotten
+            # would not wait for.
+            self._copies_after_compute()
             self.drop(index)
             raise
         state.fresh = False
@@ -231,6 +238,10 @@ class DeviceRing:
                 if state.sources is not None:  # waiting, or pinned where its bytes lie: part by part from them
                     for view, source in zip(state.storage.part_views(target), state.sources, strict=True):
                         view.copy_(source, non_blocking=True)
+                    if state.ready is not None:
+                        # Before the lock goes: the packing thread, handing the block over, waits for this event
+                        # before it frees the sources (a copy from page-locked ones is still reading them).
+                        state.ready.record(self.copy_stream)
                 else:
                     target.copy_(state.host[:size], non_blocking=state.host.is_pinned())
         if cast:

@@ -213,7 +213,7 @@ class BackgroundPacking:
         storages = whole_storages(state.sources)
         if sum(storage.numel() for storage in storages) > state.storage.nbytes:
             return False  # memory shared beyond the block
-        if pin and not pin_in_place(storages):
+        if pin and not pin_in_place(storages, self.lock):
             return False
         with self.lock:
             state.in_place, state.pinned = True, pin

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -176,18 +177,24 @@ def whole_storages(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(storages.values())
 
 
-def pin_in_place(storages: Sequence[torch.Tensor]) -> bool:
+def pin_in_place(storages: Sequence[torch.Tensor], copies: AbstractContextManager[object]) -> bool:
     """Page-locks ``storages`` (``whole_storages``) where they lie, as ComfyUI's classic loader pins its weights:
-    nothing copied, no page faulted in, each unregistered when freed or by ``unpin_host_buffer``. All or none:
-    one the driver refuses (or one another holder registered already) unregisters the others; False then."""
+    nothing copied, no page faulted in, each unregistered when freed or by ``unpin_host_buffer``. All or none, and
+    False where any is page-locked already (another holder's registration: the driver would refuse it, and may
+    leave an error for a later kernel launch as it does). One the driver refuses unregisters the others, holding
+    ``copies`` (the lock under which copies from the storages are issued) once the device is done: a copy issued
+    from one registered meanwhile runs asynchronously, as from any page-locked memory."""
     registrar = host_registrar()
-    if registrar is None:
+    if registrar is None or any(storage.is_pinned() for storage in storages):
         return False
     done: list[torch.Tensor] = []
     for storage in storages:
         if not _register(registrar, storage):
-            for registered in done:
-                unpin_host_buffer(registered)
+            with copies:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                for registered in done:
+                    unpin_host_buffer(registered)
             return False
         done.append(storage)
     return True

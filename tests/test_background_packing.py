@@ -21,6 +21,7 @@ from harness.host_memory import peak_during
 from harness.mapped_file import MappedFile
 from harness.packing_gate import PackingGate
 from harness.parking import lot_of
+from harness.stream_spies import EventSpy
 from harness.transformer_stack import assert_same_tensors, forward_steps, snapshot, transformer_stack
 
 from block_offload.offload import (
@@ -134,6 +135,99 @@ def test_a_registration_refused_halfway_leaves_the_rest_pageable(
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
     assert budget.used == 0
+
+
+def test_a_block_refused_halfway_is_unregistered_only_while_no_copy_from_it_can_be_issued(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver registers a block's first tensor where it lies and refuses the next: a copy from the first issued
+    meanwhile runs asynchronously on a GPU (page-locked memory), so the first is unregistered under the lock the
+    copies from the block are issued under, and the block is packed instead; every step stays bitwise."""
+    gate = PackingGate(monkeypatch)
+    model, x, reference = _stack()
+    budget = PinnedMemoryBudget()
+    streamer = _streamer(model, pin_budget=budget)
+    register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
+    held_at_unregister: list[bool] = []
+
+    def refuse_the_second(pointer: int, nbytes: int, flags: int) -> int:
+        cudart.fail = cudart.calls == 1
+        return register(pointer, nbytes, flags)
+
+    def noting_the_lock(pointer: int) -> int:
+        held_at_unregister.append(streamer.host.lock.locked())
+        return unregister(pointer)
+
+    monkeypatch.setattr(cudart, "cudaHostRegister", refuse_the_second)
+    monkeypatch.setattr(cudart, "cudaHostUnregister", noting_the_lock)
+    streamer.enable()
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    gate.let(BLOCKS)
+    streamer.finish_packing()
+    assert cudart.failures == 1 and held_at_unregister == [True]  # block 0's first tensor, under the lock
+    first = streamer.host.blocks[0]
+    assert not first.pinned_in_place and first.pinned and first.host.numel() > 0  # packed into a buffer of its own
+    del first
+    assert all(_pinned_where_it_lies(streamer, cudart, index) for index in range(1, BLOCKS))
+    assert cudart.pinned == budget.used
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
+    assert cudart.registered == {} and budget.used == 0
+
+
+def test_tensors_another_holder_pinned_are_not_registered_again(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight page-locked already (ComfyUI pinning the same model's weights): the driver would refuse a second
+    registration, and may leave an error for a later kernel launch as it does, so the block is packed into a
+    buffer of its own without its tensors being offered to the driver."""
+    model, x, reference = _stack()
+    block = {t.untyped_storage().data_ptr() for t in model.blocks[2].state_dict().values()}
+    foreign = {next(model.blocks[2].parameters()).untyped_storage().data_ptr()}
+    is_pinned = torch.Tensor.is_pinned
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.data_ptr() in foreign or is_pinned(self, *a))
+    offered: list[int] = []
+    register = cudart.cudaHostRegister
+
+    def noting(pointer: int, nbytes: int, flags: int) -> int:
+        offered.append(pointer)
+        return register(pointer, nbytes, flags)
+
+    monkeypatch.setattr(cudart, "cudaHostRegister", noting)
+    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    streamer.enable()
+    streamer.finish_packing()
+    state = streamer.host.blocks[2]
+    assert cudart.failures == 0 and not block & set(offered), "a tensor pinned by another was offered again"
+    assert not state.pinned_in_place and state.pinned and state.host.data_ptr() in cudart.registered
+    del state
+    assert all(_pinned_where_it_lies(streamer, cudart, index) for index in (0, 1, 3, 4, 5))
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
+    assert cudart.registered == {}
+
+
+def test_the_event_the_hand_over_waits_for_covers_every_copy_from_a_blocks_sources(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block copied from its sources (the loader's tensors) while it waits to be packed: the packing thread, once
+    it has handed the block over, waits for the block's ready event before it frees the sources. That event is
+    recorded before the hand-over lock is let go, right after the copies, so no hand-over falls between a copy and
+    the record that covers it (on a GPU a copy from page-locked sources still reads them after it returns)."""
+    gate = PackingGate(monkeypatch)
+    model, x, reference = _stack()
+    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    streamer.enable()
+    spies = {index: EventSpy(streamer.host.lock) for index in range(BLOCKS)}
+    for index, spy in spies.items():
+        streamer.host.blocks[index].ready = spy  # type: ignore[assignment]  # the CPU's copies have no events
+    assert _waiting(streamer) == list(range(BLOCKS))
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    assert all(spy.records and spy.records[0] for spy in spies.values()), {i: s.records for i, s in spies.items()}
+    gate.let(BLOCKS)
+    streamer.finish_packing()
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
 
 
 def test_stopping_while_packing_gives_every_pin_back_and_restores_the_model(

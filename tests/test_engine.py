@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.host_memory import status_bytes
 from harness.stack_offloader import BlockOffloader
+from harness.stream_spies import StreamSpy
 from harness.transformer_stack import assert_same_tensors, forward_steps, fp8_stack, snapshot, transformer_stack
 
 from block_offload.offload import (
@@ -414,6 +415,39 @@ def test_transforms_apply_once_per_fresh_copy_and_never_to_the_host_buffers() ->
             streamer.make_resident([1])
         streamer.disable()
         assert_same_tensors(model, before, CPU)
+
+
+def test_a_transform_that_raises_leaves_its_region_only_after_the_copies_wait_for_its_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host's transform that raises halfway (out of memory while patching) has kernels queued on the compute
+    stream writing its block's region; the region is forgotten (copied afresh next time), so a copy later placed
+    over it has no released event to wait on: the copy stream is ordered after the compute stream first. The
+    next steps, the transform working again, are bitwise."""
+    model = transformer_stack(num_blocks=3)
+    x = torch.randn(2, 5, 32)
+    (expected,) = forward_steps(model, x, steps=1)
+    failing = [True]
+
+    def transform(index: int, copied: bool) -> None:
+        if index == 1 and failing[0]:
+            raise torch.OutOfMemoryError("patching block 1")
+
+    streamer = BlockStreamer(
+        model.blocks, CPU, range(3), root=model, transforms={i: functools.partial(transform, i) for i in range(3)}
+    )
+    streamer.enable()
+    ring = streamer.ring
+    spy = StreamSpy(lambda: ring.region_of(1))
+    # What a CUDA device has: a copy stream, and a compute stream for it to wait on.
+    monkeypatch.setattr(ring, "copy_stream", spy)
+    monkeypatch.setattr("block_offload.offload.device_ring.current_stream", lambda device: "compute stream")
+    with pytest.raises(torch.OutOfMemoryError, match="patching block 1"):
+        forward_steps(model, x, steps=1)
+    assert spy.waits[-1] is not None and ring.region_of(1) is None, spy.waits  # waited while it still held it
+    failing[0] = False
+    assert all(torch.equal(out, expected) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
 
 
 def test_the_sequential_wrapper_keeps_no_transformed_module_on_the_device() -> None:
