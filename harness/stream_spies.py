@@ -13,17 +13,21 @@ from typing import Any
 
 
 class EventSpy:
-    """A block's ``ready`` event: notes at each ``record`` whether ``lock`` (the hand-over lock) was held."""
+    """A block's ``ready`` event: notes at each ``record`` whether ``lock`` (the hand-over lock) was held, and at
+    each ``synchronize`` what ``seen()`` says then."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, seen: Callable[[], object] = lambda: None) -> None:
         self.lock = lock
         self.records: list[bool] = []
+        self.seen = seen
+        self.synchronized: list[object] = []
 
     def record(self, stream: Any = None) -> None:
         self.records.append(self.lock.locked())
 
     def synchronize(self) -> None:
-        """Nothing is queued on the CPU."""
+        """Nothing is queued on the CPU: only noted."""
+        self.synchronized.append(self.seen())
 
 
 class StreamSpy:

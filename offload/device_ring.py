@@ -205,7 +205,11 @@ class DeviceRing:
                     if released is not None and self.host.blocks[other].released_once:
                         stream.wait_event(released)
             record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
-            unpacked = self._copy_in(index, state, memory, start)
+            try:
+                unpacked = self._copy_in(index, state, memory, start)
+            except BaseException:
+                self._copy_failed(index, state)
+                raise
             if record is not None:
                 record.unpacked = unpacked
             state.fresh = True
@@ -215,6 +219,14 @@ class DeviceRing:
                 state.ready.record(stream)
         state.copy = record
         return True
+
+    def _copy_failed(self, index: int, state: StreamedBlock) -> None:
+        """A copy that raised (its file's read failed, an interrupt): the block's region holds other bytes, so it
+        is forgotten, to be copied afresh at its call; its staging slot, which would hold the failed read, is
+        freed once what was issued from it is done, to be read again."""
+        self.drop(index)
+        if self.reader is not None and state.read is not None:
+            self.reader.release(index, self.copy_stream)
 
     def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> bool:
         """Issues the block's copy into the ring at ``start``; whether it came from a block still waiting to be

@@ -141,7 +141,13 @@ class SliceReader:
             for start in range(0, source.nbytes, self.chunk):
                 end = min(start + self.chunk, source.nbytes)
                 chunks.append(self._pool.submit(_read_range, source, view, start, end))
-        wait(chunks)
+        try:
+            wait(chunks)
+        except BaseException:  # an interrupt on the calling thread: the chunks under way still write
+            for chunk in chunks:
+                chunk.cancel()
+            wait(chunks)
+            raise
         for chunk in chunks:
             chunk.result()
         return sum(source.nbytes for source, _ in reads)

@@ -93,7 +93,7 @@ class HostBlocks:
         # Held while a block's record or its module's tensors change: by the streamer's thread around each copy
         # from a block and each re-pointing of its tensors, by the packing thread around handing a block over.
         self.lock = threading.Lock()
-        self.background = BackgroundPacking(self.blocks, self.memory, self.lock)
+        self.background = BackgroundPacking(self.blocks, self.memory, self.lock, device)
 
     def pack_all(
         self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None, later: bool = False

@@ -105,12 +105,16 @@ def _go_on(stopping: threading.Event) -> None:
 class BackgroundPacking:
     """The packing in the background of one ``HostBlocks``' waiting blocks (``blocks``, the same dict): the
     thread, what it handed over whose books are not kept yet, and the files the waiting blocks are copied from.
-    ``lock`` is the host side's: held around each hand-over. ``memory`` keeps the pin budget's books."""
+    ``lock`` is the host side's: held around each hand-over. ``memory`` keeps the pin budget's books. ``device``:
+    where the blocks are copied to."""
 
-    def __init__(self, blocks: dict[int, StreamedBlock], memory: HostMemory, lock: threading.Lock) -> None:
+    def __init__(
+        self, blocks: dict[int, StreamedBlock], memory: HostMemory, lock: threading.Lock, device: torch.device
+    ) -> None:
         self.blocks = blocks
         self.memory = memory
         self.lock = lock
+        self.device = device
         self.packed_bytes = 0  # copied into host buffers by the thread since the streamer started
         self.total_bytes = 0  # what it has packed and what was left to it when it last started
         self._thread: PackingThread | None = None
@@ -213,7 +217,7 @@ class BackgroundPacking:
         storages = whole_storages(state.sources)
         if sum(storage.numel() for storage in storages) > state.storage.nbytes:
             return False  # memory shared beyond the block
-        if pin and not pin_in_place(storages, self.lock):
+        if pin and not pin_in_place(storages, self.lock, self.device):
             return False
         with self.lock:
             state.in_place, state.pinned = True, pin
@@ -247,6 +251,9 @@ class BackgroundPacking:
             self._driver_refused = True
         views = state.storage.views(host)
         with self.lock:
+            # Kept until the copies issued from them before the hand-over are done (one from page-locked sources
+            # still reads them after it returns): until then nothing may free them.
+            replaced = state.sources, state.host_views
             state.host, state.host_views, state.sources = host, views, None
             state.pinned = pinned
             if state.pinned_bytes and not pinned:
@@ -258,6 +265,7 @@ class BackgroundPacking:
             ready = state.ready
         if ready is not None:
             ready.synchronize()  # a copy issued from the sources before the hand-over has read them
+        del replaced
         # The sources are freed now (nothing else held them): their heap memory goes back to the system as packing
         # goes, so the streamed weights are never held twice, not only once packing ends (every TRIM_BYTES: the
         # sequential wrapper packs modules by the thousand, and each trim walks the heap under its lock).

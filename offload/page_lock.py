@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .device import accelerator_available
+from .device import accelerator_available, synchronize
 from .process_state import PROCESS_STATE
 
 
@@ -177,13 +177,15 @@ def whole_storages(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(storages.values())
 
 
-def pin_in_place(storages: Sequence[torch.Tensor], copies: AbstractContextManager[object]) -> bool:
+def pin_in_place(
+    storages: Sequence[torch.Tensor], copies: AbstractContextManager[object], device: torch.device
+) -> bool:
     """Page-locks ``storages`` (``whole_storages``) where they lie, as ComfyUI's classic loader pins its weights:
     nothing copied, no page faulted in, each unregistered when freed or by ``unpin_host_buffer``. All or none, and
     False where any is page-locked already (another holder's registration: the driver would refuse it, and may
     leave an error for a later kernel launch as it does). One the driver refuses unregisters the others, holding
-    ``copies`` (the lock under which copies from the storages are issued) once the device is done: a copy issued
-    from one registered meanwhile runs asynchronously, as from any page-locked memory."""
+    ``copies`` (the lock under which copies from the storages are issued) once ``device`` (where they are copied
+    to) is done: a copy issued from one registered meanwhile runs asynchronously, as from any page-locked memory."""
     registrar = host_registrar()
     if registrar is None or any(storage.is_pinned() for storage in storages):
         return False
@@ -191,8 +193,7 @@ def pin_in_place(storages: Sequence[torch.Tensor], copies: AbstractContextManage
     for storage in storages:
         if not _register(registrar, storage):
             with copies:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                synchronize(device)
                 for registered in done:
                     unpin_host_buffer(registered)
             return False

@@ -97,10 +97,12 @@ class ParkedInPlace:
 
     def whole(self) -> tuple[torch.Tensor, ...] | None:
         """Its storages as byte tensors over each (``page_lock.whole_storages``), or None once one is freed."""
-        alive = [storage() for storage in self.storages]
-        if any(storage is None for storage in alive):
-            return None
-        return tuple(byte_view(storage) for storage in alive if storage is not None)
+        alive = self.alive()
+        return alive if len(alive) == len(self.storages) else None
+
+    def alive(self) -> tuple[torch.Tensor, ...]:
+        """Its storages not freed yet (a freed one was unregistered as it went), as byte tensors over each."""
+        return tuple(byte_view(storage) for storage in (ref() for ref in self.storages) if storage is not None)
 
     def parts_for(self, layout: BlockLayout) -> tuple[torch.Tensor, ...] | None:
         """Its storages, if the block's tensors are still exactly on them (laid out as parked)."""
@@ -154,7 +156,8 @@ def leave(module: nn.Module, parked: Parked) -> None:
     for a block packed from its file, else a copy. A block pinned in place keeps its tensors, unpinned, and its
     reservation goes back to the budget."""
     if isinstance(parked, ParkedInPlace):
-        for storage in parked.whole() or ():
+        # Every storage still alive: one freed (a weight a host replaced) leaves the others registered otherwise.
+        for storage in parked.alive():
             unpin_host_buffer(storage)
         if parked.reservation is not None:
             parked.reservation()

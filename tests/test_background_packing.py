@@ -11,6 +11,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,36 @@ def test_the_event_the_hand_over_waits_for_covers_every_copy_from_a_blocks_sourc
     assert all(spy.records and spy.records[0] for spy in spies.values()), {i: s.records for i, s in spies.items()}
     gate.let(BLOCKS)
     streamer.finish_packing()
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
+
+
+def test_a_packed_blocks_sources_are_freed_only_once_the_copies_from_them_are_done(
+    cudart: FakeCudart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block packed into a buffer of its own (the driver refused its tensors in place, and is not asked again:
+    the others stay where they lie, pageable) was copied from its sources while it waited; the packing thread hands
+    it over, waits for its ready event (on a GPU, a copy from page-locked sources still reads them after it
+    returns), and only then lets the sources go: freed then, so the weights are not held twice either."""
+    gate = PackingGate(monkeypatch)
+    model, x, reference = _stack()
+    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    freed: list[int] = []
+    for index, block in enumerate(model.blocks):
+        for tensor in block.state_dict().values():
+            weakref.finalize(tensor.untyped_storage(), freed.append, index)
+    streamer.enable()
+    spies = {index: EventSpy(streamer.host.lock, lambda index=index: freed.count(index)) for index in range(BLOCKS)}
+    for index, spy in spies.items():
+        streamer.host.blocks[index].ready = spy  # type: ignore[assignment]  # the CPU's copies have no events
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)  # every block copied from its sources
+    cudart.fail = True
+    gate.let(BLOCKS)
+    streamer.finish_packing()
+    gc.collect()
+    assert [index for index, state in streamer.host.blocks.items() if not state.in_place] == [0]
+    assert spies[0].synchronized == [0], "block 0's sources were freed before the copies from them were done"
+    assert set(freed) == {0}, "block 0's sources are still held beside its buffer"
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
 

@@ -8,9 +8,11 @@ Dynamic VRAM loader maps them; nodes-level tests run ComfyUI's own reader (test_
 from __future__ import annotations
 
 import copy
+import errno
 import itertools
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from block_offload.offload import (
     SequentialOffloader,
     TimelineRecorder,
     file_source,
+    reader,
     use_host_registrar,
 )
 
@@ -165,6 +168,34 @@ def test_a_truncated_file_stops_the_run_with_a_clear_error_and_the_model_is_rest
     assert not streamer.enabled
 
 
+@pytest.mark.parametrize("ring_bytes", [None, 1 << 26], ids=["ring-of-two", "ring-holding-every-block"])
+def test_a_read_that_fails_once_leaves_no_stale_block_and_the_next_steps_read_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ring_bytes: int | None
+) -> None:
+    """A disk error in one read (EIO) stops that step with the error; the block it was for is neither left in
+    the ring as if copied (its region holds other bytes, and a ring holding every block copies a block once) nor
+    held in its staging slot with the failed read, so the next steps read it again and are bitwise."""
+    model, mapped = _mapped_stack(tmp_path)
+    x = torch.randn(2, 7, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    read, reads = reader.SliceReader.read, []
+
+    def failing_once(self, parts):
+        reads.append(len(parts))
+        if len(reads) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, parts)
+
+    monkeypatch.setattr(reader.SliceReader, "read", failing_once)
+    streamer = _streamer(mapped, range(6), prefetch=1, ring_bytes=ring_bytes)
+    streamer.enable()
+    with pytest.raises(OSError, match="Input/output error"):
+        forward_steps(mapped.module, x, steps=1)
+    streamer.close_open_step()
+    assert all(torch.equal(out, reference) for out in forward_steps(mapped.module, x, steps=3))
+    streamer.disable()
+
+
 def test_a_short_read_is_a_clear_error(tmp_path: Path) -> None:
     """A file that shrinks between the step's check and a read: the read itself says so."""
     _, mapped = _mapped_stack(tmp_path)
@@ -261,6 +292,41 @@ def test_chunks_read_at_once_are_the_file_s_bytes_and_a_short_one_is_a_clear_err
         beyond = file_source.FileSlice(handle, 97_003, 5_500, unused)
         with pytest.raises(FileChangedError, match=r"bytes.bin ended 2500 bytes early at offset 100003"):
             reader.read([(beyond, torch.empty(5_500, dtype=torch.uint8))])
+    finally:
+        reader.close()
+        os.close(handle)
+
+
+def test_an_interrupt_while_chunks_are_read_raises_only_once_none_is_still_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C on the thread that reads a block into the spare buffer, while its chunks are read: the chunks not
+    started are dropped and those under way finish before the interrupt goes on, so no thread writes into a
+    buffer the next read reuses or frees (the chunks write through raw addresses)."""
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(os.urandom(64_000))
+    handle = os.open(path, os.O_RDONLY)
+    writing: list[int] = []
+    read_range, wait = file_source._read_range, file_source.wait
+
+    def slowly(*args) -> None:
+        writing.append(1)
+        time.sleep(0.05)
+        read_range(*args)
+        writing.pop()
+
+    def interrupted(futures, *args, **kwargs):
+        monkeypatch.setattr(file_source, "wait", wait)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(file_source, "_read_range", slowly)
+    monkeypatch.setattr(file_source, "wait", interrupted)
+    reader = file_source.SliceReader(threads=4, chunk=1000)
+    try:
+        unused = torch.empty(0, dtype=torch.uint8)
+        with pytest.raises(KeyboardInterrupt):
+            reader.read([(file_source.FileSlice(handle, 0, 64_000, unused), torch.empty(64_000, dtype=torch.uint8))])
+        assert not writing, f"{len(writing)} chunks still writing after the interrupt"
     finally:
         reader.close()
         os.close(handle)

@@ -141,6 +141,30 @@ def test_a_weight_replaced_while_parked_is_pinned_anew_and_the_old_one_unpinned(
     assert cudart.registered == {} and budget.used == 0
 
 
+def test_a_weight_freed_while_parked_leaves_none_of_its_blocks_tensors_registered(cudart: FakeCudart) -> None:
+    """A host replaces a parked block's weight and frees the old one (ComfyUI putting a LoRA's backup back): that
+    storage's registration goes with it, and the block's other tensors, parked registered where they lie, are
+    unregistered when the parked block is let go, not left page-locked and uncounted (the driver would refuse them
+    again, and the block be copied into a buffer of its own, its page-locked tensors freed under copies still
+    reading them on a GPU); the next streamer pins the block in place as it is now, and its end leaves nothing
+    registered or counted."""
+    model = transformer_stack(num_blocks=BLOCKS, dim=64)
+    x = torch.randn(2, 9, 64)
+    budget, lot = PinnedMemoryBudget(), lot_of(model)
+    _started(model, budget, parking=lot).disable(park=True)
+    block = model.blocks[1]
+    with torch.no_grad():
+        block.mlp[0].weight = torch.nn.Parameter(block.mlp[0].weight * 0.5, requires_grad=False)
+    gc.collect()  # the old weight freed: its registration undone as it went
+    reference = forward_steps(model, x, steps=1)[0]
+    second = _started(model, budget, parking=lot)
+    assert cudart.failures == 0 and second.host.blocks[1].pinned_in_place, "block 1 was refused and packed"
+    assert cudart.registered == _storages(model.blocks) and budget.used == sum(cudart.registered.values())
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    second.disable()
+    assert cudart.registered == {} and budget.used == 0
+
+
 def test_giving_pins_back_unpins_blocks_in_place_and_they_stream_on(cudart: FakeCudart) -> None:
     """Another model asks for pinned memory: blocks pinned in place are unregistered, last first, and go on
     streaming from the same tensors, pageable."""
