@@ -121,11 +121,13 @@ class BlockCalls:
         only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
         leaves the block's region held and its weights pointing at the device until this is called."""
         if self.calls.in_step:
-            self.end_step()
+            self.end_step(returned=False)
 
-    def end_step(self) -> None:
+    def end_step(self, returned: bool = True) -> None:
+        """Ends a step; one that did not return (it raised, or was interrupted) teaches no call order: the blocks
+        after where it stopped would not be copied ahead in the next."""
         self.finish_active()
-        self.calls.step_ended()
+        self.calls.step_ended(learn=returned)
         if self.recorder:
             self.recorder.end_step(current_stream(self.device))
 

@@ -4,7 +4,8 @@ expected in.
 
 The call order is learned: the first step assumes the order it is given (an earlier engine's, else list
 order), later steps the order the previous step really used, so blocks that run twice, run out of order or
-are skipped cost a miss (an unhidden copy) at most once.
+are skipped cost a miss (an unhidden copy) at most once. A step that raised or was interrupted teaches
+nothing: the blocks after where it stopped would not be copied ahead in the next.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class StepCalls:
     def step_began(self) -> None:
         self.order = []
 
-    def step_ended(self) -> None:
-        """The next step is expected to call blocks in this one's order (if it called any)."""
-        if self.order:
+    def step_ended(self, learn: bool = True) -> None:
+        """The next step is expected to call blocks in this one's order (if it called any, and ``learn``)."""
+        if self.order and learn:
             self.expected = self.order
         self.order = []

@@ -79,7 +79,11 @@ class _MethodCalls:
         def begin() -> bool:
             if running(index):
                 return False
-            begins(index)
+            try:
+                begins(index)
+            except BaseException:  # the call may be open already: closed, as a module's post-hook closes it
+                ends(index)
+                raise
             return True
 
         @eager
@@ -104,12 +108,13 @@ class _MethodCalls:
             del self.block.__dict__[self.name]
 
 
-def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[], None]) -> list[Removable]:
+def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[bool], None]) -> list[Removable]:
     """Calls ``begin()`` before ``root``'s forward, every other hook of it included (the root may be a block
-    too), and ``end()`` after it, even when it raised."""
+    too), and ``end(returned)`` after it, even when it raised: ``returned`` False then (PyTorch hands a hook
+    run for a forward that raised no output)."""
     return [
         root.register_forward_pre_hook(eager(lambda *_: begin()), prepend=True),
-        root.register_forward_hook(eager(lambda *_: end()), always_call=True),
+        root.register_forward_hook(eager(lambda _root, _args, output: end(output is not None)), always_call=True),
     ]
 
 

@@ -174,3 +174,40 @@ def test_an_interrupt_inside_a_method_leaves_the_block_on_the_host_and_the_model
     assert torch.equal(model(x), reference) and all(model.reads)
     assert [span.block for span in recorder.latest().spans] == [i for i in range(5) for _ in range(2)]
     streamer.disable()
+
+
+def test_a_call_through_a_method_whose_start_raises_is_closed_all_the_same() -> None:
+    """The start of a block's call through one of its methods raises once the call is open (a host's transform of
+    it failing, out of memory): the call is closed there, as a module's always-called post-hook closes it, so the
+    block is not left held and pointing at the ring until the step's end; the next calls are bitwise."""
+    torch.manual_seed(2)
+    model = TwoPassModel()
+    x, y = torch.randn(1, 4, WIDTH), torch.randn(1, 4, WIDTH)
+    block = model.blocks[1]
+    reference, expected = block.forward_pose(y), model(x)
+    failing = [True]
+
+    def transform(copied: bool) -> None:
+        if failing[0]:
+            raise torch.OutOfMemoryError("patching block 1")
+
+    streamer = BlockStreamer(
+        model.blocks,
+        CPU,
+        range(len(model.blocks)),
+        prefetch=1,
+        root=model,
+        entry_methods=entry_methods(model, find_blocks(model)),
+        transforms={1: transform},
+    )
+    streamer.enable()
+    with pytest.raises(torch.OutOfMemoryError, match="patching block 1"):
+        block.forward_pose(y)  # outside a step of the model: nothing else closes the call
+    host = streamer.host.blocks[1].host
+    inside = range(host.data_ptr(), host.data_ptr() + host.numel())
+    assert not streamer.calls.open and all(weight.data_ptr() in inside for weight in block.parameters())
+    failing[0] = False
+    assert torch.equal(block.forward_pose(y), reference)
+    streamer.close_open_step()
+    assert torch.equal(model(x), expected)
+    streamer.disable()

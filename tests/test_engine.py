@@ -93,6 +93,33 @@ def test_blocks_called_twice_out_of_order_or_skipped() -> None:
     streamer.disable()
 
 
+@pytest.mark.parametrize("error", [RuntimeError("boom inside block 3"), KeyboardInterrupt("interrupted")])
+def test_a_step_that_raises_or_is_interrupted_teaches_no_call_order(error: BaseException) -> None:
+    """A step stopped part-way (an error in block 3, or an interrupt: a BaseException, as ComfyUI 0.33's) has
+    called only the blocks before it; learned as the call order, it would have the next step (and the next
+    prompt's engine, which starts from it) copy none of the blocks after it ahead. The last complete step's order
+    stays, and the next steps are bitwise."""
+    model = transformer_stack(num_blocks=6)
+    x = torch.randn(1, 5, 32)
+    (reference,) = forward_steps(model, x, steps=1)
+    streamer = BlockStreamer(model.blocks, CPU, range(6), prefetch=1, root=model)
+    streamer.enable()
+    assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
+    full = streamer.last_order
+
+    def stop(module: torch.nn.Module, args: tuple) -> None:
+        raise error
+
+    handle = model.blocks[3].mlp.register_forward_pre_hook(stop)
+    with pytest.raises(type(error)):
+        forward_steps(model, x, steps=1)
+    handle.remove()
+    streamer.close_open_step()  # what the nodes do after an interrupt, which PyTorch's always-called hooks miss
+    assert full == tuple(range(6)) and streamer.last_order == full
+    assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
+    streamer.disable()
+
+
 def test_fp8_weights_with_a_scale_stream_exactly() -> None:
     model = fp8_stack()
     x = torch.randn(2, 4, 32)
