@@ -334,11 +334,9 @@ class BlockOffloadPatcher(ModelPatcher):
         loaded = self.model.model_loaded_weight_memory
         if loaded >= offered:
             return
-        # Over the budget no block is resident: only more device memory lets ComfyUI load the rest.
-        fewer = "Keep fewer blocks resident (or a smaller budget)"
-        remedy = (
-            "Streaming needs more device memory than the budget (see the plan line)" if placement.over_budget else fewer
-        )
+        remedy = "Keep fewer blocks resident (or a smaller budget)"
+        if placement.over_budget:  # no block is resident: only more device memory lets ComfyUI load the rest
+            remedy = "Streaming needs more device memory than the budget (see the plan line)"
         notice = (
             f"ComfyUI loaded {loaded / GIB:.2f} of the {offered / GIB:.2f} GiB planned resident; the rest is cast "
             f"per layer by ComfyUI, more slowly. {remedy}."

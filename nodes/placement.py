@@ -92,20 +92,24 @@ def place(
         placement = _place(request, model, budget - staging - patches, loader_need)
         patches = _room_for_patches(request, model, placement)
     buffers = placement.buffer_bytes + staging + patches
-    over = _over_budget(request, placement, budget, loader_need(placement.streamed) + buffers)
+    over = _over_budget(request, placement, budget, lambda: loader_need(placement.streamed) + buffers)
     summary = f"{placement.summary}{over}; weights from {request.loader}"
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
     return dataclasses.replace(placement, summary=summary, buffer_bytes=buffers, over_budget=bool(over))
 
 
-def _over_budget(request: OffloadRequest, placement: Placement, budget: float, need: int) -> str:
+def _over_budget(request: OffloadRequest, placement: Placement, budget: float, needed: Callable[[], int]) -> str:
     """What the plan line says where the budget (the node's, or what ComfyUI grants the model) is below the least
-    placement, every block streamed: ``need``, the stream buffers and the room ComfyUI's loader needs for what is
-    outside the blocks. The buffers are allocated all the same; ComfyUI casts per layer what it then cannot load."""
+    placement, every block streamed: ``needed()``, the stream buffers and the room ComfyUI's loader needs for what
+    is outside the blocks (asked only then: it walks ComfyUI's module list). The buffers are allocated all the
+    same; ComfyUI casts per layer what it then cannot load."""
     asked = request.budget_bytes or math.inf
     limit = min(budget, asked)
-    if placement.plan is None or placement.plan.resident or math.isinf(limit) or need <= limit:
+    if placement.plan is None or placement.plan.resident or math.isinf(limit):
+        return ""
+    need = needed()
+    if need <= limit:
         return ""
     held = math.ceil(need / GIB * 100) / 100  # rounded up: a budget of that much holds it
     if asked <= budget:
