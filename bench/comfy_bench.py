@@ -151,9 +151,10 @@ def measure_model(comfy: Comfy, checkpoint: Checkpoint, shapes: dict[str, torch.
     elif args.cards:
         # A card is a filler allocation on a CUDA device. On the CPU (a dry run of a campaign call, which names only
         # cards) half the model's bytes stand in, so the offloading rows the call measures run their code too.
-        stand_in = "" if budgets else "; 50% of the model's bytes stand in for them"
-        budgets = budgets or [Budget(SHARE, model_bytes // 2)]
-        notes["card budgets"] = f"skipped: a card is imposed by a filler allocation on a CUDA device{stand_in}"
+        notes["card budgets"] = "skipped: a card is imposed by a filler allocation on a CUDA device"
+        if not budgets:
+            budgets = [Budget(SHARE, model_bytes // 2)]
+            notes["card budgets"] += "; 50% of the model's bytes stand in for them"
     dropped: dict[str, str] = {}
     measurements = measure_all(
         configs(comfy, bases, budgets, args.rows),
