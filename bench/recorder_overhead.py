@@ -24,7 +24,6 @@ from types import ModuleType
 
 import torch
 
-from harness.comfy_host import ComfyHostError, resolve_comfyui_path
 from harness.transformer_stack import transformer_stack
 
 from block_offload.offload import BlockStreamer, OffloadPlan, StepTimeline, TimelineRecorder, module_bytes
@@ -201,6 +200,8 @@ def describe_calls(name: str, per_step: list[ClockCalls]) -> str:
 
 def import_panel(device: torch.device) -> tuple[ModuleType, ModuleType] | None:
     """The pack's engine and report modules (they need ComfyUI importable); None without ComfyUI."""
+    from harness.comfy_host import ComfyHostError, resolve_comfyui_path  # the engine's rows need no host
+
     try:
         comfyui = resolve_comfyui_path()
     except ComfyHostError as exc:

@@ -65,6 +65,14 @@ class FakeCudart:
         return sum(self.registered.values())
 
 
+@pytest.fixture(name="cudart")
+def cudart_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
+    """CUDA's runtime faked behind the engine's own registrar; a module testing the nodes overrides it with
+    ComfyUI's registrar and books (``tests/test_pinned_memory.py``)."""
+    with engine_on_fake_cudart(monkeypatch) as fake:
+        yield fake
+
+
 @contextmanager
 def engine_on_fake_cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
     """The engine's own registrar (CUDA's, its errors' clearing left out) over a ``FakeCudart``, while it lasts."""

@@ -12,10 +12,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from block_offload.offload import FileSlice
+
+from .safetensors_writer import save_safetensors
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 
@@ -27,7 +28,7 @@ class MappedFile:
         state = {
             name: tensor.detach().to(dtype or tensor.dtype).contiguous() for name, tensor in module.state_dict().items()
         }
-        save_file(state, str(path))
+        save_safetensors(path, [(name, t.dtype, tuple(t.shape)) for name, t in state.items()], state.__getitem__, {})
         self.path = path
         self.handle = os.open(path, os.O_RDONLY)
         self.mapping = mmap.mmap(self.handle, 0, access=mmap.ACCESS_READ)

@@ -120,12 +120,12 @@ part() {  # part NAME CAP_SECONDS COMMAND...: runs it under the smaller of its c
 pytest=("$python" -m pytest -p no:cacheprovider -rA -v --timeout 300)
 if [[ $dry == 1 ]]; then
   # The same commands on the CPU: the CUDA tests are collected and skip, the CPU twins of the server tests run.
-  engine_tests=(tests/test_engine_cuda.py tests/test_file_tier.py -k "cuda or bf16")
+  engine_tests=(tests/torch_only/test_engine_cuda.py tests/torch_only/test_file_tier.py -k "cuda or bf16")
   dynamic_tests=(tests/test_dynamic_vram.py -k "async-bf16-bf16")
   prompt_tests=(tests/test_every_prompt_streams.py -k "cpu and default and async")
   zoo=("$python" -m harness.zoo_on_device --cpu "Wan 2.1 T2V" "Flux" "MiniMax H3")
 else
-  engine_tests=(tests/test_engine_cuda.py tests/test_reliability_engine.py tests/test_file_tier.py
+  engine_tests=(tests/torch_only/test_engine_cuda.py tests/torch_only/test_reliability_engine.py tests/torch_only/test_file_tier.py
     tests/test_parking.py -k cuda)
   dynamic_tests=(tests/test_dynamic_vram.py -k cuda)
   prompt_tests=(tests/test_every_prompt_streams.py -k "cuda and default")
@@ -169,7 +169,7 @@ elif [[ $call == 2 ]]; then
   # head-to-head alone on the device.
   part comfyui-0.33-every-prompt-streams-dynamic 150 "${pytest[@]}" --tb=long -x "${prompt_tests[@]}" \
     -k "cuda and dynamic and default and async" & pids=($!)
-  part engine-quiet 100 "${pytest[@]}" tests/test_engine_cuda.py tests/test_file_tier.py -k "recorder or cuda" || status=1
+  part engine-quiet 100 "${pytest[@]}" tests/torch_only/test_engine_cuda.py tests/torch_only/test_file_tier.py -k "recorder or cuda" || status=1
   part comfyui-0.33-dynamic-vram-classic 100 "${pytest[@]}" "${dynamic_tests[@]}" -k "cuda and classic and every_node" || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   part flux12b-12gib "$(( seconds - (SECONDS - start) ))" "${flux_bench[@]}"
@@ -196,7 +196,7 @@ elif [[ $call == 5 ]]; then
   # how a first load's weights are best pinned (what its packing costs, against ComfyUI's registration in place),
   # and the per-step cost of LoRA patches applied on the device, Wan 14B- and Flux 12B-shaped blocks.
   part comfyui-0.33-dynamic-vram-lru 220 "${pytest[@]}" --tb=short "${lru_tests[@]}" & pids=($!)
-  part engine-recorder 100 "${pytest[@]}" tests/test_engine_cuda.py -k recorder || status=1
+  part engine-recorder 100 "${pytest[@]}" tests/torch_only/test_engine_cuda.py -k recorder || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   part pinning 60 "${pinning[@]}"
   part lora-cost-wan 150 "${lora_cost[@]}" --arch wan --blocks 8 $([[ $dry == 1 ]] || echo --latent 21 60 104)
@@ -231,7 +231,7 @@ elif [[ $call == 9 ]]; then
 else
   # Issue 33's allocation counts (one process's own, so the zoo beside it cannot change them) and the zoo in
   # bf16, then the Wan head-to-head alone on the device, the node on a Dynamic VRAM model among its rows.
-  part engine-allocates 100 "${pytest[@]}" tests/test_engine_cuda.py -k allocates & pids=($!)
+  part engine-allocates 100 "${pytest[@]}" tests/torch_only/test_engine_cuda.py -k allocates & pids=($!)
   part every-dit-on-the-device-bf16 120 "${zoo[@]}" --dtype bfloat16 || status=1
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   part wan14b-16gib "$(( seconds - (SECONDS - start) ))" "$python" -m bench.comfy_bench "${bench_size[@]}" \

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_check.sh [engine|comfy|files|lora|all] [--out DIR]
 #
-#   engine  (default; about 3-5 min on an H100, estimated): every engine CUDA test (tests/test_engine_cuda.py:
+#   engine  (default; about 3-5 min on an H100, estimated): every engine CUDA test (tests/torch_only/test_engine_cuda.py:
 #           equality, peak bound, overlap, the fresh-slot race, released events under heavy compute, exact
 #           pinning, pageable overlap, one copy stream, per-step peak; the CUDA cases of
 #           test_reliability_engine.py and test_parking.py), bench/engine_microbench.py and
@@ -73,7 +73,7 @@ step() {  # step TITLE COMMAND...: runs it, keeps its output (the figures) in th
 
 pytest=("$python" -m pytest -p no:cacheprovider -rA -s -v)
 if [[ "$part" == engine || "$part" == all ]]; then
-  step "engine CUDA tests" "${pytest[@]}" tests/test_engine_cuda.py tests/test_reliability_engine.py tests/test_file_tier.py \
+  step "engine CUDA tests" "${pytest[@]}" tests/torch_only/test_engine_cuda.py tests/torch_only/test_reliability_engine.py tests/torch_only/test_file_tier.py \
     "tests/test_parking.py::test_pinned_buffers_are_adopted_without_a_second_reservation"
   step "engine micro-benchmark" "$python" -m bench.engine_microbench
   step "recorder overhead" "$python" -m bench.recorder_overhead

@@ -5,6 +5,8 @@
 #                              runs python -m MODULE [ARG] ARGS in that host's environment
 #   require_free_gib GIB FOLDER WHAT
 #                              fails, saying so, unless FOLDER's disk has GIB GiB free for WHAT
+#   TORCH_PINS                 the torch every venv installs: the hosts' and the fast lane's (scripts/test_fast.sh)
+TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 hosts_file="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.host/hosts.tsv"
 
 host_names() { cut -f1 "$hosts_file"; }

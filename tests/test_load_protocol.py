@@ -131,8 +131,8 @@ def count_loads(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> list
 
 def host_buffers(patcher) -> dict[int, tuple[int, ...]]:
     """Where each streamed block's weights are held on the host, once packing in the background is done (what a
-    hand-over does to blocks still waiting is in ``tests/test_background_packing.py``): the addresses of its host
-    views, a host buffer's or, kept where they lie (pageable on the CPU), its own tensors'."""
+    hand-over does to blocks still waiting is in ``tests/torch_only/test_background_packing.py``): the addresses
+    of its host views, a host buffer's or, kept where they lie (pageable on the CPU), its own tensors'."""
     runner = patcher.offload_engine.runner
     runner.finish_packing()
     return {index: tuple(t.data_ptr() for t in runner.host.blocks[index].host_views) for index in runner.streamed}

@@ -11,7 +11,7 @@ format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized and re-quantiz
 ComfyUI's load does it, the LoRA between the two in the scratch: that code is logged apart, the same at every
 step.
 
-On a GPU (``tests/test_engine_cuda.py``, ``test_a_streamed_step_allocates_no_device_memory_of_its_own``), the
+On a GPU (``tests/torch_only/test_engine_cuda.py``, ``test_a_streamed_step_allocates_no_device_memory_of_its_own``), the
 caching allocator's own counts.
 """
 

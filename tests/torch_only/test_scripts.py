@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.comfy_host import REPO
+from harness.pack import REPO
 
 
 def install(venv: Path, dist: str, files: dict[str, bytes]) -> Path:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness.comfy_host import REPO
+from harness.pack import REPO
 
 #: Calls that make a mutable container or counter.
 MUTABLE_MAKERS = frozenset(
@@ -120,7 +120,7 @@ def test_process_wide_state_is_a_few_named_objects() -> None:
 
 
 def test_tests_read_others_objects_through_public_views() -> None:
-    reads = [read for path in sorted((REPO / "tests").glob("*.py")) for read in private_reads(path)]
+    reads = [read for path in sorted((REPO / "tests").rglob("*.py")) for read in private_reads(path)]
     assert len(reads) <= MAX_PRIVATE_READS, (
         "private reads in tests (give the object a public view, or read ComfyUI's or torch's private parts "
         "through harness/private_views.py):\n" + "\n".join(reads)

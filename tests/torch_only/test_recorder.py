@@ -2,7 +2,7 @@
 
 Every device call the recorder makes (event creations, records, queries, synchronizations, elapsed-time
 reads) goes through its ``Clock``; ``CountingClock`` (bench/recorder_overhead.py) is that clock counting
-as it goes, so these counts are the ones a CUDA run makes (tests/test_engine_cuda.py counts them there).
+as it goes, so these counts are the ones a CUDA run makes (tests/torch_only/test_engine_cuda.py counts them there).
 """
 
 from __future__ import annotations
