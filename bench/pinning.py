@@ -27,7 +27,7 @@ back to back and the block padded to a page, so that no page holds two blocks):
 * file in place: the block's pages of the mapping registered where they lie with ``cudaHostRegisterReadOnly``
   (nothing copied, the page cache pinned); one the driver refuses is counted, and copied from pageable pages.
 
-The first load's cost on a GPU is what this decides (docs/benchmarks.md, "the whole first load"). With
+The first load's cost on a GPU is what this decides (docs/records/log.md, "the whole first load"). With
 ``--dry-run`` there is no device: what a registration does to the pages, faulting every one of them in for
 writing on the calling thread (for reading, the file's), is done by ``madvise(MADV_POPULATE_WRITE)``
 (``MADV_POPULATE_READ``; Linux 5.14 on; elsewhere nothing), nothing is pinned and nothing is copied to a device.

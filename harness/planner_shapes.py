@@ -1,4 +1,4 @@
-"""The planner's benchmark stacks: the block sizes and compute of the three models docs/benchmarks.md plans for,
+"""The planner's benchmark stacks: the block sizes and compute of the three models docs/records/log.md plans for,
 at the copy speed the H100 measured, and the budgets it plans them at. Shared by the planner's reference test
 and its search-time benchmark (``bench/planner_speed.py``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from block_offload.offload.costs import StackCosts
 
 MB = 10**6
-#: Pinned host-to-device copies on the H100 (docs/benchmarks.md).
+#: Pinned host-to-device copies on the H100 (docs/records/log.md).
 BANDWIDTH_GBPS = 54.0
 BUDGETS = (0.25, 0.5, 0.75)
 

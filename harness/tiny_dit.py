@@ -8,7 +8,7 @@ latent and a conditioning of the shapes the model takes. The families are listed
 import ``dit_spec.py``, not this builder); ``zoo()`` gathers them.
 
 Run ``python -m harness.tiny_dit [NAME ...]`` (ComfyUI on ``sys.path``, see ``inprocess.py``) to build and
-sample each once and see its size and time; ``--readme README.md`` writes the README's table of them
+sample each once and see its size and time; ``--readme docs/models.md`` writes that page's table of them
 (``scripts/supported_models.sh``).
 """
 
@@ -133,7 +133,7 @@ README_BEGIN, README_END = "<!-- supported models: begin -->", "<!-- supported m
 
 
 def models_table() -> str:
-    """The README's table of the tested models: name, ComfyUI classes, and the block lists found in each, with the
+    """docs/models.md's table of the tested models: name, ComfyUI classes, and the block lists found in each, with the
     methods the model runs the blocks through where it does not call them (or why the block nodes stream it module
     by module)."""
     from block_offload.nodes.blocks import find_blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-#: The ComfyUI versions the test suite runs on, every commit (README, "Supported ComfyUI versions and modes").
+#: The ComfyUI versions the test suite runs on, every commit (README, "Supported models and ComfyUI versions").
 TESTED = ("0.3.75", "0.33.0")
 
 

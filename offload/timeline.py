@@ -19,7 +19,7 @@ Which steps are recorded: every one while someone watches (``watched``, the pane
 while nobody does, a recorder's first ``FIRST_STEPS_RECORDED`` steps, then at most one step per
 ``unwatched_period_s``, enough for the planner's measured costs and the report's last step. A step not
 recorded makes no device call: a recorded block call costs 38 us of host time on an H200, 11 % of a tiny
-streamed block's (docs/benchmarks.md). Whether a step is recorded is decided when the step before it begins,
+streamed block's (docs/records/log.md). Whether a step is recorded is decided when the step before it begins,
 so the copies issued ahead for it are recorded with it.
 """
 

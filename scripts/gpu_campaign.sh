@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU campaign: one self-contained device call that settles what only a GPU can (docs/benchmarks.md,
-# "GPU campaign"). On the GPU machine, from the checkout, carrying what ../shared/gpu/bundle.sh 0.33.0 wrote:
+# The GPU campaign: one self-contained device call that settles what only a GPU can (docs/records/gpu-campaign.md).
+# On the GPU machine, from the checkout, carrying what ../shared/gpu/bundle.sh 0.33.0 wrote:
 #
 #   scripts/gpu_campaign.sh [CALL] [--out DIR] [--seconds N]      # device tool, carry .gpu/host-0.33.0.tar.xz,
 #                                                                 # .gpu/whl-0.33.0, .gpu/env.sh
@@ -39,8 +39,8 @@ set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 
-# No call named: the one a lent GPU runs first (docs/benchmarks.md, "The order still to run"), which the suite
-# dry-runs (tests/test_bench.py); change both as the order moves on.
+# No call named: the one a lent GPU runs first (docs/records/gpu-campaign.md, "The order still to run"), which the
+# suite dry-runs (tests/test_bench.py); change both as the order moves on.
 call=8
 out="$repo/gpu-campaign"
 dry=0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, for a CUDA machine (docs/benchmarks.md, "GPU checks"):
+# Every GPU check in one command, for a CUDA machine (docs/records/gpu-campaign.md):
 #
 #   scripts/gpu_check.sh [engine|comfy|files|lora|all] [--out DIR]
 #
@@ -19,7 +19,7 @@
 #           (issue 25). Needs a prepared host, as comfy.
 #
 # It writes DIR/gpu-check.md (default: the repo root): device, driver, torch, date, commit, the command and
-# every figure; paste it into docs/benchmarks.md. Wheels the machine lacks are installed from .whl/ if
+# every figure; paste it into docs/records/log.md. Wheels the machine lacks are installed from .whl/ if
 # present (pip download them there beforehand; the device tool carries ignored paths named in `carry`).
 # Without a CUDA device it runs nothing and exits 2.
 set -euo pipefail

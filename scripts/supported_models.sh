@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes README.md's table of the models the tests stream (tests/test_every_dit.py, harness/tiny_dit.py), each
+# Writes docs/models.md's table of the models the tests stream (tests/test_every_dit.py, harness/tiny_dit.py), each
 # built by ComfyUI 0.33.0 from its own classes: scripts/supported_models.sh. The tests fail while it is stale.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -7,4 +7,4 @@ cd "$repo"
 scripts/setup.sh
 source scripts/hosts.sh
 use_host 0.33.0
-PYTHONPATH="$COMFYUI_PATH:$repo" "$HOST_PYTHON" -m harness.tiny_dit --readme README.md
+PYTHONPATH="$COMFYUI_PATH:$repo" "$HOST_PYTHON" -m harness.tiny_dit --readme docs/models.md

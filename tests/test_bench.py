@@ -94,9 +94,10 @@ PINNING_WAYS = (
 
 @pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
 def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_first(tmp_path: Path) -> None:
-    """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first (docs/benchmarks.md's
-    order: 8, the first prompt), each part with tiny shapes, exits 0 and leaves its figures in the report: what the
-    next GPU runs cannot break unseen, the node's row of the head-to-head included (a share budget for the card)."""
+    """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first
+    (docs/records/gpu-campaign.md's order: 8, the first prompt), each part with tiny shapes, exits 0 and leaves its
+    figures in the report: what the next GPU runs cannot break unseen, the node's row of the head-to-head included (a
+    share budget for the card)."""
     from harness.comfy_host import resolve_comfyui_path
 
     done = subprocess.run(

@@ -6,7 +6,7 @@ streamed unit was copied in each step, and every read of a streamed weight (a ch
 code too) came from the engine's device buffers. Models this ComfyUI lacks are skipped, saying so. Then: a
 LoRA before the node on three models the old block table did not know, fp8 weights on two, Partial GPU Residency
 ``auto`` planning one, a model without block lists streamed module by module by the block nodes, a block
-swapped by an object patch between prompts, and the README's list of models, generated from this file's.
+swapped by an object patch between prompts, and docs/models.md's list of models, generated from this file's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from harness.prompts import ASYNC, NODES, PARTIAL, SEQUENTIAL, differs
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
 
 ZOO = {spec.name: spec for spec in tiny_dit.zoo()}
-README = Path(__file__).resolve().parents[1] / "README.md"
+MODELS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
 def built(name: str, weight_dtype: torch.dtype | None = None) -> tuple[tiny_dit.TinyDiT, object]:
@@ -230,13 +230,13 @@ def test_a_layer_inside_a_streamed_block_swapped_by_an_object_patch_streams_as_s
     assert diffusion_model.blocks[1].ffn is layer  # the patch is taken off with the load
 
 
-# -- the README's list, generated from this file's models -----------------------------------------------
+# -- docs/models.md's list, generated from this file's models -------------------------------------------
 
 
-@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the README lists what ComfyUI 0.33.0 ships")
-def test_the_readme_lists_every_tested_model(comfy: SimpleNamespace) -> None:
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="docs/models.md lists what ComfyUI 0.33.0 ships")
+def test_the_models_page_lists_every_tested_model(comfy: SimpleNamespace) -> None:
     """``scripts/supported_models.sh`` writes the section; here it must be what it would write."""
-    text = README.read_text()
-    assert text == tiny_dit.with_models_table(text), "README.md's list is stale: run scripts/supported_models.sh"
+    text = MODELS_PAGE.read_text()
+    assert text == tiny_dit.with_models_table(text), "docs/models.md's list is stale: run scripts/supported_models.sh"
     count = re.search(r"Every image and video diffusion model of ComfyUI 0\.33\.0: (\d+) models, tested", text)
     assert count and int(count[1]) == len(ZOO)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import os
@@ -61,6 +62,23 @@ PUBLISHER_ID = re.compile(r"^[a-z][a-z0-9-]*$")
 #: separated; anything else is dropped with a warning, and the registry then shows no ComfyUI requirement.
 VERSION_CONSTRAINT = re.compile(r"^(?:(==|>=|<=|!=|~=|>|<|<>|=)\s*)?\d+\.\d+\.\d+(?:-[a-zA-Z0-9]+)?$")
 MAX_ICON_PX = 400  # the spec's largest icon, square
+#: Every path the registry's archive may hold, folder by folder: what ComfyUI imports and serves (the entry point,
+#: the nodes, the engine, the panel and its icon), the example workflows ComfyUI lists, and what the installers and
+#: the registry read. Nothing else: not tests/, harness/, bench/, scripts/, docs/ or its records.
+ARCHIVE_ALLOWED = (
+    "__init__.py",
+    "pyproject.toml",
+    "requirements.txt",
+    "README.md",
+    "LICENSE",
+    "nodes/*.py",
+    "offload/*.py",
+    "web/*.js",
+    "web/*.json",
+    "web/icon.png",
+    "example_workflows/*.json",
+    "example_workflows/api/*.json",
+)
 INSTALL_TIMEOUT_S = 120
 
 
@@ -197,20 +215,48 @@ def manager_layout(base: Path, tmp_path: Path) -> Path:
     return clone_head(base / "custom_nodes" / name)
 
 
-def registry_layout(base: Path, tmp_path: Path) -> Path:
-    """``comfy node pack`` in a clone (the archive ``comfy node publish`` uploads), extracted into
-    ``custom_nodes/<node id>`` as ``comfy node install`` and the Manager's registry install do."""
+def on_the_allow_list(name: str) -> bool:
+    """Whether an archive path matches one of ``ARCHIVE_ALLOWED``, folder by folder (``*`` never crosses a ``/``)."""
+    parts = name.split("/")
+    return any(
+        len(parts) == len(allowed)
+        and all(fnmatch.fnmatchcase(part, glob) for part, glob in zip(parts, allowed, strict=True))
+        for allowed in (pattern.split("/") for pattern in ARCHIVE_ALLOWED)
+    )
+
+
+def packed_archive(tmp_path: Path) -> Path:
+    """``comfy node pack`` in a clone of HEAD: the archive ``comfy node publish`` uploads. Every path in it is on
+    the allow-list, and every file of the clone that is on it is in the archive (.comfyignore)."""
     clone = clone_head(tmp_path / "clone")
     packed = comfy_cli(["node", "pack"], cwd=clone, home=tmp_path / "home")
     assert packed.returncode == 0 and (clone / "node.zip").is_file(), packed.stdout + packed.stderr
-    folder = base / "custom_nodes" / pyproject()["project"]["name"]
     with zipfile.ZipFile(clone / "node.zip") as archive:
         names = archive.namelist()
+    refused = sorted(name for name in names if not on_the_allow_list(name))
+    assert not refused, f"the registry's archive holds what does not run in ComfyUI: {refused}"
+    tracked = subprocess.run(["git", "-C", str(clone), "ls-files"], capture_output=True, text=True, check=True)
+    runtime = {name for name in tracked.stdout.splitlines() if on_the_allow_list(name)}
+    assert sorted(names) == sorted(runtime), sorted(set(names) ^ runtime)
+    assert {"__init__.py", "pyproject.toml", "LICENSE", "README.md", "web/icon.png"} <= runtime, sorted(runtime)
+    return clone / "node.zip"
+
+
+def test_the_registry_archive_holds_only_what_runs_in_comfyui(tmp_path: Path) -> None:
+    """No test, tool, record or doc page reaches a user: every path of the archive, in every folder, checked."""
+    with zipfile.ZipFile(packed_archive(tmp_path)) as archive:
+        names = archive.namelist()
+    for folder in ("nodes/", "offload/", "web/", "example_workflows/api/"):
+        assert any(name.startswith(folder) for name in names), folder
+    assert not [name for name in names if name.startswith(("docs/", "tests/", "harness/", "bench/", "scripts/"))]
+
+
+def registry_layout(base: Path, tmp_path: Path) -> Path:
+    """The archive ``comfy node pack`` builds (``packed_archive``), extracted into ``custom_nodes/<node id>`` as
+    ``comfy node install`` and the Manager's registry install do."""
+    folder = base / "custom_nodes" / pyproject()["project"]["name"]
+    with zipfile.ZipFile(packed_archive(tmp_path)) as archive:
         archive.extractall(folder)
-    # .comfyignore: the archive carries what runs in ComfyUI and none of what develops the pack.
-    tops = {name.split("/", 1)[0] for name in names}
-    assert {"__init__.py", "nodes", "offload", "web", "example_workflows", "pyproject.toml", "LICENSE"} <= tops, tops
-    assert not tops & {"tests", "harness", "bench", "scripts", ".ci"}, tops
     return folder
 
 

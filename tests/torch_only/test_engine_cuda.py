@@ -1,6 +1,6 @@
 """The engine on a CUDA device: equality, the peak-memory bound, and hidden copies.
 
-Skipped without CUDA; run on the GPU machine before resolving (see docs/benchmarks.md).
+Skipped without CUDA; run on the GPU machine before resolving (see docs/records/gpu-campaign.md).
 """
 
 from __future__ import annotations
