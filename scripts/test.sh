@@ -35,13 +35,17 @@ else
 fi
 
 # run_suite NAME NICENESS ARGS...: pytest on host NAME in its own base directory (its tests lay it out, sharing
-# .host/'s custom_nodes and models), at that niceness (its servers too); its exit status.
+# .host/'s custom_nodes and models), at that niceness (its servers too); its exit status. The tests marked one_host
+# (tests/torch_only/ and those whose subject does not depend on ComfyUI's version) run on the first host only.
 run_suite() {
   local name="$1" niceness="$2" base="$repo/.host/tests-$1"
   shift 2
   use_host "$name"
   echo "test.sh: ComfyUI $HOST_NAME ($COMFYUI_PATH), base directory $base" >&2
-  BLOCK_OFFLOAD_BASE_DIR="$base" nice -n "$niceness" "$HOST_PYTHON" -m pytest "$@"
+  local elsewhere=""
+  [[ "$name" == "${hosts[0]}" ]] || elsewhere=1
+  BLOCK_OFFLOAD_BASE_DIR="$base" BLOCK_OFFLOAD_ONE_HOST_ELSEWHERE="$elsewhere" nice -n "$niceness" \
+    "$HOST_PYTHON" -m pytest "$@"
 }
 
 # One compute thread per suite (their servers inherit it): two suites of torch's default two threads each on two
