@@ -160,7 +160,11 @@ def comfy_host() -> Iterator[ComfyHost]:
 #: The frontends the browser tests run on, each named in the test id: the host's pinned one, then the newest.
 FRONTENDS = (
     pytest.param(PINNED, id=f"frontend-pinned-{pinned_frontend_version()}"),
-    pytest.param(NEWEST_FRONTEND, id=f"frontend-{NEWEST_FRONTEND}"),
+    pytest.param(
+        NEWEST_FRONTEND,
+        id=f"frontend-{NEWEST_FRONTEND}",
+        marks=pytest.mark.one_host(reason="the newest frontend is tried on the first host; each host runs its own"),
+    ),
 )
 
 
@@ -210,7 +214,7 @@ def allow_cpu_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BLOCK_OFFLOAD_ALLOW_CPU", "1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stored_wan(comfy: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny Wan 2.1 checkpoint (fp32) saved again in each stored dtype of ``harness.dynamic_vram.STORED``."""
     from safetensors.torch import load_file, save_file

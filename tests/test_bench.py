@@ -48,6 +48,9 @@ from bench.results import (
 )
 from block_offload.offload.layout import ALIGNMENT
 
+#: The benchmarks and their arithmetic that import no ComfyUI (the engine's, the planner's, the figures').
+NO_COMFYUI = pytest.mark.one_host(reason="no ComfyUI in it")
+
 
 def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -60,12 +63,14 @@ def bench(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -
     )
 
 
+@NO_COMFYUI
 def test_without_cuda_it_refuses_with_status_2() -> None:
     done = bench("--models", "wan14b", env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2, done.stderr
     assert "no CUDA device" in done.stderr and "--smoke" in done.stderr
 
 
+@NO_COMFYUI
 def test_the_gpu_check_refuses_without_cuda_and_runs_nothing(tmp_path: Path) -> None:
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_check.sh"), "all", "--out", str(tmp_path)],
@@ -161,6 +166,7 @@ def test_every_row_loads_the_checkpoint_file_as_comfyui_loads_it(
     assert linears and all(layer.weight is not None for layer in linears)
 
 
+@NO_COMFYUI
 def test_the_real_checkpoints_have_the_real_models_sizes() -> None:
     """The shape descriptions the GPU run builds from, counted without building anything."""
     params = {
@@ -386,6 +392,7 @@ def made_up_run() -> ModelRun:
     )
 
 
+@NO_COMFYUI
 def test_ratios_targets_and_statistics_from_known_figures(tmp_path: Path) -> None:
     run = made_up_run()
     rows = {row["method"]: row for row in run.rows()}
@@ -421,6 +428,7 @@ def test_ratios_targets_and_statistics_from_known_figures(tmp_path: Path) -> Non
         assert image.size == (1280, 600) and image.getpixel((5, 5)) == (255, 255, 255)
 
 
+@NO_COMFYUI
 def test_a_row_reading_its_file_at_every_step_is_bounded_by_those_reads_too() -> None:
     """A node on a Dynamic VRAM model whose streamed blocks are partly read from the checkpoint file at every step
     (the file tier) cannot beat those reads: its lower bound is the largest of the resident step, the copies
@@ -442,6 +450,7 @@ def test_a_row_reading_its_file_at_every_step_is_bounded_by_those_reads_too() ->
     assert "the checkpoint file read at 2.0 GB/s" in table and "| 50.00, 30.00 from the file |" in table
 
 
+@NO_COMFYUI
 def test_two_measurements_of_one_placement_more_than_2_percent_apart_make_the_run_too_noisy() -> None:
     run = made_up_run()
     half = run.budgets[0]
@@ -466,6 +475,7 @@ def test_two_measurements_of_one_placement_more_than_2_percent_apart_make_the_ru
     assert run.too_noisy and "fewer than 7 steady steps in 1 of 10 rows" in run.noise_lines()[0]
 
 
+@NO_COMFYUI
 def test_card_budgets_are_labelled_and_kept_off_the_share_plot() -> None:
     run = made_up_run()
     twelve = Budget(CARD, 12 * GIB)
@@ -476,6 +486,7 @@ def test_card_budgets_are_labelled_and_kept_off_the_share_plot() -> None:
     assert run.rows()[-1]["lower_bound_ms"] == pytest.approx(88 * GIB / 10e9 * 1000)
 
 
+@NO_COMFYUI
 def test_rows_of_a_budget_take_their_rounds_in_turn_and_a_row_out_of_memory_or_failing_is_dropped() -> None:
     """The measuring loop with its measurements injected: the order it measured in, and what it kept. A row out
     of device memory, or one that raises, is dropped and named with why; the others are measured all the same
@@ -520,6 +531,7 @@ def test_rows_of_a_budget_take_their_rounds_in_turn_and_a_row_out_of_memory_or_f
     assert by_method[AUTO].steady_ms == [90.0, 140.0]
 
 
+@NO_COMFYUI
 def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> None:
     """``bench/file_tier.py`` on the CPU (the times mean nothing): every share and cache state streams the
     stack from its file and gives the resident output bit for bit; the fewer host buffers, the more blocks
@@ -551,6 +563,7 @@ def test_the_file_tier_benchmark_runs_every_share_bitwise(tmp_path: Path) -> Non
     assert [r["blocks_from_file"] for r in rows[::2]] == [4, 2, 0]
 
 
+@NO_COMFYUI
 def test_the_file_reads_benchmark_times_one_thread_the_pool_and_the_mapping_warm_and_cold(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -599,6 +612,7 @@ def test_the_first_load_benchmark_times_comfyui_and_the_pack_from_the_file(tmp_p
     assert "this run measures it and the next one is planned" in log and "chosen by the planner" in log, log
 
 
+@NO_COMFYUI
 def test_the_search_benchmark_times_and_counts_every_budget() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench.planner_speed", "--shapes", "wan14b", "--runs", "1"],
@@ -613,6 +627,7 @@ def test_the_search_benchmark_times_and_counts_every_budget() -> None:
     assert all(int(row[4]) > 0 and "2400.0 ms predicted" in row[5] for row in rows), done.stdout
 
 
+@NO_COMFYUI
 def test_the_engine_micro_benchmark_prints_each_configuration_and_what_a_streamed_call_adds() -> None:
     """On the CPU only with ``--allow-cpu``; each streamed row gives its step, its ratio to resident, the time a
     streamed call adds over the resident step, and the overlap the recorder measured."""
@@ -640,6 +655,7 @@ def test_the_engine_micro_benchmark_prints_each_configuration_and_what_a_streame
         assert overlap.endswith("%"), done.stdout
 
 
+@NO_COMFYUI
 def test_the_pinning_benchmark_runs_every_way_and_packs_the_weights_in_order(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -12,7 +12,13 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from harness.comfy_host import REPO, resolve_comfyui_path
+
+pytestmark = pytest.mark.one_host(
+    reason="reads this repository's imports; ComfyUI's top-level names are the same on every host"
+)
 
 
 def imports(path: Path) -> Iterator[tuple[int, str]]:

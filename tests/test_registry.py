@@ -81,6 +81,9 @@ ARCHIVE_ALLOWED = (
 )
 INSTALL_TIMEOUT_S = 120
 
+#: comfy-cli's checks of the pack's own files, the same whichever ComfyUI is installed.
+PACK_FILES_ONLY = pytest.mark.one_host(reason="comfy-cli checks the pack's own files")
+
 
 def pyproject() -> dict[str, Any]:
     return dict(toml_loads((REPO / "pyproject.toml").read_text()))
@@ -123,6 +126,7 @@ def comfy_cli(args: list[str], cwd: Path, home: Path) -> subprocess.CompletedPro
 
 
 # ------------------------------------------------------------------------------------------ pyproject.toml
+@PACK_FILES_ONLY
 def test_pyproject_meets_the_registry_spec() -> None:
     data = pyproject()
     project, comfy = data["project"], data["tool"]["comfy"]
@@ -152,6 +156,7 @@ def test_pyproject_meets_the_registry_spec() -> None:
     )
 
 
+@PACK_FILES_ONLY
 def test_the_project_urls_point_at_the_repository() -> None:
     urls = pyproject()["project"]["urls"]
     repository = urls["Repository"]  # required to publish: comfy-cli sends it as the node's repository
@@ -160,6 +165,7 @@ def test_the_project_urls_point_at_the_repository() -> None:
     assert urls["Bug Tracker"] == repository + "/issues"
 
 
+@PACK_FILES_ONLY
 def test_the_icon_is_a_square_image_of_this_repository() -> None:
     """The Icon URL is the raw file of this repository's main branch, the file is here and published, and it is
     what the spec asks: PNG, square, 400 x 400 px at most (an SVG would reach the browser as text/plain from
@@ -177,6 +183,7 @@ def test_the_icon_is_a_square_image_of_this_repository() -> None:
 
 
 # -------------------------------------------------------------------------------------- comfy node validate
+@PACK_FILES_ONLY
 def test_comfy_node_validate_passes_on_what_a_publish_uploads(tmp_path: Path) -> None:
     export = tmp_path / "export"
     for name in publish_files():
@@ -191,6 +198,7 @@ def test_comfy_node_validate_passes_on_what_a_publish_uploads(tmp_path: Path) ->
     assert VALIDATE_PASSED in output and "Security warnings found" not in output, output
 
 
+@PACK_FILES_ONLY
 def test_comfy_node_validate_reports_an_eval(tmp_path: Path) -> None:
     """The check above is live: the same pyproject.toml beside one ``eval`` gets ruff's S307 and no pass."""
     shutil.copy2(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -242,6 +250,7 @@ def packed_archive(tmp_path: Path) -> Path:
     return clone / "node.zip"
 
 
+@PACK_FILES_ONLY
 def test_the_registry_archive_holds_only_what_runs_in_comfyui(tmp_path: Path) -> None:
     """No test, tool, record or doc page reaches a user: every path of the archive, in every folder, checked."""
     with zipfile.ZipFile(packed_archive(tmp_path)) as archive:

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.one_host(reason="mypy and ruff read this repository only, not ComfyUI")
+
 REPO = Path(__file__).resolve().parents[1]
 #: Where third-party code has no annotations of its own (torch's private helpers, ComfyUI), mypy reads it as Any.
 MYPY = [sys.executable, "-m", "mypy", "--explicit-package-bases", "--ignore-missing-imports", "--follow-imports=silent"]
