@@ -4,10 +4,10 @@ per loaded model, shared by every clone, strength and branch of it, never re-pac
 patches change.
 
 ``patch_streamed_weights`` sets up each patched weight of the streamed modules by its route
-(``patch_routes.py``): a ``LoadedPatch`` (``loaded_patch.py``) run where its block arrives (``ArrivalPatches``,
+(``patches.py``): a ``LoadedPatch`` (``loaded_patch.py``) run where its block arrives (``ArrivalPatches``,
 the engine's ``transforms``) or once into the host buffers of the units chosen to bake
 (``write_patches_to_host``), weight functions at compute time, or a patch once before packing (``_bake``).
-``AdapterStaging`` lists each unit's patch adapters (``patch_adapters.py``) for the engine to stage with it,
+``AdapterStaging`` lists each unit's patch adapters (``patches.py``) for the engine to stage with it,
 and tells each ``LoadedPatch`` where its own are among them.
 """
 
@@ -25,7 +25,7 @@ from comfy.model_patcher import ModelPatcher
 from . import dynamic_vram
 from .blocks import inside
 from .loaded_patch import LoadedPatch, compute_dtype, scratch_bytes
-from .patch_routes import is_plain, patched_parameters, stored_by_layer
+from .patches import is_plain, patched_parameters, stored_by_layer
 from .request import OffloadRequest
 
 

@@ -25,9 +25,7 @@ from comfy.model_patcher import ModelPatcher
 
 from ..offload.layout import TensorForm
 from .lora_scratch import PlainLora, ScratchLayout, layout_in, patch_plain_loras, plain_loras, round_into
-from .patch_adapters import host_tensors, with_host_tensors
-from .patch_routes import is_plain, stored_by_layer
-from .patch_shapes import overwrite_in_place
+from .patches import host_tensors, is_plain, overwrite_in_place, stored_by_layer, with_host_tensors
 
 # The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
 # warns at each call), only in comfy.model_patcher before.

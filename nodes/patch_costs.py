@@ -19,9 +19,15 @@ from ..offload import PROCESS_STATE, device_ms
 from ..offload.layout import TensorForm
 from .dynamic_vram import recorded_dtype
 from .loaded_patch import as_loaded, compute_dtype, string_to_seed
-from .patch_adapters import host_tensors, unit_named, with_host_tensors
-from .patch_routes import is_plain, patched_parameters, stored_by_layer
-from .patch_shapes import overwrite_in_place
+from .patches import (
+    host_tensors,
+    is_plain,
+    overwrite_in_place,
+    patched_parameters,
+    stored_by_layer,
+    unit_named,
+    with_host_tensors,
+)
 
 _PATCH_KINDS_KEPT = 256
 

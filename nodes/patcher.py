@@ -47,11 +47,10 @@ from .dynamic_vram import (
 )
 from .engine import Engine, call_order_of, start_engine
 from .load_protocol import LoadedBooks, Unpatch
-from .patch_shapes import refuse_patches_on_packed_weights, refuse_reshaping_patches
+from .patches import refuse_patches_on_packed_weights, refuse_reshaping_patches, refuse_weight_hooks
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 from .state import state_of
-from .weight_hooks import refuse_weight_hooks
 
 ATTACHMENT = "block_offload"
 # Present only while the patcher's ``load`` runs: ComfyUI's module list once walked, else None
