@@ -125,7 +125,7 @@ def _over_budget(request: OffloadRequest, placement: Placement, budget: float, n
 
 def _room_for_patches(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
     """Device bytes the streamed units' patches take: their adapters in the ring, and the scratch the engine
-    patches plain LoRAs in where the weights arrive (``lora_scratch.py``)."""
+    patches plain LoRAs in where the weights arrive (``loaded_patch.py``)."""
     return _adapters_in_ring(request, model, placement) + patch_scratch_bytes(
         model, placement.streamed, model.load_device, twin_patches_as_cast(model, request)
     )

@@ -410,7 +410,7 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
 ) -> None:
     """Every streamed weight's patch is computed from adapter copies in the device ring, staged with its
     block (packed once per set of patches), not from the LoRA's tensors in host memory; bitwise the same. Both
-    ways a patch is computed are watched: in the engine's scratch (a plain LoRA, ``lora_scratch.py``) and by
+    ways a patch is computed are watched: in the engine's scratch (a plain LoRA, ``loaded_patch.py``) and by
     ComfyUI's ``calculate_weight`` (anything else)."""
     model = wan(comfy)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))

@@ -6,7 +6,7 @@ breaks the recording. From the third step on, every node's hooks, ring copies, f
 memory allocated at placement: the allocations of each step (``harness/allocations.py``: every operator
 output that is not a view of its inputs, on the CPU) are those of the same model loaded the classic way and
 fully resident, operator for operator. A LoRA on a streamed weight is patched where it arrives, in scratch the
-engine allocated at placement (``nodes/lora_scratch.py``), so it counts like the rest. A weight in a quantized
+engine allocated at placement (``nodes/loaded_patch.py``), so it counts like the rest. A weight in a quantized
 format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized and re-quantized by its format's own code, as
 ComfyUI's load does it, the LoRA between the two in the scratch: that code is logged apart, the same at every
 step.
