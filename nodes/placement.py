@@ -37,10 +37,9 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .blocks import Units, find_blocks
-from .device_patches import patch_scratch_bytes, twin_patches_as_cast
+from .device_patches import patch_ms_per_unit, patch_scratch_bytes, twin_patches_as_cast
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .fused_reads import read_by_parents
-from .patch_costs import patch_ms_per_unit
 from .patches import adapter_bytes
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
