@@ -36,10 +36,9 @@ from ..offload import (
     module_bytes,
 )
 from ..offload.layout import aligned, module_stored_bytes
-from .blocks import Units, find_blocks
+from .blocks import Units, find_blocks, read_by_parents
 from .device_patches import patch_ms_per_unit, patch_scratch_bytes, twin_patches_as_cast
 from .dynamic_vram import recorded_dtype, stored_as_computed
-from .fused_reads import read_by_parents
 from .patches import adapter_bytes
 from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
