@@ -32,6 +32,7 @@ from ..offload import (
 )
 from . import extension
 from .blocks import Units, inside
+from .comfy_memory import PINNED_LIMIT_ENV
 from .device_patches import (
     AdapterStaging,
     ArrivalPatches,
@@ -43,7 +44,6 @@ from .device_patches import (
 from .dynamic_vram import on_fast_disk
 from .engine_runner import CallOrder, PatchHistory, decide_baking, file_tier_options, make_runner
 from .pack_progress import pack_progress
-from .pinned_memory import PINNED_LIMIT_ENV
 from .placement import Placement, block_names
 from .plan_line import least_read_ms, packing_clause, pageable_clause, pinning_notices, tiers_clause
 from .request import OffloadRequest

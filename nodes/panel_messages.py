@@ -19,9 +19,9 @@ import torch
 from ..offload import memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
 from ..offload.step_timeline import StepTimeline
+from .comfy_memory import host_ram
 from .engine import Engine
 from .panel_run import RunRecord
-from .pinned_memory import host_ram
 from .status_schema import (
     FROM_FILE,
     FULL_STEP,

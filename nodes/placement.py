@@ -37,10 +37,10 @@ from ..offload import (
 )
 from ..offload.layout import aligned, module_stored_bytes
 from .blocks import Units, find_blocks, read_by_parents
+from .comfy_memory import pinning_enabled
 from .device_patches import patch_ms_per_unit, patch_scratch_bytes, twin_patches_as_cast
 from .dynamic_vram import recorded_dtype, stored_as_computed
 from .patches import adapter_bytes
-from .pinned_memory import pinning_enabled
 from .request import OffloadRequest
 
 

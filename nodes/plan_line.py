@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from ..offload import GIB, Runner, file_source
-from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram
+from .comfy_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram
 
 
 def packing_clause(runner: Runner, seconds: float) -> str:
