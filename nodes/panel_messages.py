@@ -241,7 +241,7 @@ def report_message(status: dict[str, Any], last_step: dict[str, Any] | None) -> 
 
 def model_entry(facts: EngineFacts, running: bool, pinning: str | None) -> dict[str, Any]:
     """One engine's placement, in the list of every model streaming now; ``pinning``: how far packing in the
-    background has got (``plan_line.pinning_progress``)."""
+    background has got (``placement.pinning_progress``)."""
     return MODEL.build(node=facts.node, **facts.placement_fields(), running=running, pinning=pinning)
 
 

@@ -50,7 +50,7 @@ from .panel_messages import (
 )
 from .panel_outbox import Outbox
 from .panel_run import RunRecord
-from .plan_line import pinning_progress
+from .placement import pinning_progress
 from .status_schema import REPORT_ROUTE, TIMELINE_ROUTE
 
 

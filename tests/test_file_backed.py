@@ -152,7 +152,7 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
     assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
-    from block_offload.nodes.plan_line import threads_said
+    from block_offload.nodes.placement import threads_said
 
     threads = read_threads(source.handle for source in runner.file_slices())
     assert f"as stored, read by {threads_said(threads)}, " in engine.summary, engine.summary
