@@ -31,7 +31,6 @@ def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNa
         placement=importlib.import_module("block_offload.nodes.placement"),
         pinned=importlib.import_module("block_offload.nodes.comfy_memory"),
         report=importlib.import_module("block_offload.nodes.report"),
-        state=importlib.import_module("block_offload.nodes.state"),
         models=tiny_models,
     )
     # The pack set up as ComfyUI sets it up (``comfy_entrypoint``), with no server: the panel its engines tell.

@@ -335,7 +335,7 @@ def test_another_clone_detached_or_deleted_while_one_streams_does_not_stop_it(co
     del offloaded
     gc.collect()
     assert clone.offload_engine is engine and engine.runner.enabled, "a clone that was not loaded stopped the engine"
-    assert comfy.state.state_of(model.model).parked_load is None
+    assert comfy.patcher.state_of(model.model).parked_load is None
     assert torch.equal(sample(comfy, clone), reference)
     comfy.mm.unload_all_models()
 
@@ -348,7 +348,7 @@ def test_a_node_sampling_without_its_engine_says_so(comfy: SimpleNamespace, capl
     offloaded = async_offload(comfy, model, resident=1)
     reference = sample(comfy, offloaded)
     assert torch.equal(sample(comfy, model), reference)
-    state = comfy.state.state_of(model.model)
+    state = comfy.patcher.state_of(model.model)
     state.parked_load = offloaded.loaded_state()  # what the plain clone's detach used to record
     with caplog.at_level("WARNING"):
         assert torch.equal(sample(comfy, offloaded), reference)
