@@ -30,11 +30,11 @@ def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNa
         patcher=importlib.import_module("block_offload.nodes.patcher"),
         placement=importlib.import_module("block_offload.nodes.placement"),
         pinned=importlib.import_module("block_offload.nodes.comfy_memory"),
-        report=importlib.import_module("block_offload.nodes.report"),
+        panel_feed=importlib.import_module("block_offload.nodes.panel"),
         models=tiny_models,
     )
     # The pack set up as ComfyUI sets it up (``comfy_entrypoint``), with no server: the panel its engines tell.
-    mods.panel = mods.report.install_panel(None)
+    mods.panel = mods.panel_feed.install_panel(None)
     return mods
 
 

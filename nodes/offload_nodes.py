@@ -15,7 +15,7 @@ from ..offload import (
     step_aside,
     unsupported_torch,
 )
-from . import report
+from . import panel
 from .blocks import find_blocks, module_by_module_notice
 from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .node_inputs import (
@@ -84,7 +84,7 @@ def _prepare(model: ModelPatcher, request: OffloadRequest) -> io.NodeOutput:
 
 def _stepped_aside(model: ModelPatcher, node: str, aside: StepAside) -> io.NodeOutput:
     logging.info(f"Block Offload ({node}): steps aside, returning the model unchanged: {aside.reason}")
-    report.node_stepped_aside(node, aside.reason)
+    panel.node_stepped_aside(node, aside.reason)
     return io.NodeOutput(model)
 
 

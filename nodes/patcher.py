@@ -54,7 +54,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from torch import nn
 
 from ..offload import GIB, PROCESS_STATE, OffloadPlan, ParkingLot, place_falling_back
-from . import report
+from . import panel
 from .blocks import inside, one_tree_per_load
 from .dynamic_vram import (
     back_to_file,
@@ -416,7 +416,7 @@ class BlockOffloadPatcher(ModelPatcher):
         engine.stop(park)
         state.stopped(park)  # parked blocks stay hidden from ComfyUI's loader; the next load re-plans the set
 
-    # -- sampling runs, for the live panel (report) ------------------------------------------
+    # -- sampling runs, for the live panel ---------------------------------------------------
 
     def pre_run(self):
         engine = self.offload_engine
@@ -424,7 +424,7 @@ class BlockOffloadPatcher(ModelPatcher):
             refuse_weight_hooks(self, engine.placement.streamed, engine.request.node)
         super().pre_run()
         if engine is not None:
-            report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
+            panel.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
         elif not state_of(self.model).placed_without_streaming(self.patcher_id):
             # Placed with blocks to stream (or not by this patcher: ComfyUI loaded it without asking it), yet
             # sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
@@ -437,7 +437,7 @@ class BlockOffloadPatcher(ModelPatcher):
                 "cache) streams."
             )
             logging.warning(f"Block Offload ({node}): {notice}")
-            report.node_not_streaming(node, notice)
+            panel.node_not_streaming(node, notice)
 
     def cleanup(self):
         try:
@@ -447,7 +447,7 @@ class BlockOffloadPatcher(ModelPatcher):
                 engine.runner.close_open_step()
                 engine.note_cold_reads()
                 engine.note_packing()
-                report.run_finished(engine)
+                panel.run_finished(engine)
         finally:
             super().cleanup()
 

@@ -393,7 +393,7 @@ def test_the_next_prompts_clone_keeps_a_placement_that_streams_nothing_loaded(
     second = calls.named(node.clone(), "second")
     with pytest.MonkeyPatch.context() as warned:
         said: list[str] = []
-        warned.setattr(comfy.report, "node_not_streaming", lambda node, notice: said.append(notice))
+        warned.setattr(comfy.panel_feed, "node_not_streaming", lambda node, notice: said.append(notice))
         comfy.mm.load_models_gpu([second])
         assert calls.take() == [
             ("node", HAND_OVER, "HANDED_OVER"),  # nothing parks: ComfyUI's books alone are handed over
