@@ -263,7 +263,7 @@ class Timed:
 
 
 OTHER = "other nodes"
-#: The pack's route with every step of its last sampling run (``nodes/report.py``; read over HTTP, as the panel
+#: The pack's route with every step of its last sampling run (``nodes/panel.py``; read over HTTP, as the panel
 #: does, so this process needs no part of the pack's nodes), and the figures kept of each step.
 TIMELINE_ROUTE = "/block_offload/timeline"
 PACK_STEP = ("duration_ms", "copy_ms", "stall_ms", "unpacked_copy_ms", "bytes_copied", "unpacked_bytes")

@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import comfy.utils
 
     from block_offload.nodes.blocks import find_blocks
+    from block_offload.nodes.device_patches import patch_ms_per_unit
     from block_offload.nodes.offload_nodes import AsyncBlockOffload
-    from block_offload.nodes.patch_costs import patch_ms_per_unit
 
     sizes = {
         **arch["real" if args.real else "cpu"],

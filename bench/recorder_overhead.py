@@ -8,7 +8,7 @@ makes per block call and per step, counted through its clock.
 
 16 tiny blocks, all streamed, so the per-call overhead is as visible as it can be; the best of
 three rounds of 200 steps each. Runs wherever torch runs (the CPU by default, CUDA if present).
-The panel's listener is the pack's own (nodes/report.py), so that part needs ComfyUI importable
+The panel's listener is the pack's own (nodes/panel.py), so that part needs ComfyUI importable
 (scripts/setup.sh); without a server its messages are built but go nowhere. The panel reads every
 step, so "every step read" is the recorder's cost as the pack runs in ComfyUI.
 """
@@ -211,7 +211,7 @@ def import_panel(device: torch.device) -> tuple[ModuleType, ModuleType] | None:
     from comfy.cli_args import args
 
     args.cpu = device.type == "cpu"
-    return importlib.import_module("block_offload.nodes.engine"), importlib.import_module("block_offload.nodes.report")
+    return importlib.import_module("block_offload.nodes.engine"), importlib.import_module("block_offload.nodes.panel")
 
 
 def panel_attach(

@@ -7,10 +7,10 @@ through it, and each output that is not a view of one of the operator's inputs i
 first call (the load, the placement), ``steps[n]`` its ``n``-th call and what follows it. Logged apart:
 
 * ``format_patch``: inside ComfyUI's own patch of a streamed weight (``loaded_patch.as_loaded``), which the
-  pack runs where it cannot patch in its scratch (``nodes/lora_scratch.py``): a weight in a quantized format,
+  pack runs where it cannot patch in its scratch (``nodes/loaded_patch.py``): a weight in a quantized format,
   dequantized, patched and re-quantized by the format's code, as ComfyUI's load does it;
 * ``paused``: under ``paused()``, what ``comfy.model_prefetch.pause_malloc_graph`` keeps out of the compiler's
-  recording (``nodes/compiler.py``).
+  recording (``nodes/comfy_memory.py``).
 """
 
 from __future__ import annotations

@@ -29,13 +29,12 @@ def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNa
         nodes=importlib.import_module("block_offload.nodes.offload_nodes"),
         patcher=importlib.import_module("block_offload.nodes.patcher"),
         placement=importlib.import_module("block_offload.nodes.placement"),
-        pinned=importlib.import_module("block_offload.nodes.pinned_memory"),
-        report=importlib.import_module("block_offload.nodes.report"),
-        state=importlib.import_module("block_offload.nodes.state"),
+        pinned=importlib.import_module("block_offload.nodes.comfy_memory"),
+        panel_feed=importlib.import_module("block_offload.nodes.panel"),
         models=tiny_models,
     )
     # The pack set up as ComfyUI sets it up (``comfy_entrypoint``), with no server: the panel its engines tell.
-    mods.panel = mods.report.install_panel(None)
+    mods.panel = mods.panel_feed.install_panel(None)
     return mods
 
 

@@ -20,7 +20,7 @@ BLOCKS = 5  # tiny Wan 2.1's blocks; the workflow keeps 1 resident (leading)
 PLACEMENT = "RSSSS"
 STATUS_EVENT = "block_offload.status"
 MIN_INTERVAL_S = 0.25
-# Read from the file itself, not through the pack (``nodes/status_schema.py``): importing ``nodes`` needs ComfyUI
+# Read from the file itself, not through the pack (``nodes/panel_messages.py``): importing ``nodes`` needs ComfyUI
 # on the path, which a test module importing this one may not have yet.
 SCHEMA_PATH = REPO / "web" / "status_schema.json"
 SCHEMA: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())

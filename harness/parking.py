@@ -1,5 +1,5 @@
 """A parking lot per model for the engine's own tests, as the pack keeps one on each model's state
-(``nodes/state.py``): streamers of one model park into it and adopt from it."""
+(``nodes/patcher.py``'s ``ModelState``): streamers of one model park into it and adopt from it."""
 
 from __future__ import annotations
 

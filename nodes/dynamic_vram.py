@@ -34,7 +34,7 @@ from comfy.model_patcher import ModelPatcher, get_key_weight
 from ..offload import PROCESS_STATE, FileSlice
 from .blocks import inside
 from .loaded_patch import as_loaded, compute_dtype, string_to_seed
-from .patch_routes import is_plain
+from .patches import is_plain
 from .request import OffloadRequest
 
 

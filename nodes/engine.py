@@ -32,6 +32,7 @@ from ..offload import (
 )
 from . import extension
 from .blocks import Units, inside
+from .comfy_memory import PINNED_LIMIT_ENV
 from .device_patches import (
     AdapterStaging,
     ArrivalPatches,
@@ -42,10 +43,16 @@ from .device_patches import (
 )
 from .dynamic_vram import on_fast_disk
 from .engine_runner import CallOrder, PatchHistory, decide_baking, file_tier_options, make_runner
-from .pack_progress import pack_progress
-from .pinned_memory import PINNED_LIMIT_ENV
-from .placement import Placement, block_names
-from .plan_line import least_read_ms, packing_clause, pageable_clause, pinning_notices, tiers_clause
+from .placement import (
+    Placement,
+    block_names,
+    least_read_ms,
+    pack_progress,
+    packing_clause,
+    pageable_clause,
+    pinning_notices,
+    tiers_clause,
+)
 from .request import OffloadRequest
 
 #: How the log line that packing in the background is over begins (after the node's name), apart from the plan line.

@@ -26,11 +26,15 @@ from ..offload import (
 from ..offload.block_methods import entry_methods
 from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
-from .blocks import find_blocks
-from .compiler import outside_the_recording
+from .blocks import find_blocks, read_by_parents
+from .comfy_memory import (
+    PINNED_LIMIT_ENV,
+    PINNED_MEMORY,
+    host_buffer_room,
+    outside_the_recording,
+    pinning_enabled,
+)
 from .dynamic_vram import file_slice, recorded_dtype
-from .fused_reads import read_by_parents
-from .pinned_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_buffer_room, pinning_enabled
 from .placement import Placement, bake
 from .request import OffloadRequest
 

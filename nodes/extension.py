@@ -1,4 +1,4 @@
-"""The one object the extension keeps for the life of the process: its panel (``nodes/report.py``'s ``Panel``).
+"""The one object the extension keeps for the life of the process: its panel (``nodes/panel.py``'s ``Panel``).
 
 ComfyUI hands a node pack no object of its own that the pack's model patchers and engines could reach, so the
 panel is kept in the process's registry (``offload/process_state.py``), set once where ComfyUI sets the pack up

@@ -1,17 +1,25 @@
-"""The panel's messages, built from an engine, its run and the recorder's steps: each through the schema
-(``web/status_schema.json``, ``nodes/status_schema.py``), whose ``Message.build`` refuses a field it lacks.
+"""The panel's messages, the one place their fields are named: as ``web/status_schema.json`` declares them, built
+from an engine, its run (``RunRecord``) and the recorder's steps.
 
-The panel (``nodes/report.py``) decides when a message goes and to whom; this module only says what it holds.
-A step goes to the websocket compact (``compact_step``: one row per block call) and to the routes in full
+Every message is built through ``Message.build``, which refuses a field the schema lacks and a declared one left
+out (unless the schema says when it may be): a renamed or forgotten field fails where the message is built, not
+in a browser. The panel (``web/block_offload_panel.js``) reads the same fields by name;
+``tests/test_panel_schema.py`` checks that both sides agree with the file, which lives in ``web/`` beside the
+panel that reads it, and is served with it.
+
+The panel feed (``nodes/panel.py``) decides when a message goes and to whom; this module only says what it
+holds. A step goes to the websocket compact (``compact_step``: one row per block call) and to the routes in full
 (``full_step``); both number it from the run's first step.
 """
 
 from __future__ import annotations
 
+import json
 import operator
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
 
 import psutil
 import torch
@@ -19,24 +27,109 @@ import torch
 from ..offload import memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
 from ..offload.step_timeline import StepTimeline
+from .comfy_memory import host_ram
 from .engine import Engine
-from .panel_run import RunRecord
-from .pinned_memory import host_ram
-from .status_schema import (
-    FROM_FILE,
-    FULL_STEP,
-    MEMORY,
-    MODEL,
-    READ,
-    REPORT,
-    RESIDENT,
-    SPAN,
-    STATUS,
-    STEP,
-    STREAMED,
-    TIMELINE,
-    VERSION,
-)
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "web" / "status_schema.json"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message (or part of one) of the schema: its fields in their declared order, and those always there."""
+
+    name: str
+    fields: tuple[str, ...]
+    required: frozenset[str]
+    declared: frozenset[str]
+
+    def build(self, **values: Any) -> dict[str, Any]:
+        """``values`` as the message, once they are exactly its fields (the optional ones may be left out)."""
+        given = values.keys()
+        if given != self.declared and (self.required - given or given - self.declared):
+            missing, unknown = sorted(self.required - given), sorted(given - self.declared)
+            raise ValueError(f"{self.name} message: {missing} missing, {unknown} not in {SCHEMA_PATH.name}")
+        return values
+
+
+def _message(name: str) -> Message:
+    """The message ``name``; one that ``extends`` another has that one's fields first."""
+
+    def fields_of(name: str) -> dict[str, dict[str, Any]]:
+        message = _SCHEMA["messages"][name]
+        base = fields_of(message["extends"]) if "extends" in message else {}
+        return base | message["fields"]
+
+    fields = fields_of(name)
+    required = frozenset(field for field, spec in fields.items() if "absent_when" not in spec)
+    return Message(name, tuple(fields), required, frozenset(fields))
+
+
+_SCHEMA: Final = json.loads(SCHEMA_PATH.read_text())  # read once, never changed
+
+VERSION: int = _SCHEMA["version"]
+STATUS_EVENT: str = _SCHEMA["messages"]["status"]["event"]
+REPORT_ROUTE: str = _SCHEMA["messages"]["report"]["route"]
+TIMELINE_ROUTE: str = _SCHEMA["messages"]["timeline"]["route"]
+# A unit's place in the placement string: on the device, streamed from a host buffer, or from its checkpoint file.
+RESIDENT: str = _SCHEMA["placement_letters"]["resident"]
+STREAMED: str = _SCHEMA["placement_letters"]["streamed"]
+FROM_FILE: str = _SCHEMA["placement_letters"]["from_file"]
+
+STATUS = _message("status")
+REPORT = _message("report")
+MEMORY = _message("memory")
+MODEL = _message("model")
+STEP = _message("step")
+SPAN = _message("span")
+READ = _message("read")
+FULL_STEP = _message("full_step")
+TIMELINE = _message("timeline")
+
+
+# -- one sampling run as the panel keeps it: where the run is, and the steps it ran, for its timeline ------
+
+
+# What the downloadable timeline of one run may hold (block calls in all its steps): a bound on its size.
+MAX_RUN_SPANS = 200_000
+
+
+@dataclass
+class RunRecord:
+    """One run of an engine: one sampling call (``run_started`` .. ``run_finished``), or, when a sampler calls
+    the model without ComfyUI's ``pre_run``, everything since the engine started.
+
+    Written on the sampling thread; the routes read it from the server's thread. A new run gets a new record,
+    and ``steps`` is only appended to: a route may still be reading the last run's list.
+    """
+
+    prompt_id: str | None = None
+    resident_weights: int | None = None  # the bytes ComfyUI loaded of the model as the run started
+    running: bool = False
+    first_step: int | None = None  # the recorder's index of the run's first step, recorded or not
+    step: int | None = None  # the recorder's index of the step running now
+    block: int | None = None
+    steps: list[StepTimeline] = field(default_factory=list)  # the steps kept, up to MAX_RUN_SPANS block calls
+    last_step: StepTimeline | None = None
+    steps_done: int = 0
+    truncated: bool = False  # a step was left out of ``steps``
+    spans: int = 0  # block calls in every step recorded
+
+    def record(self, step: StepTimeline) -> bool:
+        """Keeps a step the recorder resolved; False for the end of an earlier run, resolved late."""
+        if self.first_step is None or step.step < self.first_step:
+            return False
+        self.steps_done = step.step - self.first_step + 1  # the steps between recorded ones ran too
+        self.spans += len(step.spans)
+        if self.spans <= MAX_RUN_SPANS:
+            self.steps.append(step)
+        else:
+            self.truncated = True
+        self.last_step = step
+        return True
+
+
+# -- the messages ---------------------------------------------------------------------------------------
+
 
 # A step's spans and reads go to the websocket as rows, their values in the schema's order of fields.
 _span_row = operator.attrgetter(*SPAN.fields)
@@ -241,7 +334,7 @@ def report_message(status: dict[str, Any], last_step: dict[str, Any] | None) -> 
 
 def model_entry(facts: EngineFacts, running: bool, pinning: str | None) -> dict[str, Any]:
     """One engine's placement, in the list of every model streaming now; ``pinning``: how far packing in the
-    background has got (``plan_line.pinning_progress``)."""
+    background has got (``placement.pinning_progress``)."""
     return MODEL.build(node=facts.node, **facts.placement_fields(), running=running, pinning=pinning)
 
 

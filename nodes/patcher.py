@@ -1,4 +1,5 @@
-"""ComfyUI's ModelPatcher, taught to stream blocks instead of loading them.
+"""ComfyUI's ModelPatcher, taught to stream blocks instead of loading them, and the load protocol and state it
+keeps on the model.
 
 ComfyUI's memory manager decides how much of a model goes to the GPU by calling
 ``partially_load`` / ``load`` with a byte budget, and keeps its books in
@@ -11,9 +12,26 @@ budget reduced by our device slots, and the engine streams the hidden part.
 The class is a mixin over whatever patcher class the incoming MODEL has.
 ``ModelPatcher.clone()`` builds ``self.__class__``, so every later clone (LoRA
 loaders, other patch nodes) keeps the streaming behaviour and the request,
-which travels as an attachment. This file holds the ModelPatcher overrides and
-how a node's MODEL becomes a streaming clone; the placement, the engine and the
-state they share have files of their own.
+which travels as an attachment.
+
+ComfyUI never says why it calls. ``unpatch_model(unpatch_weights=True)`` is a real unload (``/free``, eviction,
+a failed load undone) everywhere but at the start of ``partially_load``, where it only clears the old patches
+before the new ones go on. ``detach(unpatch_all=False)`` hands the weights over to the next prompt's clone when
+``load_models_gpu`` calls it on the clone it had loaded, and means nothing when ``ModelPatcher.__del__`` calls it
+on any other clone. The phases below tell these apart; ``LoadProtocol``'s methods are the only ways between
+them, each named after the ComfyUI call that triggers it. Every clone of a model shares one ``LoadProtocol``
+(the base of ``ModelState``, kept on the ``nn.Module``), so the clone loaded next finds what the one before it
+left.
+
+* UNPLACED: no engine, nothing hidden from ComfyUI's loader, which loads every module its own way. At the start,
+  after a real unload, after a placement that streams nothing.
+* STREAMING: the owner's engine streams the hidden blocks; ComfyUI holds the rest. After the pack's ``load``
+  (which hides the blocks it streams before ComfyUI's loader runs, then starts or keeps the engine).
+* PARKED: no engine; the last one's blocks wait on their host buffers, still hidden, for the next engine to adopt
+  (no pack, no pin again). After a re-patch, or once the next load took a hand-over.
+* HANDED_OVER: PARKED, with ComfyUI's books as the owner left them. After the owner's ``detach(unpatch_all=False)``.
+  A placement that streams nothing is handed over too, ComfyUI holding all of it: the next clone of the same
+  request keeps it loaded, as ComfyUI keeps a model it loaded, instead of loading the whole model again.
 """
 
 from __future__ import annotations
@@ -23,7 +41,10 @@ import functools
 import itertools
 import logging
 import math
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple
 
 import comfy.model_management
@@ -32,8 +53,8 @@ from comfy.model_patcher import ModelPatcher
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 from torch import nn
 
-from ..offload import GIB, PROCESS_STATE, OffloadPlan, place_falling_back
-from . import report
+from ..offload import GIB, PROCESS_STATE, OffloadPlan, ParkingLot, place_falling_back
+from . import panel
 from .blocks import inside, one_tree_per_load
 from .dynamic_vram import (
     back_to_file,
@@ -46,12 +67,10 @@ from .dynamic_vram import (
     uses_dynamic_vram,
 )
 from .engine import Engine, call_order_of, start_engine
-from .load_protocol import LoadedBooks, Unpatch
-from .patch_shapes import refuse_patches_on_packed_weights, refuse_reshaping_patches
+from .engine_runner import PatchHistory
+from .patches import refuse_patches_on_packed_weights, refuse_reshaping_patches, refuse_weight_hooks
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
-from .state import state_of
-from .weight_hooks import refuse_weight_hooks
 
 ATTACHMENT = "block_offload"
 # Present only while the patcher's ``load`` runs: ComfyUI's module list once walked, else None
@@ -144,7 +163,7 @@ class BlockOffloadPatcher(ModelPatcher):
 
     Each call on to that class passes its arguments as ComfyUI passes them: the leading ones by position, the
     flags by keyword. A class that forwards ``*args`` with a keyword-only flag of its own (ComfyUI-GGUF's
-    ``partially_load`` and ``partially_unload`` since 2026) would otherwise get a flag twice. One exception, the
+    ``partially_load`` and ``partially_unload``) would otherwise get a flag twice. One exception, the
     resident part's budget (see ``_place``)."""
 
     def clone(self, *args, **kwargs):
@@ -182,8 +201,8 @@ class BlockOffloadPatcher(ModelPatcher):
 
     def _module_list(self) -> list[Any]:
         """ComfyUI's ``_load_list()`` of every module, walked once per ``load``: the placement's loader need, the
-        count of what ComfyUI is offered and ComfyUI's own load each read it, and a walk of a Wan 2.1 14B's 900
-        modules takes 21 ms on a 2-core CPU, at every sampler's load. Within a load no module outside the streamed
+        count of what ComfyUI is offered and ComfyUI's own load each read it, and each walk visits every module of
+        the model, at every sampler's load. Within a load no module outside the streamed
         blocks changes before ComfyUI's load has read the list (the engine only repoints the streamed blocks, which
         the list hides from ComfyUI); a placement undone (``_undo_placement``) walks again. Only the call without
         arguments is kept: ComfyUI's ``default_device`` moves weights as it walks."""
@@ -397,7 +416,7 @@ class BlockOffloadPatcher(ModelPatcher):
         engine.stop(park)
         state.stopped(park)  # parked blocks stay hidden from ComfyUI's loader; the next load re-plans the set
 
-    # -- sampling runs, for the live panel (report) ------------------------------------------
+    # -- sampling runs, for the live panel ---------------------------------------------------
 
     def pre_run(self):
         engine = self.offload_engine
@@ -405,7 +424,7 @@ class BlockOffloadPatcher(ModelPatcher):
             refuse_weight_hooks(self, engine.placement.streamed, engine.request.node)
         super().pre_run()
         if engine is not None:
-            report.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
+            panel.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
         elif not state_of(self.model).placed_without_streaming(self.patcher_id):
             # Placed with blocks to stream (or not by this patcher: ComfyUI loaded it without asking it), yet
             # sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
@@ -418,7 +437,7 @@ class BlockOffloadPatcher(ModelPatcher):
                 "cache) streams."
             )
             logging.warning(f"Block Offload ({node}): {notice}")
-            report.node_not_streaming(node, notice)
+            panel.node_not_streaming(node, notice)
 
     def cleanup(self):
         try:
@@ -428,6 +447,206 @@ class BlockOffloadPatcher(ModelPatcher):
                 engine.runner.close_open_step()
                 engine.note_cold_reads()
                 engine.note_packing()
-                report.run_finished(engine)
+                panel.run_finished(engine)
         finally:
             super().cleanup()
+
+
+# -- the load protocol: which of ComfyUI's calls moves a model's weights into which phase -----------------
+
+
+class Phase(Enum):
+    UNPLACED = "unplaced"
+    STREAMING = "streaming"
+    PARKED = "parked"
+    HANDED_OVER = "handed over"
+
+
+class Unpatch(Enum):
+    """What one call of ``unpatch_model`` is (``LoadProtocol.unpatching``)."""
+
+    REPATCH = "repatch"  # partially_load clears the old patches before it loads with new ones: the blocks park
+    UNLOAD = "unload"  # the weights unpatched outside a load: nothing of the pack's may keep memory
+    OBJECTS = "objects"  # unpatch_weights=False: object patches come off, the weights stay as they are
+
+
+class LoadedBooks(NamedTuple):
+    """ComfyUI's books on a model's weights (on its ``BaseModel``): any load or unload by any patcher changes them."""
+
+    weight_memory: int  # model_loaded_weight_memory
+    lowvram: bool
+    patches_uuid: uuid.UUID | None  # current_weight_patches_uuid: the patches the loaded weights carry
+    device: torch.device | None
+
+
+@dataclass
+class LoadProtocol:
+    """A model's phase and what goes with it; a patcher (``BlockOffloadPatcher.patcher_id``) is named by its number."""
+
+    phase: Phase = Phase.UNPLACED
+    engine: Engine | None = None  # STREAMING only
+    # The patcher whose load placed the weights as they are: STREAMING, the engine's (the only clone whose
+    # detach hands the weights over: any other may be detached, or deleted, as ``ModelPatcher.__del__``
+    # detaches, at any time, through the cycle collector even in the middle of a prompt); UNPLACED, the one
+    # whose placement streams nothing (its sampling without an engine is no surprise).
+    owner: int | None = None
+    # Module names ComfyUI's loader must not see: streamed now, or parked by the last engine (still on the host,
+    # never loaded by ComfyUI; a partial unload between prompts must neither move nor count them).
+    hidden: frozenset[str] = frozenset()
+    # HANDED_OVER only: ComfyUI's books as the owner handed the weights over. The next clone keeps the resident
+    # part loaded if they still hold, that is if nothing (a plain clone, say) loaded or unloaded the weights since.
+    # Only the owner records them: a later detach of another clone (ComfyUI's cache dropping an old node output
+    # after a plain model loaded these weights) must not pass the plain load off as the parked one.
+    parked_load: LoadedBooks | None = None
+    # The patcher inside ``partially_load`` whose first ``unpatch_model`` has not come yet.
+    repatching: int | None = None
+    # What the owner's placement was made for (its node's request, compared by equality): a clone of another
+    # request must place anew, not keep the weights as the owner's placement left them.
+    placed_for: object = None
+
+    # -- partially_load: load_models_gpu, once per prompt, per model -----------------------------------------------
+
+    def begin_load(self, patcher: int, books: LoadedBooks, request: object) -> bool:
+        """``partially_load`` begins: a hand-over is taken (HANDED_OVER → PARKED) and ``patcher``'s re-patch window
+        opens. True when what ComfyUI holds loaded is not the pack's placement (a detached clone's own load, which
+        ComfyUI keeps, or a hand-over whose books changed since): the load must start from the host.
+
+        A placement that streamed nothing, handed over for the same ``request``, is ``patcher``'s at once (UNPLACED,
+        owned): ComfyUI's partially_load keeps a model it holds whole without calling ``load``, so the pack would
+        not see it placed. For another request it starts from the host, or ComfyUI would keep it unplaced."""
+        if self.repatching is not None and self.repatching != patcher:
+            self._unexpected("partially_load", f"patcher {self.repatching}'s partially_load is still open")
+        kept = self.phase is Phase.HANDED_OVER and self.parked_load == books
+        self.repatching = patcher
+        if self.phase is Phase.HANDED_OVER:
+            self.parked_load = None
+            if not self.hidden:  # a placement that streamed nothing
+                kept = kept and request == self.placed_for
+                if kept:
+                    self.owner = patcher
+                    self._enter(Phase.UNPLACED, "partially_load keeps the hand-over, all of it loaded")
+                    return False
+            self._enter(Phase.PARKED, "partially_load takes the hand-over")
+        return self.phase is not Phase.STREAMING and books.weight_memory > 0 and not kept
+
+    def unpatching(self, patcher: int, unpatch_weights: bool) -> Unpatch:
+        """``unpatch_model``: ComfyUI's partially_load calls it first, unpatching the weights when this clone's
+        patches differ from those loaded (a LoRA added or removed, another strength). That one is no unload: the
+        streamed blocks' host buffers hold the weights unpatched (their patches are applied on the device), so they
+        park for the next engine. Any other call unpatching the weights unloads them. The patcher stops the
+        engine; ``stopped`` and ``unloaded`` change the phase."""
+        repatch = self.repatching == patcher
+        if repatch:
+            self.repatching = None
+        if not unpatch_weights:
+            return Unpatch.OBJECTS
+        return Unpatch.REPATCH if repatch else Unpatch.UNLOAD
+
+    def end_load(self, patcher: int) -> None:
+        """``partially_load`` returns (or raises): ``patcher``'s window closes. ComfyUI 0.3.75 and 0.33 both unpatch
+        first thing; a window still open means a ComfyUI whose re-patch the pack would take for an unload."""
+        if self.repatching == patcher:
+            self.repatching = None
+            self._unexpected("partially_load", "it ended before its first unpatch_model")
+
+    # -- load: the pack's placement --------------------------------------------------------------------------------
+
+    def placing(self, streamed: frozenset[str]) -> None:
+        """``load`` places: the blocks it streams are hidden before ComfyUI's loader runs (parked ones included:
+        their engine adopts them; those it no longer streams become ordinary weights, for ComfyUI to load)."""
+        self.hidden = streamed
+
+    def placed(self, patcher: int, engine: Engine | None, request: object) -> None:
+        """``load`` is done: ``engine`` streams (STREAMING; started or kept from an earlier load of the same
+        placement), or, with None, the placement streams nothing (UNPLACED). ``patcher`` owns either, placed for
+        ``request``."""
+        if self.engine is not None and self.engine is not engine:
+            self._unexpected("load", "another engine is streaming; it is left running unseen")
+        self.engine = engine
+        self.owner = patcher
+        self.placed_for = request
+        self.parked_load = None
+        self._enter(Phase.UNPLACED if engine is None else Phase.STREAMING, "load")
+
+    # -- stopping ------------------------------------------------------------------------------------------------
+
+    def stopped(self, park: bool) -> None:
+        """The engine stopped: its blocks parked (PARKED: a re-patch, a hand-over) or given back (UNPLACED: a real
+        unload, a load replacing the placement)."""
+        self.engine = None
+        if not park:
+            self.hidden = frozenset()
+        self._enter(Phase.PARKED if park else Phase.UNPLACED, "engine parked" if park else "engine stopped")
+
+    def hands_over(self, patcher: int, unpatch_all: bool) -> bool:
+        """``detach(unpatch_all=False)``: ComfyUI hands the weights to a new clone (one per prompt) by detaching
+        the one it loaded. Only the owner hands over: of a streaming engine (which parks, then ``handed_over``), or
+        of a placement that streams nothing; another clone detached or deleted now is not what is loaded.
+        ``detach()`` unpatches all: an unload."""
+        placed = self.phase is Phase.STREAMING or self.phase is Phase.UNPLACED
+        return not unpatch_all and placed and self.owner == patcher
+
+    def handed_over(self, books: LoadedBooks) -> None:
+        """The owner's detach is done: PARKED (or UNPLACED, owned: its placement streamed nothing) → HANDED_OVER,
+        with ComfyUI's books as it left them."""
+        owned_unplaced = self.phase is Phase.UNPLACED and self.owner is not None
+        if self.phase is not Phase.PARKED and not owned_unplaced:
+            self._unexpected("detach", "the engine did not park")
+            return
+        self.parked_load = books
+        self._enter(Phase.HANDED_OVER, "detach")
+
+    def unloaded(self) -> None:
+        """A real unload, the engine stopped and the parked blocks given memory of their own: UNPLACED, no owner."""
+        if self.engine is not None:
+            self._unexpected("unpatch_model", "the engine is still streaming")
+        self.hidden = frozenset()
+        self.parked_load = None
+        self.owner = None
+        self._enter(Phase.UNPLACED, "unload")
+
+    # -- sampling --------------------------------------------------------------------------------------------------
+
+    def placed_without_streaming(self, patcher: int) -> bool:
+        """Whether ``patcher``'s own placement streams nothing (``pre_run``: sampling without an engine is then
+        what was planned)."""
+        return self.phase is Phase.UNPLACED and self.owner == patcher
+
+    def _enter(self, phase: Phase, call: str) -> None:
+        logging.debug(f"Block Offload: {self.phase.value} -> {phase.value} ({call})")
+        self.phase = phase
+
+    def _unexpected(self, call: str, what: str) -> None:
+        logging.warning(
+            f"Block Offload: unexpected {call} while the model is {self.phase.value}: {what}. Please report this with "
+            "the workflow; unloading models (Free model and node cache) starts the model afresh."
+        )
+
+
+# -- the pack's state on a model: one holder on the nn.Module that all of ComfyUI's clones share ----------
+
+
+_ATTRIBUTE = "block_offload_state"
+
+
+@dataclass
+class ModelState(LoadProtocol):
+    """What outlives one patcher: ComfyUI loads a new clone of the model for every prompt. The engine, its owner,
+    the modules hidden from ComfyUI's loader and the hand-over's books are the load protocol's (``LoadProtocol``)."""
+
+    fallback: Fallback | None = None  # the placement that fit when the asked one ran out of memory
+    # The last engine's call order (its unit, its count of units, the order): the next engine of the model
+    # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
+    call_order: tuple[str, int, tuple[int, ...]] | None = None
+    patch_history: PatchHistory | None = None  # the patches the last engines ran, and for how many steps
+    # The host buffers the model's engines parked on stopping, for the next engine to take over; freed (the
+    # blocks given memory of their own) at a real unload.
+    parking: ParkingLot = field(default_factory=ParkingLot)
+
+
+def state_of(model: nn.Module) -> ModelState:
+    state = getattr(model, _ATTRIBUTE, None)
+    if state is None:
+        state = ModelState()
+        setattr(model, _ATTRIBUTE, state)
+    return state

@@ -1,5 +1,6 @@
-"""A node's request and ComfyUI's budget, turned into a placement: which blocks stay on the device,
-which stream, with what prefetch, and what that costs in device memory.
+"""A node's request and ComfyUI's budget, turned into a placement: which blocks stay on the device, which stream,
+with what prefetch, and what that costs in device memory; and the plan line, which tells the user what was
+placed and what the engine's start did with it, with a progress bar while a first load packs.
 
 An automatic placement (Partial GPU Residency, ``auto``) is measured on its first run (block compute
 times, copy bandwidth, kept per device and model in ComfyUI's user folder) and chosen by the planner
@@ -11,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import comfy.utils
 import folder_paths
 from comfy.model_patcher import ModelPatcher
 
@@ -25,6 +28,7 @@ from ..offload import (
     BakeDecision,
     CostCache,
     OffloadPlan,
+    Runner,
     StackCosts,
     StepTimeline,
     bake_decision,
@@ -33,16 +37,15 @@ from ..offload import (
     cached_best_plan,
     can_pin_memory,
     device_name,
+    file_source,
     module_bytes,
 )
 from ..offload.layout import aligned, module_stored_bytes
-from .blocks import Units, find_blocks
-from .device_patches import patch_scratch_bytes, twin_patches_as_cast
+from .blocks import Units, find_blocks, read_by_parents
+from .comfy_memory import PINNED_LIMIT_ENV, PINNED_MEMORY, host_ram, pinning_enabled
+from .device_patches import patch_ms_per_unit, patch_scratch_bytes, twin_patches_as_cast
 from .dynamic_vram import recorded_dtype, stored_as_computed
-from .fused_reads import read_by_parents
-from .patch_adapters import adapter_bytes
-from .patch_costs import patch_ms_per_unit
-from .pinned_memory import pinning_enabled
+from .patches import adapter_bytes
 from .request import OffloadRequest
 
 
@@ -125,7 +128,7 @@ def _over_budget(request: OffloadRequest, placement: Placement, budget: float, n
 
 def _room_for_patches(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
     """Device bytes the streamed units' patches take: their adapters in the ring, and the scratch the engine
-    patches plain LoRAs in where the weights arrive (``lora_scratch.py``)."""
+    patches plain LoRAs in where the weights arrive (``loaded_patch.py``)."""
     return _adapters_in_ring(request, model, placement) + patch_scratch_bytes(
         model, placement.streamed, model.load_device, twin_patches_as_cast(model, request)
     )
@@ -179,7 +182,7 @@ def _place(
         summary = f"every module streamed, copied as {dtype}, modules kept on device up to {limit:.2f} GiB"
         if request.notice:  # a block node's model without block lists
             summary = f"{type(diffusion_model).__name__}, no block lists: {summary}"
-        # The sequential wrapper's pool: on Wan 14B the largest module (time_projection) alone is 315 MB.
+        # The sequential wrapper's pool of stream buffers, sized by its largest modules.
         slots = buffer_bytes(diffusion_model, request.prefetch, request.storage_dtype, read_by_parents(diffusion_model))
         return Placement(None, names, summary, slots)
     found = find_blocks(diffusion_model)
@@ -357,3 +360,130 @@ def cost_cache() -> CostCache:
     """Measured block costs, per device and model, in ComfyUI's user folder (kept across restarts). Public for
     the tests, which clear it, seed it with given costs and read what a run measured."""
     return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")
+
+
+# -- the plan line: what an engine's start tells the user, besides the placement's own summary ------------
+
+
+def packing_clause(runner: Runner, seconds: float) -> str:
+    """The plan line's word on what the start copied into host buffers, and how long it took (what a first load
+    pays and a later prompt taking the buffers over does not), and on what is packed in the background while
+    the first steps stream those blocks from where they are: a first step slower than the next explains itself."""
+    packed = runner.packed_bytes
+    clause = f"; packed {packed / GIB:.2f} GiB into host buffers in {seconds:.2f} s" if packed else ""
+    _, later = runner.background_packing
+    if later:
+        clause += f"; {later / GIB:.2f} GiB pinned or packed in the background while the first steps run"
+        progress = pinning_progress(runner)
+        clause += f" ({progress} so far)" if progress else ""
+    return clause
+
+
+def pinning_progress(runner: Runner) -> str | None:
+    """How far pinning has got while blocks are still packed in the background ("pinned 6.20 of 11.90 GiB"); None
+    once they are, or when none of them is to be pinned."""
+    pinned, total = runner.pinning_progress
+    if not runner.waiting_bytes or not total:
+        return None
+    return f"pinned {pinned / GIB:.2f} of {total / GIB:.2f} GiB"
+
+
+def pageable_clause(runner: Runner) -> str:
+    """The plan line's word on streamed units that wanted pinned memory and got pageable memory."""
+    reasons = {"the pinned-memory cap": runner.refused_pinning, "the driver refused to pin": runner.failed_pinning}
+    said = [f"{len(units)} from pageable memory ({reason})" for reason, units in reasons.items() if units]
+    return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
+
+
+def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> str:
+    """The plan line's word on where the streamed weights wait: host buffers, or their checkpoint file."""
+    read = runner.read_each_step
+    streamed = len(runner.streamed)
+    host = runner.host_bytes / GIB
+    in_ram = streamed - len(read)
+    held = f"{in_ram} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB of host buffers)"
+    if fast_disk:
+        kept = f"{PINNED_LIMIT_ENV} keeps" if os.environ.get(PINNED_LIMIT_ENV) else f"set {PINNED_LIMIT_ENV} to keep"
+        held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"
+    if not read:
+        return f"; {held}, none read from the checkpoint file"
+    cgroup = host_ram().cgroup
+    if cgroup is not None and not fast_disk:
+        held += f" (within this process's memory limit, {cgroup.limit / GIB:.2f} GiB: cgroup {cgroup.path})"
+    read_from = (
+        f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
+        f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
+    )
+    threads = file_source.read_threads(source.handle for source in runner.file_slices())
+    read_from += f", read by {threads_said(threads)}"
+    read_ms = least_read_ms(runner, bandwidth)
+    if read_ms is not None and bandwidth:
+        read_from += f", {bandwidth / 1e9:.2f} GB/s as the page cache holds it now: {read_ms:.1f} ms per step at least"
+    return f"; {held}, {read_from})"
+
+
+def threads_said(threads: int) -> str:
+    """How many threads read the checkpoint, and why, for the plan line."""
+    if threads > 1:
+        return f"{threads} threads at once"
+    if file_source.POSITIONAL_READ is None:
+        return "one thread copying from the file's mapping, this system having no positional read"
+    return "one thread, the file's disk being rotational (several readers would make it seek)"
+
+
+def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
+    """The least a step can take while the file tier is read at ``bandwidth`` (bytes/s; None: no file tier)."""
+    return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
+
+
+def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
+    """A notice for each reason some streamed weights went to pageable RAM, which copies more slowly: the
+    pinned-memory cap, or (``driver``) the driver refusing to pin (its caller logs each once)."""
+    notices = []
+    of = f"of {len(runner.streamed)} streamed {runner.unit}s"
+    refused = runner.refused_pinning
+    if refused:
+        notices.append(
+            f"Pinned memory cap reached ({(PINNED_MEMORY.limit or 0) / GIB:.2f} GiB, shared with ComfyUI and the "
+            f"other streaming models): {len(refused)} {of} ({sum(refused.values()) / GIB:.2f} GiB) stream from "
+            f"pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
+            f"{PINNED_LIMIT_ENV} sets the pack's own cap."
+        )
+    failed = runner.failed_pinning if driver else {}
+    if failed:
+        notices.append(
+            f"The driver refused to pin {len(failed)} {of} ({sum(failed.values()) / GIB:.2f} GiB): they stream from "
+            "pageable RAM, which copies more slowly (the error was cleared, the run goes on). Too much pinned "
+            f"memory system-wide is the usual cause: close other GPU programs, or lower {PINNED_LIMIT_ENV}."
+        )
+    return notices
+
+
+# -- a first load's packing, shown the ComfyUI way: a progress bar on the node that loads the model ------
+# Packing copies every streamed weight into host buffers once, and pins them, before ComfyUI's own progress bar
+# starts counting steps. A model whose host buffers are taken over from the last prompt packs nothing and shows
+# no bar.
+
+#: The most updates one packing sends: the sequential wrapper packs modules by the thousand, and ComfyUI 0.3.75
+#: sends every update to every open browser tab.
+UPDATES = 50
+
+
+def pack_progress(packed_bytes: Callable[[], int]) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` for ``Runner.enable``: a progress bar over the units, from the first unit
+    that ``packed_bytes`` (the runner's count of bytes copied) says was packed, at most ``UPDATES`` times."""
+    bar: comfy.utils.ProgressBar | None = None
+    shown = 0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar, shown
+        if bar is None:
+            if not packed_bytes():
+                return  # taken over, or left in its file, so far: nothing worth a bar yet
+            bar = comfy.utils.ProgressBar(total)
+        step = max(1, total // UPDATES)
+        if done == total or done - shown >= step:
+            bar.update_absolute(done, total)
+            shown = done
+
+    return progress

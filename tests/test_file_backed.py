@@ -81,7 +81,7 @@ def comfy_size(module: torch.nn.Module) -> int:
 
 
 def cap_host_buffers(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
-    from block_offload.nodes.pinned_memory import PINNED_LIMIT_ENV
+    from block_offload.nodes.comfy_memory import PINNED_LIMIT_ENV
 
     monkeypatch.setenv(PINNED_LIMIT_ENV, str(nbytes / GIB))
 
@@ -152,7 +152,7 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
     assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
-    from block_offload.nodes.plan_line import threads_said
+    from block_offload.nodes.placement import threads_said
 
     threads = read_threads(source.handle for source in runner.file_slices())
     assert f"as stored, read by {threads_said(threads)}, " in engine.summary, engine.summary
@@ -232,7 +232,7 @@ def test_in_a_container_the_twin_s_host_buffers_stay_within_its_memory_limit(
     its blocks beyond the pack's RAM headroom, as a container's ``--memory`` would: psutil sees the host's RAM, the
     kernel kills at the limit. Host buffers for at most that room, the rest read from the file at each step,
     bitwise the classic load; the plan line names the limit."""
-    from block_offload.nodes.pinned_memory import RAM_HEADROOM
+    from block_offload.nodes.comfy_memory import RAM_HEADROOM
 
     path, dtype = deep_wan["fp32"], COMPUTE["fp16"]
     classic = dynamic_vram.load_classic(path, dtype)
@@ -544,7 +544,7 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     RAM than ComfyUI alone), every streamed unit read from the file through the staging slots, which is all the
     anonymous memory the node adds at its peak beside the device side; the plan line says so. Bitwise the
     classic load. With ``BLOCK_OFFLOAD_MAX_PINNED_GB`` set, host buffers up to it, as on any disk."""
-    from block_offload.nodes.pinned_memory import PINNED_LIMIT_ENV
+    from block_offload.nodes.comfy_memory import PINNED_LIMIT_ENV
 
     path, dtype = deep_wan["bf16"], torch.float16
     classic = dynamic_vram.load_classic(path, dtype)

@@ -1,4 +1,4 @@
-"""The modules whose weights ComfyUI reads from their parent's code (``nodes/fused_reads.py``), found in the
+"""The modules whose weights ComfyUI reads from their parent's code (``nodes/blocks.py``), found in the
 code of ComfyUI 0.33's own classes: every call of ``cast_bias_weight`` or ``linear_input_act`` on a child in
 its models (the Sequential Offload Wrapper brings those children in with the parent's call; that they are then
 read from the engine's device buffers is asserted in tests/test_quantized_lora.py)."""
@@ -27,7 +27,7 @@ READERS = {
 @pytest.mark.usefixtures("comfy")
 @pytest.mark.parametrize(("module", "name"), list(READERS))
 def test_the_children_a_class_reads_are_found_in_its_code(module: str, name: str) -> None:
-    from block_offload.nodes.fused_reads import read_paths
+    from block_offload.nodes.blocks import read_paths
 
     cls = getattr(importlib.import_module(module), name)
     assert set(read_paths(cls)) == READERS[module, name]
@@ -37,6 +37,6 @@ def test_the_children_a_class_reads_are_found_in_its_code(module: str, name: str
 def test_a_class_that_calls_its_children_reads_none() -> None:
     import comfy.ldm.flux.layers
 
-    from block_offload.nodes.fused_reads import read_paths
+    from block_offload.nodes.blocks import read_paths
 
     assert read_paths(comfy.ldm.flux.layers.DoubleStreamBlock) == ()

@@ -52,7 +52,7 @@ def test_pack_imported_without_error(comfy_host: ComfyHost) -> None:
 def test_the_log_says_once_which_comfyui_the_pack_runs_on(comfy_host: ComfyHost) -> None:
     from conftest import HOST_VERSION
 
-    from block_offload.nodes.versions import TESTED, version_notice
+    from block_offload.nodes import TESTED, version_notice
 
     assert HOST_VERSION in TESTED
     lines = [line for line in comfy_host.log_text().splitlines() if "a version this pack is tested on" in line]

@@ -1,4 +1,4 @@
-"""The patcher's load and unload protocol (``nodes/load_protocol.py``), one test per sequence of ComfyUI calls.
+"""The patcher's load and unload protocol (``nodes/patcher.py``), one test per sequence of ComfyUI calls.
 
 Each test drives a real ComfyUI ModelPatcher through the node, in-process on the CPU, as ComfyUI's prompts do
 (``load_models_gpu``, the sampler, ``/free``), and reads back the calls ComfyUI made on the node's patchers, each
@@ -52,7 +52,7 @@ class ComfyCalls:
         return patcher
 
     def phase(self, patcher) -> str:
-        return self.comfy.state.state_of(patcher.model).phase.name
+        return self.comfy.patcher.state_of(patcher.model).phase.name
 
     def take(self) -> list[Call]:
         """The calls since the last ``take``."""
@@ -257,7 +257,7 @@ def test_a_real_unload_leaves_nothing_pinned_or_parked(calls: ComfyCalls, handed
     assert engine() is None and node.offload_engine is None
     # Pageable on the CPU, the blocks streamed from their own tensors: they keep them, nothing copied.
     assert in_place and on_buffers(node, buffers)
-    state = comfy.state.state_of(node.model)
+    state = comfy.patcher.state_of(node.model)
     blocks = node.model.diffusion_model.blocks
     assert all(state.parking.take(block) is None for block in blocks) and state.hidden == frozenset()
     assert comfy.pinned.PINNED_MEMORY.used == 0
@@ -275,7 +275,7 @@ def test_another_clone_detached_or_deleted_while_the_owner_streams_hands_nothing
     owner = calls.named(node.clone(), "owner")  # what a node after the pack's returns
     assert torch.equal(sample(comfy, owner), references["plain"])
     engine = owner.offload_engine
-    state = comfy.state.state_of(owner.model)
+    state = comfy.patcher.state_of(owner.model)
     assert state.owner == owner.patcher_id
     spare = calls.named(owner.clone(), "spare")  # never loaded
     calls.take()
@@ -306,7 +306,7 @@ def test_a_plain_clone_loading_after_the_hand_over_is_not_taken_for_the_parked_l
     del old
     gc.collect()
     assert calls.take() == [("old", HAND_OVER, "HANDED_OVER")]
-    handed_over = comfy.state.state_of(model.model).parked_load
+    handed_over = comfy.patcher.state_of(model.model).parked_load
     assert handed_over is not None and handed_over != node.loaded_state()  # still the node's books
     assert torch.equal(sample(comfy, node), references["plain"])
     assert calls.take() == [
@@ -393,7 +393,7 @@ def test_the_next_prompts_clone_keeps_a_placement_that_streams_nothing_loaded(
     second = calls.named(node.clone(), "second")
     with pytest.MonkeyPatch.context() as warned:
         said: list[str] = []
-        warned.setattr(comfy.report, "node_not_streaming", lambda node, notice: said.append(notice))
+        warned.setattr(comfy.panel_feed, "node_not_streaming", lambda node, notice: said.append(notice))
         comfy.mm.load_models_gpu([second])
         assert calls.take() == [
             ("node", HAND_OVER, "HANDED_OVER"),  # nothing parks: ComfyUI's books alone are handed over
@@ -451,7 +451,7 @@ def test_an_unexpected_call_is_logged_never_taken_silently(
     comfy: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Calls no sequence of ComfyUI 0.3.75 or 0.33 makes, should another ComfyUI make them: each says so."""
-    protocol = importlib.import_module("block_offload.nodes.load_protocol")
+    protocol = importlib.import_module("block_offload.nodes.patcher")
     books = protocol.LoadedBooks(0, False, None, torch.device("cpu"))
     state = protocol.LoadProtocol()
     running, other = SimpleNamespace(name="running"), SimpleNamespace(name="other")  # engines, as far as it sees

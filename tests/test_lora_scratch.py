@@ -1,4 +1,4 @@
-"""A plain LoRA computed in the engine's scratch (``nodes/lora_scratch.py``) is ComfyUI's ``calculate_weight``, bit
+"""A plain LoRA computed in the engine's scratch (``nodes/loaded_patch.py``) is ComfyUI's ``calculate_weight``, bit
 for bit, in every dtype mix a streamed weight meets: the weight patched in place or through a working copy, the
 products in another dtype than the weight's, adapters stored in another dtype, two LoRAs and a model strength;
 and what is not a plain LoRA is left to ComfyUI's code."""
@@ -40,7 +40,7 @@ def test_a_plain_lora_in_the_scratch_is_calculate_weight_bit_for_bit(
     import comfy.lora
     import comfy.weight_adapter
 
-    from block_offload.nodes.lora_scratch import ScratchLayout, layout_in, patch_plain_loras, plain_loras
+    from block_offload.nodes.loaded_patch import ScratchLayout, layout_in, patch_plain_loras, plain_loras
 
     weight = (torch.randn(OUT, IN, generator=torch.Generator().manual_seed(1)) * 0.1).to(weight_dtype)
     patches = [
@@ -69,7 +69,7 @@ def test_a_plain_lora_in_the_scratch_is_calculate_weight_bit_for_bit(
 def test_what_is_not_a_plain_lora_is_left_to_comfyuis_code(comfy: SimpleNamespace) -> None:
     import comfy.weight_adapter
 
-    from block_offload.nodes.lora_scratch import plain_loras
+    from block_offload.nodes.loaded_patch import plain_loras
 
     shape = torch.Size((OUT, IN))
     plain = (1.0, adapter(comfy.weight_adapter, torch.float32, 2, None), 1.0, None, None)

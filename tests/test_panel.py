@@ -233,8 +233,8 @@ def pack(comfy: SimpleNamespace) -> SimpleNamespace:  # noqa: F811 - the fixture
     return SimpleNamespace(
         offload=importlib.import_module("block_offload.offload"),
         patcher=comfy.patcher,
-        report=comfy.report,
-        panel_outbox=importlib.import_module("block_offload.nodes.panel_outbox"),
+        report=comfy.panel_feed,
+        panel_outbox=importlib.import_module("block_offload.nodes.panel"),
         panel=comfy.panel,
         engine=importlib.import_module("block_offload.nodes.engine"),
     )

@@ -1,9 +1,9 @@
 """The panel's messages have one schema, ``web/status_schema.json``, and both sides keep to it.
 
-* The Python side: real messages, built in-process by a real panel (``nodes/report.py``) following a real
+* The Python side: real messages, built in-process by a real panel (``nodes/panel.py``) following a real
   engine on the CPU, are exactly the schema's: every status the outbox sends, the report before any run,
   after a node stepped aside and after a run, the downloadable timeline before and after, and a step with
-  file-tier reads. The pack's reading of the schema (``nodes/status_schema.py``) agrees with the tests'.
+  file-tier reads. The pack's reading of the schema (``nodes/panel_messages.py``) agrees with the tests'.
 * The panel's side: ``web/block_offload_panel.js`` reads only fields the schema declares, on the names it gives
   each message (its header says which), and reads every declared field but those marked ``not_displayed``;
   its constants (version, event, routes, placement letters) are the schema's.
@@ -202,7 +202,7 @@ def test_the_pack_reads_the_schema_as_the_tests_do(schema_module: Any) -> None:
 
 @pytest.fixture(scope="module")
 def schema_module(comfy: SimpleNamespace) -> Any:
-    return importlib.import_module("block_offload.nodes.status_schema")
+    return importlib.import_module("block_offload.nodes.panel_messages")
 
 
 class FakeServer:
@@ -224,13 +224,13 @@ def exactly(message: str, value: dict[str, Any]) -> None:
 def test_every_message_built_is_exactly_the_schemas(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
     """A panel of its own (not the one the in-process pack set up) follows a real engine's run; with no rate
     limit, every block call sends a status."""
-    monkeypatch.setattr(importlib.import_module("block_offload.nodes.panel_outbox"), "MIN_INTERVAL_S", 0.0)
+    monkeypatch.setattr(importlib.import_module("block_offload.nodes.panel"), "MIN_INTERVAL_S", 0.0)
     pack = SimpleNamespace(
         offload=importlib.import_module("block_offload.offload"),
         engine=importlib.import_module("block_offload.nodes.engine"),
     )
     server = FakeServer()
-    panel = comfy.report.Panel(server)
+    panel = comfy.panel_feed.Panel(server)
 
     # Before any run: the report and the timeline say so. A node that stepped aside: its status sent and reported.
     exactly("report", panel.snapshot())
@@ -243,12 +243,12 @@ def test_every_message_built_is_exactly_the_schemas(comfy: SimpleNamespace, monk
     panel.engine_started(engine)
     publisher = engine.recorder.listener  # the panel's, which stopping the engine detaches
     try:
-        comfy.report.run_started(engine, resident_weights=0)
+        comfy.panel_feed.run_started(engine, resident_weights=0)
         with torch.inference_mode():
             for _ in range(3):
                 model(torch.randn(1, 8, 64))
         exactly("report", panel.snapshot())  # mid-run
-        comfy.report.run_finished(engine)
+        comfy.panel_feed.run_finished(engine)
     finally:
         engine.stop()
 

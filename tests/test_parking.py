@@ -335,7 +335,7 @@ def test_another_clone_detached_or_deleted_while_one_streams_does_not_stop_it(co
     del offloaded
     gc.collect()
     assert clone.offload_engine is engine and engine.runner.enabled, "a clone that was not loaded stopped the engine"
-    assert comfy.state.state_of(model.model).parked_load is None
+    assert comfy.patcher.state_of(model.model).parked_load is None
     assert torch.equal(sample(comfy, clone), reference)
     comfy.mm.unload_all_models()
 
@@ -348,7 +348,7 @@ def test_a_node_sampling_without_its_engine_says_so(comfy: SimpleNamespace, capl
     offloaded = async_offload(comfy, model, resident=1)
     reference = sample(comfy, offloaded)
     assert torch.equal(sample(comfy, model), reference)
-    state = comfy.state.state_of(model.model)
+    state = comfy.patcher.state_of(model.model)
     state.parked_load = offloaded.loaded_state()  # what the plain clone's detach used to record
     with caplog.at_level("WARNING"):
         assert torch.equal(sample(comfy, offloaded), reference)
@@ -410,7 +410,7 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
 ) -> None:
     """Every streamed weight's patch is computed from adapter copies in the device ring, staged with its
     block (packed once per set of patches), not from the LoRA's tensors in host memory; bitwise the same. Both
-    ways a patch is computed are watched: in the engine's scratch (a plain LoRA, ``lora_scratch.py``) and by
+    ways a patch is computed are watched: in the engine's scratch (a plain LoRA, ``loaded_patch.py``) and by
     ComfyUI's ``calculate_weight`` (anything else)."""
     model = wan(comfy)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))

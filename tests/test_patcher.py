@@ -44,7 +44,7 @@ def test_accounting_counts_only_the_resident_part(comfy: SimpleNamespace, caplog
         sum(
             t.nbytes
             for n, t in patched.model.state_dict().items()
-            if not any(n.startswith(p + ".") for p in comfy.state.state_of(patched.model).hidden)
+            if not any(n.startswith(p + ".") for p in comfy.patcher.state_of(patched.model).hidden)
         )
         - listed
     )

@@ -592,7 +592,7 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     of weight). Planned from compute-bound costs, Partial GPU Residency keeps those two resident, streams bitwise,
     and its plan line counts the patches of what streams. A measuring run with the LoRA keeps the costs
     without the patch time of its streamed calls."""
-    patch_costs = importlib.import_module("block_offload.nodes.patch_costs")
+    device_patches = importlib.import_module("block_offload.nodes.device_patches")
     model = wan(comfy)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     lora = {key: value for key, value in lora.items() if ".blocks.0." in key or ".blocks.2." in key}
@@ -604,11 +604,11 @@ def test_a_lora_on_some_blocks_costs_on_those_and_keeps_them_resident(
     found = comfy.placement.find_blocks(model.model.diffusion_model)
     blocks = found.blocks
     names = [f"diffusion_model.{name}" for name, _ in blocks]
-    patch_ms = patch_costs.patch_ms_per_unit(patched, names, CPU)
+    patch_ms = device_patches.patch_ms_per_unit(patched, names, CPU)
     assert len(patch_ms) == 5 and patch_ms[0] > 0 and patch_ms[2] > 0, patch_ms
     assert patch_ms[1] == patch_ms[3] == patch_ms[4] == 0
-    assert patch_costs.patch_ms_per_unit(with_lora(0.5), names, CPU) == patch_ms
-    assert patch_costs.patch_ms_per_unit(model, names, CPU) == ()
+    assert device_patches.patch_ms_per_unit(with_lora(0.5), names, CPU) == patch_ms
+    assert device_patches.patch_ms_per_unit(model, names, CPU) == ()
 
     reference = sample(comfy, patched)
     sizes = [module_bytes(block) for _, block in blocks]
@@ -651,15 +651,15 @@ def test_a_device_too_full_to_time_the_patches_places_without_their_cost(
 ) -> None:
     """Timing a patch needs a weight's copy on the device as the model is placed; a device that has no room
     for it leaves the patches uncounted (the placement goes on), and the next placement times them again."""
-    patch_costs = importlib.import_module("block_offload.nodes.patch_costs")
+    device_patches = importlib.import_module("block_offload.nodes.device_patches")
 
     def device_full(*_: object) -> float:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 270.00 MiB")
 
-    monkeypatch.setattr(patch_costs.patch_timings(), "ms", {})
-    monkeypatch.setattr(patch_costs, "_time_patch", device_full)
+    monkeypatch.setattr(device_patches.patch_timings(), "ms", {})
+    monkeypatch.setattr(device_patches, "_time_patch", device_full)
     lora = comfy.utils.load_torch_file(str(comfy.models["wan21_lora"]))
     patched = comfy.sd.load_lora_for_models(wan(comfy), None, lora, 1.0, 0)[0]
     names = [f"diffusion_model.{name}" for name, _ in comfy.placement.find_blocks(patched.model.diffusion_model).blocks]
-    assert patch_costs.patch_ms_per_unit(patched, names, CPU) == ()
-    assert patch_costs.patch_timings().ms == {}
+    assert device_patches.patch_ms_per_unit(patched, names, CPU) == ()
+    assert device_patches.patch_timings().ms == {}

@@ -163,14 +163,14 @@ def test_a_patch_cost_probe_that_fails_plans_without_it(
 ) -> None:
     """An adapter the probe cannot time (another custom node's): placed without its cost, said once in the log
     and in the plan line, streamed bitwise."""
-    from block_offload.nodes import patch_costs
+    from block_offload.nodes import device_patches
 
     def unknown_adapter(*args: object) -> float:
         raise NotImplementedError("an adapter type of another custom node")
 
-    monkeypatch.setattr(patch_costs, "_time_patch", unknown_adapter)
-    monkeypatch.setattr(patch_costs.patch_timings(), "ms", {})
-    monkeypatch.setattr(patch_costs.patch_timings(), "untimable", set())
+    monkeypatch.setattr(device_patches, "_time_patch", unknown_adapter)
+    monkeypatch.setattr(device_patches.patch_timings(), "ms", {})
+    monkeypatch.setattr(device_patches.patch_timings(), "untimable", set())
     name = tm.WAN21_FP8_METADATA
     with torch.inference_mode(), caplog.at_level(logging.INFO):
         model = with_lora(comfy, loader(name))

@@ -6,7 +6,7 @@ breaks the recording. From the third step on, every node's hooks, ring copies, f
 memory allocated at placement: the allocations of each step (``harness/allocations.py``: every operator
 output that is not a view of its inputs, on the CPU) are those of the same model loaded the classic way and
 fully resident, operator for operator. A LoRA on a streamed weight is patched where it arrives, in scratch the
-engine allocated at placement (``nodes/lora_scratch.py``), so it counts like the rest. A weight in a quantized
+engine allocated at placement (``nodes/loaded_patch.py``), so it counts like the rest. A weight in a quantized
 format (the fp8 rows: ComfyUI's scaled fp8 layout) is dequantized and re-quantized by its format's own code, as
 ComfyUI's load does it, the LoRA between the two in the scratch: that code is logged apart, the same at every
 step.
@@ -47,7 +47,7 @@ def models(kind: str, comfy: SimpleNamespace, request: pytest.FixtureRequest) ->
     if kind.startswith("file tier"):
         if HOST_VERSION.startswith("0.3."):
             pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM, whose models the file tier streams")
-        from block_offload.nodes.pinned_memory import PINNED_LIMIT_ENV
+        from block_offload.nodes.comfy_memory import PINNED_LIMIT_ENV
 
         request.getfixturevalue("monkeypatch").setenv(PINNED_LIMIT_ENV, "1e-9")  # no host buffer: every block read
         dynamic_vram: DynamicVram = request.getfixturevalue("dynamic_vram")
@@ -110,7 +110,7 @@ def diff(streamed: Step, resident: Step) -> str:
 def test_where_comfyui_has_no_compiler_the_engine_pauses_nothing(comfy: SimpleNamespace) -> None:
     from contextlib import nullcontext
 
-    from block_offload.nodes.compiler import outside_the_recording
+    from block_offload.nodes.comfy_memory import outside_the_recording
 
     assert outside_the_recording() is nullcontext  # 0.33 has comfy.model_prefetch, without a recording; 0.3.75 none
 

@@ -5,7 +5,7 @@
 // lanes, stalls in a warning colour; the share of copy time hidden behind compute; the effective
 // host-to-device bandwidth; which blocks stay on the device. Data comes from the server's
 // "block_offload.status" websocket messages (at most four a second) and, when the panel opens or
-// the socket reconnects, from GET /block_offload/report (nodes/report.py documents both).
+// the socket reconnects, from GET /block_offload/report (nodes/panel.py documents both).
 //
 // Cost: a message only replaces the latest state. Drawing happens in an animation frame, only while
 // the tab is open and visible, at most once per message; a closed tab does no work at all.

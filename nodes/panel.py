@@ -1,7 +1,7 @@
-"""What the pack is doing and last did: for the panel (web/), the demo, and anyone asking.
+"""The panel feed: what the pack is doing and last did, for the panel (web/), the demo, and anyone asking.
 
 * websocket message ``block_offload.status`` (``STATUS_EVENT``), pushed to every client while a
-  model streams, never more often than once per ``MIN_INTERVAL_S`` (``nodes/panel_outbox.py``), whichever
+  model streams, never more often than once per ``MIN_INTERVAL_S`` (``Outbox``), whichever
   engine sends it: the run (node, prompt, plan, which blocks are resident), the step and block running now,
   device and process memory, the engine's notices and, when a step finished since the last
   message, that step's per-block copy and compute spans (``last_step``, see ``panel_messages.compact_step``).
@@ -12,17 +12,17 @@
 * ``GET /block_offload/timeline``: every step of the current or last sampling run, to download; while no
   client is connected to the websocket, the steps the recorder sampled (its first three, then one every 2 s).
 
-Every field of these messages is declared once, in ``web/status_schema.json`` (``nodes/status_schema.py``):
-each message is built through it (``nodes/panel_messages.py``).
+Every field of these messages is declared once, in ``web/status_schema.json``, and each message is built
+through it (``nodes/panel_messages.py``).
 
 All the panel's state is one ``Panel``, created where ComfyUI sets the pack up (``install_panel``, from
 ``comfy_entrypoint``), never as this module is imported. Every engine that starts gets a ``_Publisher``
 from it (the engine tells the panel, an ``EngineWatcher``, without importing it). Its recorder calls the
 publisher (a ``TimelineListener``) on the sampling thread: a block call costs it one clock read and one
-compare (~0.15 us on the CPU here); building and queueing a message (~50 us) happens only when one is due
-(bench/recorder_overhead.py measures both). ``send_sync`` hands the message to ComfyUI's event loop, which
-serialises and sends it off the sampling thread. The routes read the publisher from the server's thread; it
-only appends and replaces, never mutates what it shared.
+compare; building and queueing a message happens only when one is due (bench/recorder_overhead.py measures
+both). ``send_sync`` hands the message to ComfyUI's event loop, which serialises and sends it off the sampling
+thread. The routes read the publisher from the server's thread; it only appends and replaces, never mutates
+what it shared.
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ from ..offload.step_timeline import StepTimeline
 from . import extension
 from .engine import Engine
 from .panel_messages import (
+    REPORT_ROUTE,
+    STATUS_EVENT,
+    TIMELINE_ROUTE,
     EngineFacts,
     MemoryGauge,
+    RunRecord,
     full_step,
     idle_status,
     model_entry,
@@ -48,10 +52,7 @@ from .panel_messages import (
     status_of_run,
     timeline_of_run,
 )
-from .panel_outbox import Outbox
-from .panel_run import RunRecord
-from .plan_line import pinning_progress
-from .status_schema import REPORT_ROUTE, TIMELINE_ROUTE
+from .placement import pinning_progress
 
 
 class Panel:
@@ -314,3 +315,63 @@ def node_not_streaming(node: str, notice: str) -> None:
     panel = installed_panel()
     if panel is not None:
         panel.node_not_streaming(node, notice)
+
+
+# -- the panel's one way out: every status message goes through one Outbox, at most once per MIN_INTERVAL_S --
+
+
+MIN_INTERVAL_S = 0.25  # at most four messages a second
+
+
+class Outbox:
+    """The one rate limit every message obeys: the panel sees a single stream.
+
+    A message that must go (a run's first and last) but comes inside the interval waits for its end;
+    statuses are snapshots, so a newer one waiting replaces an older one instead of queueing behind
+    it, and a burst of short runs never builds a backlog that would hold back the next run's updates.
+    """
+
+    def __init__(self, server: Any | None) -> None:
+        self._server = server  # ComfyUI's PromptServer; None in-process (tests, benchmarks): nobody to tell
+        self.next_at = 0.0  # perf_counter time from which a message may go
+        self.seq = 0
+        self._waiting: dict[str, Any] | None = None
+        self._lock = threading.Lock()  # the sampling thread sends, the server's loop sends what waited
+
+    def send(self, status: dict[str, Any], force: bool = False) -> bool:
+        """Sends ``status`` if one is due; ``force`` sends it anyway, when the interval ends."""
+        with self._lock:
+            delay = self.next_at - time.perf_counter()
+            if delay <= 0:
+                # A status waiting for its turn is older than this one: sent after it, it would go back in time.
+                self._waiting = None
+                self._emit(status)
+                return True
+            if not force:
+                return False
+            first_to_wait = self._waiting is None
+            self._waiting = status
+        if first_to_wait and self._server is not None:
+            self._server.loop.call_soon_threadsafe(self._server.loop.call_later, delay, self._send_waiting)
+        return True
+
+    def _send_waiting(self) -> None:
+        """On the server's loop, when a waiting status's interval has ended (a message sent directly since
+        may have started another: then it waits for that one's end)."""
+        with self._lock:
+            if self._waiting is None:
+                return
+            delay = self.next_at - time.perf_counter()
+            if delay <= 0:
+                status, self._waiting = self._waiting, None
+                self._emit(status)
+                return
+        if self._server is not None:
+            self._server.loop.call_later(delay, self._send_waiting)
+
+    def _emit(self, status: dict[str, Any]) -> None:
+        self.next_at = time.perf_counter() + MIN_INTERVAL_S
+        self.seq += 1
+        status.update(seq=self.seq, time=time.time())
+        if self._server is not None:
+            self._server.send_sync(STATUS_EVENT, status)

@@ -1,4 +1,5 @@
-"""The page-locked host memory the pack takes, in ComfyUI's own books: one budget for ComfyUI and the pack.
+"""The pack's memory in ComfyUI's own books: the page-locked host memory it takes, under one budget with
+ComfyUI's, the RAM the process may use, and the device allocations kept out of ComfyUI's compiler's recording.
 
 Where ComfyUI pins (NVIDIA, AMD) it has a budget, ``MAX_PINNED_MEMORY``, and counts what it pinned in
 ``TOTAL_PINNED_MEMORY``. The pack counts its pinned bytes there too, so ComfyUI's later pins see them (the
@@ -8,15 +9,29 @@ empties; the pack keeps an entry of its own in that table, holding its bytes, so
 while the pack pins. Before pinning, ComfyUI's available-RAM check is asked (0.33's ``ensure_pin_budget``;
 on 0.3.75, which has none, the same headroom rule). ``--disable-pinned-memory`` means the pack pins
 nothing either; ``BLOCK_OFFLOAD_MAX_PINNED_GB`` caps the pack's share further. On Intel XPU, where ComfyUI
-pins nothing and sets no budget, the pack caps itself as ComfyUI caps NVIDIA.
+pins nothing and sets no budget, the pack caps itself as ComfyUI caps NVIDIA. A failed registration's CUDA
+error is cleared by ComfyUI's own ``discard_cuda_async_error`` where it has one (0.33), by the engine's
+equivalent elsewhere.
 
-A failed registration's CUDA error is cleared by ComfyUI's own ``discard_cuda_async_error`` where it has
-one (0.33), by the engine's equivalent elsewhere.
+ComfyUI's compiler (0.35 and later, on by default with Dynamic VRAM on CUDA): comfy-aimdo records the device
+allocations of each block call of a model that brackets its block loop (``comfy.model_prefetch.
+malloc_graph_begin`` ... ``malloc_graph_end``) and replays them at the next step. An
+allocation made inside the recording must be freed by the end of its block; one that outlives it aborts the
+process, natively, unless it is made under ``pause_malloc_graph``. The engine's own device memory outlives
+every call (its ring, its staging buffer, a module the sequential wrapper makes resident inside a call), and a
+released ring is allocated again inside the next block call: the engine makes and frees all of them under this
+pause (``persistent_allocations``). What a streamed step allocates otherwise is what the same step of the
+model resident allocates (``tests/test_steady_allocations.py``), plus, for a LoRA on a streamed weight,
+ComfyUI's own patch arithmetic, the same at every step and freed within the block.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import comfy.model_management
 import psutil
@@ -124,3 +139,18 @@ PINNED_MEMORY = PROCESS_STATE.entry(
 )
 if torch.cuda.is_available():
     use_host_registrar(comfyui_registrar())
+
+
+# -- ComfyUI's compiler: the engine's lasting device allocations kept out of its recording -------------------
+
+
+def outside_the_recording() -> Callable[[], AbstractContextManager]:
+    """A context that keeps allocations out of the compiler's recording: ``pause_malloc_graph(sync=True)`` (as
+    ComfyUI's own code wraps persistent allocations) where this ComfyUI has it, else a context that does
+    nothing (0.33 and earlier record nothing)."""
+    try:
+        prefetch = importlib.import_module("comfy.model_prefetch")
+    except ImportError:  # ComfyUI 0.3.x
+        return nullcontext
+    pause = getattr(prefetch, "pause_malloc_graph", None)
+    return functools.partial(pause, sync=True) if pause is not None else nullcontext
