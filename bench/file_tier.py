@@ -33,7 +33,16 @@ from harness.transformer_stack import transformer_stack
 
 from bench.engine_microbench import time_forward
 from bench.timing import drop_from_cache, h2d_bandwidth_gbps
-from block_offload.offload import BlockStreamer, TimelineRecorder, module_bytes, read_bandwidth
+from block_offload.offload import (
+    CallOptions,
+    FileOptions,
+    RingOptions,
+    StreamSpec,
+    TimelineRecorder,
+    module_bytes,
+    read_bandwidth,
+    stream_blocks,
+)
 from block_offload.offload.host_tier import host_tier
 
 
@@ -100,16 +109,20 @@ def measure(args: argparse.Namespace, device: torch.device, folder: Path) -> lis
         file_bytes = sum(mapped.file_slice(t).nbytes for i in from_file for t in blocks[i].state_dict().values())
         for cold in modes:
             recorder = TimelineRecorder(device)
-            streamer = BlockStreamer(
+            streamer = stream_blocks(
                 blocks,
                 device,
                 range(len(blocks)),
-                prefetch=2,
-                recorder=recorder,
-                root=mapped.module,
-                file_slice=mapped.file_slice,
-                read_each_step=from_file,
-                dtype_of=lambda module, name: torch.bfloat16,
+                StreamSpec(
+                    ring=RingOptions(prefetch=2),
+                    files=FileOptions(
+                        file_slice=mapped.file_slice,
+                        read_each_step=from_file,
+                        dtype_of=lambda module, name: torch.bfloat16,
+                    ),
+                    calls=CallOptions(root=mapped.module),
+                    recorder=recorder,
+                ),
             )
             streamer.enable()
             hook = mapped.module.register_forward_pre_hook(lambda *_: drop_from_cache(mapped.path)) if cold else None

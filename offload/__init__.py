@@ -1,8 +1,11 @@
 """The offload engine: pure PyTorch, no ComfyUI.
 
-* ``BlockStreamer`` streams chosen blocks of a stack through reusable device slots.
+* ``StreamSpec`` is what a host asks of an engine, in frozen parts by concern (``HostOptions``, ``RingOptions``,
+  ``FileOptions``, ``CallOptions``; ``SequentialOptions`` for the sequential wrapper).
+* ``stream_blocks`` returns the ``BlockStreamer`` that streams chosen blocks of a stack through reusable
+  device slots; ``stream_modules`` the ``SequentialOffloader`` that streams every tensor-owning module of any
+  model.
 * ``OffloadPlan`` says which blocks stay resident (count, byte budget, policy).
-* ``SequentialOffloader`` streams every tensor-owning module of any model.
 * ``Runner`` is what a host uses of either.
 * ``TimelineRecorder`` times each block's copy and compute on the device.
 * ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
@@ -26,11 +29,12 @@ from .planner import PREFETCH_CHOICES, best_plan
 from .process_state import PROCESS_STATE
 from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .runner import Runner
-from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
+from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
 from .simulator import simulate
+from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
 from .step_aside import StepAside, platform_aside, step_aside
 from .step_timeline import BlockSpan, ReadSpan, StepTimeline
-from .streamer import BlockStreamer
+from .streamer import BlockStreamer, stream_blocks
 from .system_memory import HostRam, clamp_to_cgroups
 from .timeline import TimelineRecorder
 
@@ -45,6 +49,12 @@ __all__ = [
     "NoBlocksError",
     "find_blocks",
     "BakeDecision",
+    "CallOptions",
+    "FileOptions",
+    "HostOptions",
+    "RingOptions",
+    "SequentialOptions",
+    "StreamSpec",
     "CostCache",
     "CudaHostRegistrar",
     "FileChangedError",
@@ -64,6 +74,7 @@ __all__ = [
     "StepAside",
     "StepTimeline",
     "TimelineRecorder",
+    "Transform",
     "bake_decision",
     "best_plan",
     "buffer_bytes",
@@ -85,6 +96,8 @@ __all__ = [
     "resident_indices",
     "simulate",
     "step_aside",
+    "stream_blocks",
+    "stream_modules",
     "streamed_modules",
     "unsupported_torch",
     "use_host_registrar",

@@ -12,7 +12,7 @@ file tier); the hooks (``hooks.py``) call in here as the model runs:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,47 +24,40 @@ from .file_tier import FileTier
 from .hooks import Removable, hook_calls, hook_step
 from .host_blocks import HostBlocks
 from .ring import copy_ahead
+from .spec import CallOptions, Transform
 from .streamed_block import StreamedBlock
 from .timeline import TimelineRecorder
 
 
 class BlockCalls:
     """The steps and block calls of one streamer (see the module docstring): its ring's device, host blocks,
-    prefetch (how many blocks are copied ahead) and recorder; ``transforms``: see ``BlockStreamer``."""
+    prefetch (how many blocks are copied ahead) and recorder; ``transforms``: see ``StreamSpec``."""
 
     def __init__(
-        self,
-        ring: DeviceRing,
-        files: FileTier,
-        calls: StepCalls,
-        *,
-        transforms: Mapping[int, Callable[[bool], None]],
-        unit: str,
+        self, ring: DeviceRing, files: FileTier, calls: StepCalls, transforms: Mapping[int, Transform]
     ) -> None:
         self.ring = ring
         self.files = files
         self.calls = calls
         self.device: torch.device = ring.device
         self.host: HostBlocks = ring.host
-        self.prefetch: int = ring.prefetch
         self.recorder: TimelineRecorder | None = ring.recorder
         self.transforms = transforms
-        self.unit = unit
         self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
 
-    def hook(
-        self,
-        blocks: Sequence[nn.Module],
-        holders: Mapping[int, nn.Module],
-        entry_methods: Mapping[int, Sequence[str]],
-        root: nn.Module | None,
-    ) -> list[Removable]:
+    def hook(self, blocks: Sequence[nn.Module], options: CallOptions) -> list[Removable]:
         """Hooks the blocks' calls, and the root's forward as the step, to this; returns the handles."""
         handles = hook_calls(
-            blocks, holders, entry_methods, self._call_begins, self._call_ends, self._after_call, self.calls.running
+            blocks,
+            options.holders,
+            options.entry_methods,
+            self._call_begins,
+            self._call_ends,
+            self._after_call,
+            self.calls.running,
         )
-        if root is not None:
-            handles += hook_step(root, self.begin_step, self.end_step)
+        if options.root is not None:
+            handles += hook_step(options.root, self.begin_step, self.end_step)
         return handles
 
     def sources_changed(self) -> None:
@@ -89,10 +82,16 @@ class BlockCalls:
             return self.files.reading(index) or (defer_pageable and self._deferred(self.host.blocks[index]))
 
         copy_ahead(
-            self.calls.upcoming(self.host.blocks, self.prefetch), self.calls.held(), books.regions, self.ring.load, skip
+            self.calls.upcoming(self.host.blocks, self.ring.options.prefetch),
+            self.calls.held(),
+            books.regions,
+            self.ring.load,
+            skip,
         )
         if self.files.reader is not None:  # no look-ahead over every block at each call without a file tier
-            self.files.read_ahead(self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.prefetch)
+            self.files.read_ahead(
+                self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.ring.options.prefetch
+            )
 
     def _deferred(self, state: StreamedBlock) -> bool:
         if self.ring.copy_stream is None:
@@ -142,8 +141,8 @@ class BlockCalls:
             if region is None:
                 if not self.ring.load(index, self.calls.held()):
                     raise RuntimeError(
-                        f"no room for {self.unit} {index} in the device ring of {self.ring.capacity} bytes: "
-                        f"{len(self.calls.open)} streamed {self.unit}s are running nested inside each other"
+                        f"no room for {self.host.unit} {index} in the device ring of {self.ring.capacity} bytes: "
+                        f"{len(self.calls.open)} streamed {self.host.unit}s are running nested inside each other"
                     )
                 region = self.ring.region_of(index)
                 assert region is not None  # just placed

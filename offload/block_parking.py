@@ -4,43 +4,30 @@ blocks go with ``park``, and what it takes over from the lot instead of packing 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from .layout import BlockLayout, DtypeOf
+from .layout import BlockLayout
 from .page_lock import pinned_allocation_bytes
-from .parking import ParkedBuffer, ParkedInPlace, ParkingLot, leave, signature
+from .parking import ParkedBuffer, ParkedInPlace, leave, signature
 from .pinning import HostMemory
+from .spec import FileOptions, HostOptions
 from .streamed_block import StreamedBlock
 
 
 class BlockParking:
     """Parks and adopts the host buffers of one streamer's blocks.
 
-    ``lot``: where they are parked and taken from (None: this streamer neither parks nor adopts). The other
-    arguments are the streamer's own (``HostBlocks``): a buffer is adopted only where this streamer would have
-    packed the same bytes (no storage dtype, not read from its file each step, the same ``contents``)."""
+    ``options.parking``: where they are parked and taken from (None: this streamer neither parks nor adopts). A
+    buffer is adopted only where this streamer would have packed the same bytes (no storage dtype, not read from
+    its file each step, the same ``contents``)."""
 
-    def __init__(
-        self,
-        lot: ParkingLot | None,
-        memory: HostMemory,
-        *,
-        recurse: bool,
-        dtype_of: DtypeOf | None,
-        storage_dtype: torch.dtype | None,
-        read_each_step: frozenset[int],
-        contents: Mapping[int, Hashable],
-    ) -> None:
-        self.lot = lot
+    def __init__(self, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool) -> None:
         self.memory = memory
+        self.options = options
+        self.files = files
         self.recurse = recurse
-        self.dtype_of = dtype_of
-        self.storage_dtype = storage_dtype
-        self.read_each_step = read_each_step
-        self.contents = contents
 
     def park(self, module: nn.Module, state: StreamedBlock, unpin: Callable[[StreamedBlock], None]) -> None:
         """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
@@ -53,9 +40,10 @@ class BlockParking:
             return
         storage = state.host.untyped_storage()
         reservation = self.memory.park(state.pinned_bytes, storage) if state.pinned else None
-        if self.lot is None:
+        lot = self.options.parking
+        if lot is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
-        self.lot.park(
+        lot.park(
             module,
             ParkedBuffer(
                 weakref.ref(storage),
@@ -72,11 +60,12 @@ class BlockParking:
     def park_in_place(self, module: nn.Module, state: StreamedBlock) -> None:
         """Leaves a block pinned in place (``StreamedBlock.pinned_in_place``) as it is: its tensors stay registered
         with the driver, and its reservation stays counted until it is adopted or its memory freed."""
-        if self.lot is None:
+        lot = self.options.parking
+        if lot is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
         storages = tuple(storage.untyped_storage() for storage in state.pinned_in_place)
         reservation = self.memory.park(state.pinned_bytes, storages[0]) if storages else None
-        self.lot.park(
+        lot.park(
             module,
             ParkedInPlace(
                 tuple(weakref.ref(storage) for storage in storages),
@@ -93,10 +82,11 @@ class BlockParking:
         they are. One not taken over goes: a block packed from its file points at the file's views again, to be
         packed from them (never from a buffer that may hold other content, nor into a copy of its own that would
         outlive the streamer); one pinned in place is unpinned, to be pinned or packed again."""
-        parked = self.lot.take(block) if self.lot is not None else None
+        lot = self.options.parking
+        parked = lot.take(block) if lot is not None else None
         if parked is None:
             return None
-        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.files.dtype_of)
         if isinstance(parked, ParkedInPlace):
             adopted = self._take_over_in_place(parked, layout, index)
         else:
@@ -108,7 +98,7 @@ class BlockParking:
     def _take_over_in_place(self, parked: ParkedInPlace, layout: BlockLayout, index: int) -> StreamedBlock | None:
         """A block pinned in place as this streamer would have pinned it: pinning asked, its own tensors streamed
         as they are (no storage dtype, not read from its file each step), still on the storages parked."""
-        if self.storage_dtype is not None or index in self.read_each_step or not self.memory.pin_memory:
+        if self.options.storage_dtype is not None or index in self.files.read_each_step or not self.memory.pin_memory:
             return None
         storages = parked.parts_for(layout)
         if storages is None or not self.memory.adopt(parked.reservation, True):
@@ -127,8 +117,8 @@ class BlockParking:
         bytes can move into this streamer's share; never for a block to be read from its file at each step."""
         fits = (
             None
-            if self.storage_dtype is not None or index in self.read_each_step
-            else parked.parts_for(layout, self.memory.pin_memory, self.contents.get(index))
+            if self.options.storage_dtype is not None or index in self.files.read_each_step
+            else parked.parts_for(layout, self.memory.pin_memory, self.options.contents.get(index))
         )
         if fits is None:
             return None

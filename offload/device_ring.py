@@ -6,7 +6,7 @@ device's copy stream (see ``offload/streamer.py`` for how a step uses them).
 from __future__ import annotations
 
 from collections.abc import Callable, Container
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from typing import TypeVar
 
 import torch
@@ -16,6 +16,7 @@ from .host_blocks import HostBlocks
 from .layout import TensorForm, Views, aligned
 from .reader import FileReader
 from .ring import ByteRing, ring_capacity, ring_granule
+from .spec import RingOptions
 from .streamed_block import StreamedBlock
 from .timeline import TimelineRecorder
 
@@ -37,44 +38,29 @@ def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], 
 
 
 class DeviceRing:
-    """The ring the ``host``'s blocks are copied into: ``prefetch`` blocks ahead and ``nesting`` running by
-    default, or ``ring_bytes``; allocated at the first copy (or ``allocate``), under ``persistent_allocations``
-    (see ``BlockStreamer``), with ``scratch_bytes`` of scratch for a host's transforms. File-tier blocks are
-    copied from ``reader``'s staging slots."""
+    """The ring the ``host``'s blocks are copied into, as ``options`` asks (``RingOptions``); allocated at the
+    first copy (or ``allocate``). File-tier blocks are copied from ``reader``'s staging slots."""
 
     def __init__(
-        self,
-        device: torch.device,
-        host: HostBlocks,
-        *,
-        prefetch: int,
-        nesting: int,
-        ring_bytes: int | None,
-        recorder: TimelineRecorder | None,
-        persistent_allocations: Callable[[], AbstractContextManager[object]],
-        scratch_bytes: int = 0,
+        self, device: torch.device, host: HostBlocks, options: RingOptions, recorder: TimelineRecorder | None
     ) -> None:
         self.device = device
         self.host = host
-        self.prefetch = prefetch
-        # Nested streamed modules (a wrapped module inside another) each hold a region while they run.
-        self.nesting = nesting
-        self.ring_bytes = ring_bytes
+        self.options = options
         self.recorder = recorder
-        self.persistent_allocations = persistent_allocations
         self.copy_stream = copy_stream(device)
         self.reader: FileReader | None = None
         self.books: ByteRing | None = None
         self.memory: torch.Tensor | None = None  # the ring's bytes
         self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
-        self.scratch_bytes = scratch_bytes
-        self.scratch: torch.Tensor | None = None  # where a host's transforms work (``BlockStreamer.transforms``)
+        self.scratch: torch.Tensor | None = None  # where a host's transforms work (``StreamSpec.transforms``)
         self.holds_all = False  # the ring holds every streamed block at once (then a block copied once stays)
 
     @property
     def capacity(self) -> int:
         """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
-        return ring_capacity(self._largest, self.prefetch, self.nesting, self.ring_bytes or 0)
+        options = self.options
+        return ring_capacity(self._largest, options.prefetch, options.nesting, options.ring_bytes or 0)
 
     @property
     def _largest(self) -> int:
@@ -95,20 +81,20 @@ class DeviceRing:
         casting = [state.storage.nbytes for state in self.host.blocks.values() if cast_on_device(state)]
         staging = max(casting, default=0)
         free = free_device_bytes(self.device)
-        needed = capacity + staging + self.scratch_bytes
+        scratch = self.options.scratch_bytes
+        needed = capacity + staging + scratch
         if free is not None and needed > free:
             raise torch.OutOfMemoryError(
                 f"the device ring needs {needed} bytes and {self.device} has {free} free: allocated "
                 "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
             )
-        with self.persistent_allocations():
+        with self.options.persistent_allocations():
             self.memory = torch.empty(capacity, dtype=torch.uint8, device=self.device)
             # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
             self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
             # One scratch serves every transform: they run in turn on the compute stream.
-            scratch = self.scratch_bytes
             self.scratch = torch.empty(scratch, dtype=torch.uint8, device=self.device) if scratch else None
-        self.books = ByteRing(capacity, ring_granule(self._largest, self.ring_bytes or 0))
+        self.books = ByteRing(capacity, ring_granule(self._largest, self.options.ring_bytes or 0))
         self.recount()
         if is_accelerator(self.device):
             for state in self.host.blocks.values():
@@ -131,7 +117,7 @@ class DeviceRing:
             state.device_views.clear()  # views keep the memory they view alive
             if state.companions is not None:
                 state.companions.views.clear()
-        with self.persistent_allocations():
+        with self.options.persistent_allocations():
             self.books = self.memory = self._staging = self.scratch = None
 
     def region_of(self, index: int) -> tuple[int, int] | None:

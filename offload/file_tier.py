@@ -23,12 +23,9 @@ class FileTier:
     """The reader of a streamer's file-tier blocks, its staging slots and the files' stamps; idle (no reader,
     no slots) when no streamed block is read from its file."""
 
-    def __init__(
-        self, host: HostBlocks, ring: DeviceRing, staging_slots: int, recorder: TimelineRecorder | None
-    ) -> None:
+    def __init__(self, host: HostBlocks, ring: DeviceRing, recorder: TimelineRecorder | None) -> None:
         self.host = host
         self.ring = ring
-        self.staging_slots = staging_slots
         self.recorder = recorder
         self.reader: FileReader | None = None
         self._slot_reservation = 0  # the staging slots' pinned bytes
@@ -42,7 +39,7 @@ class FileTier:
             return
         slot_bytes = max(read.nbytes for read in reads)
         slots = []
-        for _ in range(self.staging_slots):
+        for _ in range(self.host.files.staging_slots):
             slot, reserved, _ = self.host.memory.buffer(slot_bytes)
             self._slot_reservation += reserved
             slots.append(slot)

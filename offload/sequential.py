@@ -11,8 +11,8 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from enum import Enum
 
 import torch
@@ -21,12 +21,10 @@ from torch.utils.hooks import RemovableHandle
 
 from .file_source import FileSlice
 from .hooks import eager
-from .layout import BlockLayout, DtypeOf, module_stored_bytes
-from .parking import ParkingLot
-from .pinning import PinnedMemoryBudget
+from .layout import BlockLayout, module_stored_bytes
 from .plan import stream_buffer_bytes
-from .streamer import BlockStreamer
-from .timeline import TimelineRecorder
+from .spec import SequentialOptions, StreamSpec
+from .streamer import BlockStreamer, stream_blocks
 
 
 class ModuleState(str, Enum):
@@ -86,73 +84,38 @@ def _streamers(name: str) -> property:
     return property(lambda self: getattr(self.streamer, name), doc=f"``BlockStreamer.{name}`` of the modules.")
 
 
-class SequentialOffloader:
-    """Wraps every tensor-owning module of ``root``; call ``enable`` to start, ``disable`` to undo."""
+def stream_modules(
+    root: nn.Module,
+    device: torch.device | str,
+    spec: StreamSpec,
+    options: SequentialOptions,
+) -> SequentialOffloader:
+    """The engine that streams every tensor-owning module of ``root`` (``streamed_modules``, numbered so for the
+    spec's indices) as ``spec`` asks. The wrapper sets the spec's root, recurse and nesting itself. Raises for a
+    spec that does not fit, before anything is touched; ``enable`` starts it."""
+    if spec.calls.root is not None or not spec.calls.recurse or spec.ring.nesting != 1:
+        raise ValueError("the sequential wrapper sets the spec's root, recurse and nesting itself: leave them unset")
+    modules = [module for _, module in streamed_modules(root)]
+    nesting = _nesting(root, modules, spec.calls.holders)
+    spec = replace(spec, calls=replace(spec.calls, root=root, recurse=False), ring=replace(spec.ring, nesting=nesting))
+    return SequentialOffloader(root, stream_blocks(modules, device, range(len(modules)), spec), options)
 
-    def __init__(
-        self,
-        root: nn.Module,
-        device: torch.device | str,
-        *,
-        storage_dtype: torch.dtype | None = None,
-        vram_limit_bytes: int = 0,
-        prefetch: int = 1,
-        pin_memory: bool = True,
-        recorder: TimelineRecorder | None = None,
-        on_promote: Callable[[int], None] | None = None,
-        pin_budget: PinnedMemoryBudget | None = None,
-        file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
-        read_each_step: Iterable[int] = (),
-        dtype_of: DtypeOf | None = None,
-        call_order: Sequence[int] | None = None,
-        companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
-        transforms: Mapping[int, Callable[[bool], None]] | None = None,
-        holders: Mapping[int, nn.Module] | None = None,
-        persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
-        parking: ParkingLot | None = None,
-        pack_in_background: bool = False,
-        scratch_bytes: int = 0,
-    ) -> None:
-        """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
-        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
-        ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
-        module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
-        ``persistent_allocations``, ``parking``, ``pack_in_background`` and ``scratch_bytes``: see
-        ``BlockStreamer``."""
+
+class SequentialOffloader:
+    """Wraps every tensor-owning module of ``root`` (built by ``stream_modules``); call ``enable`` to start,
+    ``disable`` to undo. A module with a transform is never kept on the device (see ``make_resident``)."""
+
+    def __init__(self, root: nn.Module, streamer: BlockStreamer, options: SequentialOptions) -> None:
         self.root = root
-        self.on_promote = on_promote
-        self.modules = [module for _, module in streamed_modules(root)]
-        self.vram_limit_bytes = vram_limit_bytes
-        self.streamer = BlockStreamer(
-            self.modules,
-            device,
-            range(len(self.modules)),
-            prefetch=prefetch,
-            pin_memory=pin_memory,
-            storage_dtype=storage_dtype,
-            recorder=recorder,
-            root=root,
-            recurse=False,
-            nesting=_nesting(root, self.modules, holders or {}),
-            pin_budget=pin_budget,
-            file_slice=file_slice,
-            read_each_step=read_each_step,
-            dtype_of=dtype_of,
-            call_order=call_order,
-            companions=companions,
-            transforms=transforms,
-            holders=holders,
-            persistent_allocations=persistent_allocations,
-            parking=parking,
-            pack_in_background=pack_in_background,
-            scratch_bytes=scratch_bytes,
-        )
+        self.streamer = streamer
+        self.options = options
+        self.modules = streamer.blocks
         self._promotion_hook: RemovableHandle | None = None
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
         """``progress``: see ``BlockStreamer.enable``."""
         self.streamer.enable(progress)
-        if self.vram_limit_bytes > 0:
+        if self.options.vram_limit_bytes > 0:
             self._promotion_hook = self.root.register_forward_hook(eager(self._promote_after_first_pass))
 
     def disable(self, park: bool = False) -> None:
@@ -225,10 +188,10 @@ class SequentialOffloader:
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.transforms)
+        calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.spec.transforms)
         # Most calls first; among equals the smaller module, so more of them fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
-        limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too
+        limit = self.options.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too
         kept, used = [], 0
         for index in ranked:
             size = _own_bytes(self.modules[index])
@@ -236,5 +199,5 @@ class SequentialOffloader:
                 kept.append(index)
                 used += size
         self.streamer.make_resident(kept)
-        if self.on_promote is not None and kept:
-            self.on_promote(used)
+        if self.options.on_promote is not None and kept:
+            self.options.on_promote(used)

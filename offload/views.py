@@ -17,7 +17,6 @@ class StreamerViews:
     """The views, over the parts a streamer wires (``offload/streamer.py``)."""
 
     blocks: list[nn.Module]
-    recurse: bool
     host: HostBlocks
     ring: DeviceRing
     files: FileTier
@@ -60,7 +59,7 @@ class StreamerViews:
 
     @property
     def unit(self) -> str:
-        return "block" if self.recurse else "module"
+        return self.host.unit
 
     @property
     def units(self) -> int:

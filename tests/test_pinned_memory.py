@@ -28,16 +28,18 @@ from harness.packing_gate import PackingGate
 
 from block_offload.offload import (
     GIB,
+    CallOptions,
     CudaHostRegistrar,
     PinnedMemoryBudget,
+    StreamSpec,
     cost_cache,
     device_ring,
     page_lock,
     planner,
+    stream_blocks,
     use_host_registrar,
 )
 from block_offload.offload import device as device_module
-from block_offload.offload import streamer as streamer_module
 from block_offload.offload.file_source import FileChangedError
 from block_offload.offload.pinning import HostMemory
 
@@ -634,7 +636,12 @@ def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest
     from harness.transformer_stack import transformer_stack
 
     model = transformer_stack(num_blocks=4, dim=32)
-    streamer = streamer_module.BlockStreamer(model.blocks, torch.device("cpu"), range(1, 4), root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        torch.device("cpu"),
+        range(1, 4),
+        StreamSpec(calls=CallOptions(root=model)),
+    )
     streamer.enable()
     monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity - 1)
     with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
