@@ -43,7 +43,7 @@ from block_offload.offload import (
     read_bandwidth,
     stream_blocks,
 )
-from block_offload.offload.host_tier import host_tier
+from block_offload.offload.file_tier import host_tier
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -30,8 +30,8 @@ from ..offload import (
     stream_blocks,
     stream_modules,
 )
-from ..offload.block_methods import entry_methods
-from ..offload.host_tier import host_tier
+from ..offload.discovery import entry_methods
+from ..offload.file_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks
 from .compiler import outside_the_recording

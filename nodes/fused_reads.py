@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from ..offload import streamed_modules
-from ..offload.model_code import class_code
+from ..offload.discovery import class_code
 
 #: The names of ComfyUI's functions that read a layer's weights (their first argument) for whoever calls them.
 WEIGHT_READERS = ("cast_bias_weight", "linear_input_act")

@@ -14,28 +14,34 @@
 * ``PROCESS_STATE`` holds what belongs to the process, not to an engine, each entry with why.
 """
 
-from .bake import BakeDecision, bake_decision
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms
-from .device import MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
+from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
 from .discovery import FoundBlocks, NoBlocksError, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
-from .host_memory import release_freed_host_memory
 from .page_lock import CudaHostRegistrar, HostRegistrar, can_pin_memory, pinned_bytes, use_host_registrar
 from .parking import ParkingLot
 from .pinning import PinnedMemoryBudget
-from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
-from .planner import PREFETCH_CHOICES, best_plan
-from .process_state import PROCESS_STATE
-from .residency import ResidencyPolicy, resident_for_budget, resident_indices
+from .plan import (
+    GIB,
+    OffloadPlan,
+    ResidencyPolicy,
+    StepAside,
+    module_bytes,
+    place_falling_back,
+    platform_aside,
+    resident_for_budget,
+    resident_indices,
+    step_aside,
+)
+from .planner import PREFETCH_CHOICES, BakeDecision, bake_decision, best_plan
 from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
 from .simulator import simulate
 from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
-from .step_aside import StepAside, platform_aside, step_aside
 from .step_timeline import BlockSpan, ReadSpan, StepTimeline
 from .streamer import BlockStreamer, stream_blocks
-from .system_memory import HostRam, clamp_to_cgroups
+from .system_memory import HostRam, clamp_to_cgroups, release_freed_host_memory
 from .timeline import TimelineRecorder
 
 __all__ = [

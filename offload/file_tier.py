@@ -1,15 +1,17 @@
-"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for
-each copy, into a few host staging slots (``offload/reader.py``), in the dtypes they are stored in.
+"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for each copy,
+into a few host staging slots (``FileReader``), in the dtypes they are stored in; and which blocks in a file
+keep a host buffer instead (``host_tier``).
 
-Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for the blocks
-that will need a copy: one still in the ring at its call needs no read. The files are stamped when
-streaming starts and checked at every step, so a checkpoint rewritten under a running model is an error,
-never a wrong weight.
+Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for blocks that will
+need a copy. The files are stamped when streaming starts and checked at every step, so a checkpoint rewritten
+under a running model is an error, never a wrong weight. A host buffer costs host memory, a file read costs
+bandwidth at each step: within a cap, as many blocks as fit keep one, spread evenly over the call order so the
+reader is never asked for a long run of reads at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .device_ring import DeviceRing
 from .file_source import FileSlice, FileStamp, read_threads, stamps
@@ -121,3 +123,14 @@ class FileTier:
         """The file slices of the file-tier blocks, in block order."""
         blocks = sorted(self.host.blocks.items())
         return tuple(source for _, state in blocks if state.read for source in state.read.slices())
+
+
+def host_tier(blocks: Sequence[tuple[int, int]], cap: int) -> frozenset[int]:
+    """The blocks (``(index, host bytes)`` in call order) that keep a host buffer within ``cap`` bytes: the
+    most that fit, evenly spaced; the others form the file tier."""
+    count = len(blocks)
+    for kept in range(count, 0, -1):
+        chosen = [blocks[i * count // kept] for i in range(kept)]
+        if sum(nbytes for _, nbytes in chosen) <= cap:
+            return frozenset(index for index, _ in chosen)
+    return frozenset()

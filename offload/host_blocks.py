@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from .block_parking import BlockParking
-from .companions import PackedCompanions
 from .layout import BlockLayout
 from .packing_thread import BackgroundPacking
 from .page_lock import pinned_allocation_bytes, unpin_host_buffer
 from .pinning import HostMemory
 from .spec import FileOptions, HostOptions
-from .streamed_block import StreamedBlock
+from .streamed_block import PackedCompanions, StreamedBlock
 
 
 class HostBlocks:

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .file_source import FileSlice, FileStamp, stamps
-from .host_memory import release_freed_host_memory
 from .page_lock import filled_host_buffer, pin_in_place, whole_storages
 from .pinning import HostMemory
 from .streamed_block import StreamedBlock
+from .system_memory import release_freed_host_memory
 
 #: Freed sources returned to the system at least this often (bytes), and once more when the thread ends.
 TRIM_BYTES = 32 * 2**20

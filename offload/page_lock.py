@@ -13,8 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .device import accelerator_available, synchronize
-from .process_state import PROCESS_STATE
+from .device import PROCESS_STATE, accelerator_available, synchronize
 
 
 class HostRegistrar(Protocol):

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from block_offload.offload import BlockStreamer, CallOptions, RingOptions, StreamSpec, TimelineRecorder, stream_blocks
-from block_offload.offload.block_methods import entry_methods, methods_called_on
-from block_offload.offload.discovery import find_blocks
+from block_offload.offload.discovery import entry_methods, find_blocks, methods_called_on
 
 CPU = torch.device("cpu")
 WIDTH = 16

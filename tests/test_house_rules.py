@@ -135,7 +135,7 @@ def test_no_class_runs_over_300_lines() -> None:
 
 
 def test_a_process_entry_is_made_once_whoever_asks_first() -> None:
-    from block_offload.offload.process_state import ProcessState
+    from block_offload.offload.device import ProcessState
 
     state = ProcessState()
     assert state.made("counts") is None

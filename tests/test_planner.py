@@ -37,11 +37,10 @@ from block_offload.offload import (
     module_bytes,
     stream_blocks,
 )
-from block_offload.offload.bake import bake_decision
 from block_offload.offload.cost_cache import CostCache, cache_key, cached_best_plan
 from block_offload.offload.costs import Prediction, StackCosts, lower_bound_ms
 from block_offload.offload.layout import aligned
-from block_offload.offload.planner import PREFETCH_CHOICES, best_plan
+from block_offload.offload.planner import PREFETCH_CHOICES, bake_decision, best_plan
 from block_offload.offload.simulator import simulate
 
 CPU = torch.device("cpu")
