@@ -54,7 +54,7 @@ import torch
 import harness  # noqa: F401 (makes the pack importable as block_offload)
 from harness.comfy_host import interrupt_on_sigterm
 
-from block_offload.offload.page_lock import CudaHostRegistrar, HostRegistrar
+from block_offload.offload.pinning import CudaHostRegistrar, HostRegistrar
 
 MIB = 2**20
 SMALL_PART = 4096  # bytes of a bias or a norm weight

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from block_offload.offload.packing_thread import BackgroundPacking, PackingStopped
+from block_offload.offload.background_packing import BackgroundPacking, PackingStopped
 
 
 class PackingGate:

@@ -16,9 +16,8 @@ from typing import Any
 import psutil
 import torch
 
-from ..offload import memory_snapshot, pinned_bytes
+from ..offload import StepTimeline, memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
-from ..offload.step_timeline import StepTimeline
 from .engine import Engine
 from .panel_run import RunRecord
 from .pinned_memory import host_ram

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..offload.step_timeline import StepTimeline
+from ..offload import StepTimeline
 
 # What the downloadable timeline of one run may hold (block calls in all its steps): ~30 MB at most.
 MAX_RUN_SPANS = 200_000

@@ -19,9 +19,15 @@ from .costs import Prediction, StackCosts, lower_bound_ms
 from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
 from .discovery import FoundBlocks, NoBlocksError, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
-from .page_lock import CudaHostRegistrar, HostRegistrar, can_pin_memory, pinned_bytes, use_host_registrar
 from .parking import ParkingLot
-from .pinning import PinnedMemoryBudget
+from .pinning import (
+    CudaHostRegistrar,
+    HostRegistrar,
+    PinnedMemoryBudget,
+    can_pin_memory,
+    pinned_bytes,
+    use_host_registrar,
+)
 from .plan import (
     GIB,
     OffloadPlan,
@@ -39,10 +45,9 @@ from .runner import Runner
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
 from .simulator import simulate
 from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
-from .step_timeline import BlockSpan, ReadSpan, StepTimeline
 from .streamer import BlockStreamer, stream_blocks
 from .system_memory import HostRam, clamp_to_cgroups, release_freed_host_memory
-from .timeline import TimelineRecorder
+from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
     "GIB",

@@ -16,7 +16,7 @@ from typing import Any
 
 from .layout import aligned
 from .plan import OffloadPlan
-from .step_timeline import StepTimeline
+from .timeline import StepTimeline
 
 #: The copy speed a placement is checked against, relative to the measured one. On the H100, Flux's
 #: ``auto`` row ran 11.6 % slower than predicted (docs/benchmarks.md); a placement at its copy limit with

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .device_ring import DeviceRing
-from .file_source import FileSlice, FileStamp, read_threads, stamps
+from .file_source import FileReader, FileSlice, FileStamp, read_threads, stamps
 from .host_blocks import HostBlocks
 from .layout import aligned
-from .reader import FileReader
+from .ring import DeviceRing
 from .timeline import TimelineRecorder
 
 

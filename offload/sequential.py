@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .calls import eager
 from .file_source import FileSlice
-from .hooks import eager
 from .layout import BlockLayout, module_stored_bytes
 from .plan import stream_buffer_bytes
 from .spec import SequentialOptions, StreamSpec

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from .file_source import FileSlice
+from .file_source import BlockRead, FileSlice
 from .layout import BlockLayout, Part, Views, aligned
-from .reader import BlockRead
 from .timeline import CopyRecord
 
 

@@ -45,15 +45,12 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .block_calls import BlockCalls
-from .calls import StepCalls
+from .calls import BlockCalls, Removable, StepCalls
 from .device import synchronize
-from .device_ring import DeviceRing
 from .file_tier import FileTier
-from .hooks import Removable
 from .host_blocks import HostBlocks
-from .page_lock import can_pin_memory
-from .pinning import HostMemory
+from .pinning import HostMemory, can_pin_memory
+from .ring import DeviceRing
 from .spec import StreamSpec
 from .views import StreamerViews
 

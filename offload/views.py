@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from .calls import StepCalls
-from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
 from .host_blocks import HostBlocks
+from .ring import DeviceRing
 
 
 class StreamerViews:

@@ -38,7 +38,7 @@ from block_offload.offload import (
     TimelineRecorder,
     stream_blocks,
 )
-from block_offload.offload.step_timeline import BlockSpan, StepTimeline
+from block_offload.offload.timeline import BlockSpan, StepTimeline
 
 CPU = torch.device("cpu")
 BLOCKS = 6

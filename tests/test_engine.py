@@ -523,7 +523,7 @@ def test_a_transform_that_raises_leaves_its_region_only_after_the_copies_wait_fo
     spy = StreamSpy(lambda: ring.region_of(1))
     # What a CUDA device has: a copy stream, and a compute stream for it to wait on.
     monkeypatch.setattr(ring, "copy_stream", spy)
-    monkeypatch.setattr("block_offload.offload.device_ring.current_stream", lambda device: "compute stream")
+    monkeypatch.setattr("block_offload.offload.ring.current_stream", lambda device: "compute stream")
     with pytest.raises(torch.OutOfMemoryError, match="patching block 1"):
         forward_steps(model, x, steps=1)
     assert spy.waits[-1] is not None and ring.region_of(1) is None, spy.waits  # waited while it still held it

@@ -36,7 +36,6 @@ from block_offload.offload import (
     StreamSpec,
     TimelineRecorder,
     file_source,
-    reader,
     stream_blocks,
     stream_modules,
     use_host_registrar,
@@ -199,7 +198,7 @@ def test_a_read_that_fails_once_leaves_no_stale_block_and_the_next_steps_read_it
     model, mapped = _mapped_stack(tmp_path)
     x = torch.randn(2, 7, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    read, reads = reader.SliceReader.read, []
+    read, reads = file_source.SliceReader.read, []
 
     def failing_once(self, parts):
         reads.append(len(parts))
@@ -207,7 +206,7 @@ def test_a_read_that_fails_once_leaves_no_stale_block_and_the_next_steps_read_it
             raise OSError(errno.EIO, "Input/output error")
         return read(self, parts)
 
-    monkeypatch.setattr(reader.SliceReader, "read", failing_once)
+    monkeypatch.setattr(file_source.SliceReader, "read", failing_once)
     streamer = _streamer(mapped, range(6), ring=RingOptions(prefetch=1, ring_bytes=ring_bytes))
     streamer.enable()
     with pytest.raises(OSError, match="Input/output error"):

@@ -33,9 +33,9 @@ from block_offload.offload import (
     PinnedMemoryBudget,
     StreamSpec,
     cost_cache,
-    device_ring,
-    page_lock,
+    pinning,
     planner,
+    ring,
     stream_blocks,
     use_host_registrar,
 )
@@ -62,7 +62,7 @@ def cudart(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     if hasattr(comfy.mm, "discard_cuda_async_error"):  # 0.33: ComfyUI's own clearing
         monkeypatch.setattr(comfy.mm, "discard_cuda_async_error", lambda: cleared.append(1))
     else:  # 0.3.75 has none: the engine's
-        monkeypatch.setattr(page_lock, "discard_async_error", lambda: cleared.append(1))
+        monkeypatch.setattr(pinning, "discard_async_error", lambda: cleared.append(1))
     monkeypatch.setattr(comfy.pinned, "ram_admits", lambda nbytes: True)
     use_host_registrar(comfy.pinned.comfyui_registrar())
     fake.cleared = cleared
@@ -643,9 +643,9 @@ def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest
         StreamSpec(calls=CallOptions(root=model)),
     )
     streamer.enable()
-    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity - 1)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.capacity - 1)
     with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
         streamer.allocate_device_buffers()
-    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.capacity)
     streamer.allocate_device_buffers()
     streamer.disable()

@@ -23,8 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .file_source import FileSlice, FileStamp, stamps
-from .page_lock import filled_host_buffer, pin_in_place, whole_storages
-from .pinning import HostMemory
+from .pinning import HostMemory, filled_host_buffer, pin_in_place, whole_storages
 from .streamed_block import StreamedBlock
 from .system_memory import release_freed_host_memory
 
