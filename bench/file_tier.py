@@ -7,7 +7,7 @@ of its blocks, the others read from the file at every step.
 The stack (``harness/transformer_stack.py``, bf16 compute; at ``--dim 5120`` a block holds 12 x 5120^2
 weights, 629 MB in bf16, near a Wan 2.1 14B block's 700 MB) is saved as a safetensors file in ``--stored``
 and mapped read-only, as ComfyUI's Dynamic VRAM reader maps a checkpoint (``harness/mapped_file.py``). Per
-share of the streamed bytes allowed host buffers (``offload/host_tier.py`` picks which blocks): the step time
+share of the streamed bytes allowed host buffers (``offload/file_tier.py`` picks which blocks): the step time
 of every block streamed (prefetch 2), against the resident step and the limit max(resident step, streamed
 bytes / pinned host-to-device bandwidth, file-tier bytes / read bandwidth), the read bandwidth measured on
 the file as the page cache holds it (warm: the file was just written). ``--cold`` also times each share

@@ -9,7 +9,7 @@ bytes ready to copy, then one copy of every block to the device from what it mad
 
 * register first (the pack's pinned buffers before 2026-11-27): a fresh buffer registered (``cudaHostRegister``),
   the block copied in;
-* copy first (the pack's way since then, ``offload.page_lock.filled_host_buffer``): a fresh buffer, the block
+* copy first (the pack's way since then, ``offload.pinning.filled_host_buffer``): a fresh buffer, the block
   copied in (the first touch of its fresh pages then runs on the copy's threads, not inside the driver's
   registration), then registered;
 * in place (ComfyUI's classic loader, ``pin_memory``): each weight registered where it lies, nothing copied;

@@ -1,4 +1,4 @@
-"""A gate in front of the engine's packing thread (``offload/packing_thread.py``), so a test decides how far
+"""A gate in front of the engine's packing thread (``offload/background_packing.py``), so a test decides how far
 packing in the background has got when the model steps: it holds the thread before each block until ``let``
 lets it pack more, and a streamer that stops its packing meanwhile stops it there, as between two copies."""
 

@@ -76,7 +76,7 @@ class CudaHostRegistrar:
 class PageLocks:
     """The host memory the engine has page-locked in place, and what locks it. Process-wide as the driver's
     registrations are: a buffer registered by one engine may be freed under another's, or on the packing
-    thread (``offload/packing_thread.py``)."""
+    thread (``offload/background_packing.py``)."""
 
     def __init__(self) -> None:
         self.registrar: HostRegistrar | None = None

@@ -1,5 +1,6 @@
 """What a host uses of a streaming engine, whichever it is: ``BlockStreamer`` (blocks of a list) or
-``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them."""
+``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them. Only
+what a host reads or calls is declared here; tests reach the parts themselves (``ring``, ``host``, ``files``)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,6 @@ class Runner(Protocol):
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         """Unit ``index``'s companion tensors as device views while it runs (None: none, or not in the ring)."""
-        ...
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory (every part of it) lies in the engine's device buffers."""
         ...
 
     @property

@@ -11,7 +11,7 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from enum import Enum
 
@@ -20,11 +20,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .calls import eager
-from .file_source import FileSlice
 from .layout import BlockLayout, module_stored_bytes
 from .plan import stream_buffer_bytes
 from .spec import SequentialOptions, StreamSpec
-from .streamer import BlockStreamer, stream_blocks
+from .streamer import BlockStreamer, check_spec
 
 
 class ModuleState(str, Enum):
@@ -79,11 +78,6 @@ def _nesting(root: nn.Module, modules: list[nn.Module], holders: Mapping[int, nn
     return max(1, depth(root))
 
 
-def _streamers(name: str) -> property:
-    """A read-only attribute that is the per-module streamer's own."""
-    return property(lambda self: getattr(self.streamer, name), doc=f"``BlockStreamer.{name}`` of the modules.")
-
-
 def stream_modules(
     root: nn.Module,
     device: torch.device | str,
@@ -98,89 +92,45 @@ def stream_modules(
     modules = [module for _, module in streamed_modules(root)]
     nesting = _nesting(root, modules, spec.calls.holders)
     spec = replace(spec, calls=replace(spec.calls, root=root, recurse=False), ring=replace(spec.ring, nesting=nesting))
-    return SequentialOffloader(root, stream_blocks(modules, device, range(len(modules)), spec), options)
+    streamed = frozenset(range(len(modules)))
+    check_spec(len(modules), streamed, spec)
+    return SequentialOffloader(modules, torch.device(device), streamed, spec, options)
 
 
-class SequentialOffloader:
-    """Wraps every tensor-owning module of ``root`` (built by ``stream_modules``); call ``enable`` to start,
-    ``disable`` to undo. A module with a transform is never kept on the device (see ``make_resident``)."""
+class SequentialOffloader(BlockStreamer):
+    """A ``BlockStreamer`` whose units are every tensor-owning module of ``root`` (built by ``stream_modules``),
+    that keeps the most called modules on the device after the first pass (``SequentialOptions``). A module
+    with a transform is never kept there (see ``make_resident``)."""
 
-    def __init__(self, root: nn.Module, streamer: BlockStreamer, options: SequentialOptions) -> None:
-        self.root = root
-        self.streamer = streamer
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        device: torch.device,
+        streamed: frozenset[int],
+        spec: StreamSpec,
+        options: SequentialOptions,
+    ) -> None:
+        super().__init__(modules, device, streamed, spec)
         self.options = options
-        self.modules = streamer.blocks
         self._promotion_hook: RemovableHandle | None = None
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """``progress``: see ``BlockStreamer.enable``."""
-        self.streamer.enable(progress)
-        if self.options.vram_limit_bytes > 0:
-            self._promotion_hook = self.root.register_forward_hook(eager(self._promote_after_first_pass))
+        super().enable(progress)
+        root = self.spec.calls.root  # the wrapper's root (``stream_modules``)
+        if self.options.vram_limit_bytes > 0 and root is not None:
+            self._promotion_hook = root.register_forward_hook(eager(self._promote_after_first_pass))
 
     def disable(self, park: bool = False) -> None:
-        """``park``: see ``BlockStreamer.disable``."""
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        self.streamer.disable(park)
-
-    # -- the Runner interface (offload/runner.py): the streamer's, per module ------------------
-
-    enabled = _streamers("enabled")
-    unit = _streamers("unit")
-    units = _streamers("units")
-    streamed = _streamers("streamed")
-    read_each_step = _streamers("read_each_step")
-    file_tier_bytes = _streamers("file_tier_bytes")
-    bytes_read = _streamers("bytes_read")
-    refused_pinning = _streamers("refused_pinning")
-    failed_pinning = _streamers("failed_pinning")
-    device_buffer_bytes = _streamers("device_buffer_bytes")
-    host_bytes = _streamers("host_bytes")
-    packed_bytes = _streamers("packed_bytes")
-    pinning_progress = _streamers("pinning_progress")
-    waiting_bytes = _streamers("waiting_bytes")
-    background_packing = _streamers("background_packing")
-    staging_bytes = _streamers("staging_bytes")
-    companion_bytes = _streamers("companion_bytes")
-    scratch = _streamers("scratch")
-    last_order = _streamers("last_order")
-    needs_content = _streamers("needs_content")
-
-    def allocate_device_buffers(self) -> None:
-        """See ``BlockStreamer.allocate_device_buffers``."""
-        self.streamer.allocate_device_buffers()
-
-    def finish_packing(self) -> None:
-        """See ``BlockStreamer.finish_packing``."""
-        self.streamer.finish_packing()
-
-    def close_open_step(self) -> None:
-        """See ``BlockStreamer.close_open_step``."""
-        self.streamer.close_open_step()
-
-    def wrote_content(self, indices: Iterable[int]) -> None:
-        """See ``BlockStreamer.wrote_content``."""
-        self.streamer.wrote_content(indices)
-
-    def file_slices(self) -> tuple[FileSlice, ...]:
-        """See ``BlockStreamer.file_slices``."""
-        return self.streamer.file_slices()
-
-    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
-        """See ``BlockStreamer.companions``."""
-        return self.streamer.companions(index)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """See ``BlockStreamer.holds``."""
-        return self.streamer.holds(tensor)
+        super().disable(park)
 
     def state(self, module: nn.Module) -> ModuleState:
-        index = next(i for i, m in enumerate(self.modules) if m is module)
-        if index not in self.streamer.streamed:
+        index = next(i for i, m in enumerate(self.blocks) if m is module)
+        if index not in self.streamed:
             return ModuleState.KEPT
-        if self.streamer.region_of(index) is not None:
+        if self.ring.region_of(index) is not None:
             return ModuleState.ONLOADED
         return ModuleState.OFFLOADED
 
@@ -188,16 +138,16 @@ class SequentialOffloader:
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.spec.transforms)
+        calls = Counter(index for index in self.last_order if index not in self.spec.transforms)
         # Most calls first; among equals the smaller module, so more of them fit.
-        ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
-        limit = self.options.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too
+        ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.blocks[i])))
+        limit = self.options.vram_limit_bytes - self.ring.device_buffer_bytes  # the limit counts the ring too
         kept, used = [], 0
         for index in ranked:
-            size = _own_bytes(self.modules[index])
+            size = _own_bytes(self.blocks[index])
             if used + size <= limit:
                 kept.append(index)
                 used += size
-        self.streamer.make_resident(kept)
+        self.make_resident(kept)
         if self.options.on_promote is not None and kept:
             self.options.on_promote(used)

@@ -95,7 +95,7 @@ class FileOptions:
 
 @dataclass(frozen=True)
 class CallOptions:
-    """How the engine sees the blocks run (``BlockCalls``, ``hooks.py``).
+    """How the engine sees the blocks run (``BlockCalls``, ``calls.py``).
 
     ``root``: the model, whose call begins and ends a step. ``recurse``: a unit is a block with its submodules
     (False: one module's own tensors). ``call_order``: the order an earlier engine of the same model saw

@@ -49,7 +49,7 @@ class StreamedBlock:
     # A file-tier block (no host buffer): its stored bytes' sources, read into a staging slot for each copy.
     read: BlockRead | None = None
     file_backed: bool = False  # ``originals`` are views of the file
-    # Tensors copied with the block, after its bytes in its region (``offload/companions.py``).
+    # Tensors copied with the block, after its bytes in its region.
     companions: PackedCompanions | None = None
     # What the host wrote into the host buffer over the weights as packed (``contents``); None: nothing.
     content: Hashable = None

@@ -1,41 +1,30 @@
-"""Streams blocks that do not live on the device through one reusable device
-buffer, the ring, each copy issued ahead of use on a dedicated copy stream.
+"""Streams blocks that do not live on the device through one reusable device buffer, the ring, each copy issued
+ahead of use on a dedicated copy stream.
 
 How one step runs:
 
-* Each streamed block's tensors live once, in one flat (pinned) host buffer; the
-  module's parameters point at views of it while the block is offloaded.
-* The ring is allocated once, sized in bytes: by default as ``prefetch + 1``
-  blocks as large as the largest streamed one; a planner may give it whatever
-  its budget leaves. Before block ``i`` runs, the next streamed blocks of the
-  expected call order are copied into it, each into a region of its own size,
-  as far ahead as the ring has room and at most ``prefetch`` blocks.
-* The compute stream waits on the block's *ready* event, not on the host, and
-  the block's parameters are pointed at its region for the duration of its call.
-* After the call the block records a *released* event on the compute stream; a
-  copy that overwrites any of its bytes waits on it first on the copy stream.
-  That ordering is what prevents the use-after-free race of overwriting memory
-  the compute stream has not finished reading; later copies on the same stream
-  come after it. Weights are only read, so nothing is copied back.
+* Each streamed block's tensors live once, in one flat (pinned) host buffer; the module's parameters point at
+  views of it while the block is offloaded.
+* The ring is allocated once, sized in bytes: by default as ``prefetch + 1`` blocks as large as the largest
+  streamed one; a planner may give it whatever its budget leaves. Before block ``i`` runs, the next streamed
+  blocks of the expected call order are copied into it, each into a region of its own size, as far ahead as
+  the ring has room and at most ``prefetch`` blocks.
+* The compute stream waits on the block's *ready* event, not on the host, and the block's parameters are
+  pointed at its region for the duration of its call.
+* After the call the block records a *released* event on the compute stream; a copy that overwrites any of its
+  bytes waits on it first on the copy stream. That ordering prevents overwriting memory the compute stream has
+  not finished reading. Weights are only read, so nothing is copied back.
 
-``BlockStreamer`` owns the parts, each with its own state, and changes what is streamed (enable, disable,
-make resident, unpin):
+``stream_blocks`` checks a ``StreamSpec`` against the blocks and builds a ``BlockStreamer``, which owns the
+parts, each reading its part of the spec, and changes what is streamed (enable, disable, make resident, unpin):
+``HostBlocks`` (``host_blocks.py``: host buffers, pinning, parking), ``DeviceRing`` (``ring.py``),
+``FileTier`` (``file_tier.py``), and ``StepCalls`` with ``BlockCalls`` (``calls.py``: the hooks and what each
+call does).
 
-* ``HostBlocks`` (``host_blocks.py``): the host buffers, pinning, parking and adoption;
-* ``DeviceRing`` (``device_ring.py``): the ring's memory, copies and events, the regions'
-  books (``ring.py``, whose schedule the planner replays), companions;
-* ``FileTier`` (``file_tier.py``): blocks read from their checkpoint file at each copy;
-* ``StepCalls`` (``calls.py``): the calls open now and the learned call order;
-* ``BlockCalls`` (``block_calls.py``): what runs at each step and block call, through the hooks (``hooks.py``)
-  by which it sees the model run.
-
-Stopping can *park* instead of restoring: blocks that came from the CPU keep
-their host buffers, which then are their only storage (valid CPU tensors holding
-exactly the weights), in the streamer's ``ParkingLot`` (``offload/parking.py``).
-The next streamer enabled on the same modules with the same lot adopts a parked
-buffer while the modules still use exactly its views, so a host that hands a
-model from one streamer to the next (ComfyUI loads a new clone for every prompt)
-neither copies nor pins the streamed weights again.
+Stopping can *park* instead of restoring: blocks that came from the CPU keep their host buffers, which then are
+their only storage, in the spec's ``ParkingLot``. The next streamer enabled on the same modules with the same
+lot adopts a parked buffer while the modules still use exactly its views, so a host that hands a model from one
+streamer to the next (ComfyUI loads a new clone for every prompt) neither copies nor pins its weights again.
 """
 
 from __future__ import annotations
@@ -47,12 +36,12 @@ from torch import nn
 
 from .calls import BlockCalls, Removable, StepCalls
 from .device import synchronize
+from .file_source import FileSlice
 from .file_tier import FileTier
 from .host_blocks import HostBlocks
 from .pinning import HostMemory, can_pin_memory
 from .ring import DeviceRing
 from .spec import StreamSpec
-from .views import StreamerViews
 
 
 def check_spec(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
@@ -81,7 +70,7 @@ def stream_blocks(
     return BlockStreamer(blocks, torch.device(device), streamed, spec)
 
 
-class BlockStreamer(StreamerViews):
+class BlockStreamer:
     """Streams ``blocks[i]`` for every ``i`` in ``streamed``, as ``spec`` asks (``offload/spec.py``); built by
     ``stream_blocks``, which checks the spec first.
 
@@ -211,3 +200,84 @@ class BlockStreamer(StreamerViews):
     def close_open_step(self) -> None:
         """See ``BlockCalls.close_open_step``."""
         self.steps.close_open_step()
+
+    # -- what a host reads (``Runner`` documents each) -----------------------------------------
+
+    @property
+    def unit(self) -> str:
+        return self.host.unit
+
+    @property
+    def units(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def last_order(self) -> tuple[int, ...]:
+        return tuple(self.calls.expected)
+
+    @property
+    def read_each_step(self) -> frozenset[int]:
+        return self.host.read_each_step
+
+    @property
+    def needs_content(self) -> frozenset[int]:
+        return self.host.needs_content
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        return self.ring.companions(index)
+
+    @property
+    def scratch(self) -> torch.Tensor | None:
+        return self.ring.scratch
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
+        return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
+
+    @property
+    def companion_bytes(self) -> int:
+        return self.host.companion_bytes
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        return self.ring.device_buffer_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.files.staging_bytes
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.host.packed_bytes
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self.host.background.waiting_bytes
+
+    @property
+    def background_packing(self) -> tuple[int, int]:
+        return self.host.background.progress
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        return self.host.background.pinning_progress
+
+    @property
+    def refused_pinning(self) -> dict[int, int]:
+        return self.host.pageable_because("cap")
+
+    @property
+    def failed_pinning(self) -> dict[int, int]:
+        return self.host.pageable_because("driver")
+
+    @property
+    def file_tier_bytes(self) -> int:
+        return self.files.file_bytes
+
+    @property
+    def bytes_read(self) -> int:
+        return self.files.bytes_read
+
+    def file_slices(self) -> tuple[FileSlice, ...]:
+        return self.files.file_slices()

@@ -33,8 +33,8 @@ from .device import Clock, Marker, peak_allocated, reset_peak_memory
 
 
 # Not frozen, though nothing changes a span once it is read: a frozen dataclass sets each field through
-# object.__setattr__, which made a span five times as slow to build (2.5 against 0.5 us on the 2-core
-# machine), and the panel has every step's spans built on the sampling thread.
+# object.__setattr__, several times slower to build, and the panel has every step's spans built on the
+# sampling thread.
 @dataclass(slots=True)
 class BlockSpan:
     """A resolved call, in milliseconds from the start of its step."""
@@ -131,7 +131,7 @@ class CopyRecord:
     start: Marker
     end: Marker
     nbytes: int = 0
-    # From a block still waiting to be packed (``offload/packing_thread.py``): part by part, from pageable
+    # From a block still waiting to be packed (``offload/background_packing.py``): part by part, from pageable
     # memory, slower than the copies of later steps.
     unpacked: bool = False
 

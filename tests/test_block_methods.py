@@ -1,5 +1,5 @@
 """Blocks a model runs through methods of their own instead of calling them (Wan Animate 2's ``forward_pose`` and
-``forward_gen``): found from the model's code (``offload/block_methods.py``) and streamed around those calls.
+``forward_gen``): found from the model's code (``offload/discovery.py``) and streamed around those calls.
 ComfyUI's Wan Animate 2 itself is in ``test_every_dit.py``."""
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def streamed(model: TwoPassModel, methods: bool, prefetch: int = 1) -> tuple[Blo
         ),
     )
     streamer.enable()
-    model.holds.append(streamer.holds)
+    model.holds.append(streamer.ring.holds)
     return streamer, recorder
 
 

@@ -167,13 +167,13 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     # Block 3's parameters went back to the host although its call never returned.
     host = streamer.host.blocks[3].host
     inside = range(host.data_ptr(), host.data_ptr() + host.numel())
-    assert not streamer.running and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
+    assert not streamer.calls.open and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
-    assert streamer.device_buffer_bytes == 0 and all(streamer.region_of(i) is None for i in (1, 2, 3))
+    assert streamer.device_buffer_bytes == 0 and all(streamer.ring.region_of(i) is None for i in (1, 2, 3))
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
-    assert streamer.device_buffer_bytes == streamer.capacity
+    assert streamer.device_buffer_bytes == streamer.ring.capacity
     streamer.disable()
 
 
@@ -215,7 +215,7 @@ def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
     before = snapshot(model)
     wrapper = stream_modules(model, CPU, StreamSpec(ring=RingOptions(prefetch=2)), SequentialOptions())
     wrapper.enable()
-    assert {wrapper.state(m) for m in wrapper.modules} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
+    assert {wrapper.state(m) for m in wrapper.blocks} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     wrapper.disable()
     assert_same_tensors(model, before, CPU)
@@ -230,10 +230,10 @@ def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None
     wrapper = stream_modules(model, CPU, StreamSpec(), SequentialOptions(vram_limit_bytes=limit))
     wrapper.enable()
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
-    kept = [m for m in wrapper.modules if wrapper.state(m) is ModuleState.KEPT]
+    kept = [m for m in wrapper.blocks if wrapper.state(m) is ModuleState.KEPT]
     assert kept, "nothing was promoted"
     own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-    assert wrapper.streamer.device_buffer_bytes == slots
+    assert wrapper.device_buffer_bytes == slots
     assert sum(t.numel() * t.element_size() for t in own) <= limit - slots
     # Block 1 runs three times per pass, so its modules are promoted before any other.
     assert all(any(m is k for k in model.blocks[1].modules()) for m in kept)
@@ -394,7 +394,7 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     def check(index: int):
         def hook(*_: object) -> None:
             views = streamer.companions(index)
-            ring = streamer.ring_memory
+            ring = streamer.ring.memory
             inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
             same = all(torch.equal(v, t) for v, t in zip(views, companions[index], strict=True))
             seen[index] = inside and same
@@ -436,7 +436,7 @@ def test_companions_as_large_as_their_block_are_copied_from_where_they_lie() -> 
 
     def check(index: int):
         def hook(*_: object) -> None:
-            ring = streamer.ring_memory
+            ring = streamer.ring.memory
             views = streamer.companions(index)
             inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
             seen[index] = inside and all(torch.equal(v, t) for v, t in zip(views, (other | small)[index], strict=True))
@@ -563,7 +563,7 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if engines:
-                reads.append(all(engines[-1].holds(t) for t in (self.down.weight, self.norm.weight, self.gain)))
+                reads.append(all(engines[-1].ring.holds(t) for t in (self.down.weight, self.norm.weight, self.gain)))
             y = torch.nn.functional.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
             return torch.nn.functional.layer_norm(y, (16,), self.norm.weight, self.norm.bias) * self.gain
 
@@ -576,7 +576,7 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.fused(x)
             if engines:
-                reads.append(engines[-1].holds(self.shift))
+                reads.append(engines[-1].ring.holds(self.shift))
             return y + self.shift
 
     reads: list[bool] = []

@@ -408,7 +408,7 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
         recorder=recorder,
     )
     streamer.enable()
-    assert streamer.staging_bytes > 0 and streamer.staging_pinned
+    assert streamer.staging_bytes > 0 and streamer.files.pinned
     for out in forward_steps(mapped.module, x, steps=4):
         assert torch.equal(out, reference)
     # Each step reads blocks 1, 3, 5, 7. A read counts in the step open when it ends: on a GPU the host ends a step

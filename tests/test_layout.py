@@ -162,8 +162,8 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
     seen: list[bool] = []
 
     def in_the_slot(module: nn.Module, args: tuple) -> None:
-        start, end = streamer.region_of(1)
-        memory = range(streamer.ring_memory.data_ptr() + start, streamer.ring_memory.data_ptr() + end)
+        start, end = streamer.ring.region_of(1)
+        memory = range(streamer.ring.memory.data_ptr() + start, streamer.ring.memory.data_ptr() + end)
         rows, scaled = module.rows, module.scaled
         seen.append(rows.qdata.data_ptr() in memory and rows.scale.data_ptr() in memory)
         seen.append(scaled.data_ptr() in memory and scaled.scale == 0.002)

@@ -172,11 +172,11 @@ def test_sequential_offloader_parks_and_adopts() -> None:
     (reference,) = forward_steps(model, x, steps=1)
     first = stream_modules(model, CPU, StreamSpec(host=HostOptions(parking=lot_of(model))), SequentialOptions())
     first.enable()
-    packed = host_ptrs(first.streamer)
+    packed = host_ptrs(first)
     first.disable(park=True)
     second = stream_modules(model, CPU, StreamSpec(host=HostOptions(parking=lot_of(model))), SequentialOptions())
     second.enable()
-    assert host_ptrs(second.streamer) == packed
+    assert host_ptrs(second) == packed
     assert forward_steps(model, x)[-1].equal(reference)
     second.disable()
 
@@ -240,7 +240,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
 
 def host_buffers(model) -> dict[int, int]:
     runner = model.offload_engine.runner
-    return host_ptrs(getattr(runner, "streamer", runner))  # the sequential wrapper streams through one
+    return host_ptrs(runner)
 
 
 def block_weights(model, indices: Iterable[int]) -> dict[str, int]:
@@ -455,7 +455,7 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     assert torch.equal(sample(comfy, streaming), reference)
     engine = streaming.offload_engine
     runner = engine.runner
-    ring = (runner.streamer if node == "sequential" else runner).ring_memory
+    ring = runner.ring.memory
     inside = range(ring.data_ptr(), ring.data_ptr() + ring.numel())
     streamed = [
         (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)

@@ -643,9 +643,9 @@ def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest
         StreamSpec(calls=CallOptions(root=model)),
     )
     streamer.enable()
-    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.capacity - 1)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.ring.capacity - 1)
     with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
         streamer.allocate_device_buffers()
-    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.capacity)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.ring.capacity)
     streamer.allocate_device_buffers()
     streamer.disable()

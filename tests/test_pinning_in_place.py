@@ -76,7 +76,7 @@ def _pinned_in_place_growth(cudart: FakeCudart) -> tuple[int, int]:
             assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
         streamer.finish_packing()
         assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
-    ring = streamer.capacity
+    ring = streamer.ring.capacity
     assert all(state.pinned_in_place and state.host.numel() == 0 for state in streamer.host.blocks.values())
     assert (
         streamer.host.buffer_bytes == 0

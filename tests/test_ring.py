@@ -91,7 +91,7 @@ class RingLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         out = func(*args, **(kwargs or {}))
-        ring = self.streamer.ring_memory
+        ring = self.streamer.ring.memory
         if func is torch.ops.aten.copy_.default and ring is not None:
             target, source = args[0], args[1]
             if target.untyped_storage().data_ptr() == ring.untyped_storage().data_ptr():
@@ -159,7 +159,7 @@ def record(streamed: set[int], ring: RingOptions) -> tuple[list[tuple], int]:
     with log:
         outputs = forward_steps(model, x, steps=6)
     assert all(torch.equal(out, ref) for out, ref in zip(outputs, reference, strict=True))
-    capacity = streamer.capacity
+    capacity = streamer.ring.capacity
     streamer.disable()
     return log.events, capacity
 
