@@ -27,11 +27,11 @@ from ..offload import (
     StreamSpec,
     TimelineRecorder,
     Transform,
+    entry_methods,
+    host_tier,
     stream_blocks,
     stream_modules,
 )
-from ..offload.discovery import entry_methods
-from ..offload.file_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks
 from .compiler import outside_the_recording

@@ -17,8 +17,9 @@
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms
 from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
-from .discovery import FoundBlocks, NoBlocksError, find_blocks
+from .discovery import FoundBlocks, NoBlocksError, entry_methods, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
+from .file_tier import host_tier
 from .parking import ParkingLot
 from .pinning import (
     CudaHostRegistrar,
@@ -58,7 +59,9 @@ __all__ = [
     "FoundBlocks",
     "HostRam",
     "NoBlocksError",
+    "entry_methods",
     "find_blocks",
+    "host_tier",
     "BakeDecision",
     "CallOptions",
     "FileOptions",
