@@ -129,7 +129,7 @@ class Runner(Protocol):
 
     @property
     def needs_content(self) -> frozenset[int]:
-        """The units whose host buffers do not hold the content their host named yet (``BlockStreamer``'s
+        """The units whose host buffers do not hold the content their host named yet (``HostOptions``'s
         ``contents``): to write after ``enable``, before the first step, then to declare with ``wrote_content``."""
         ...
 

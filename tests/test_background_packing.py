@@ -1,4 +1,4 @@
-"""Packing in the background (``BlockStreamer(pack_in_background=True)``, what the nodes use): the first step
+"""Packing in the background (``HostOptions(pack_in_background=True)``, what the nodes use): the first step
 runs before any block is packed, each step is bitwise whatever mix of packed and waiting blocks it copies, and
 stopping, parking, a refused registration or a changed file mid-packing leave nothing behind.
 
