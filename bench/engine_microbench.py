@@ -20,7 +20,7 @@ import torch
 from harness.transformer_stack import transformer_stack
 
 from bench.timing import h2d_bandwidth_gbps, ms_per_call
-from block_offload.offload import BlockStreamer, TimelineRecorder
+from block_offload.offload import CallOptions, RingOptions, StreamSpec, TimelineRecorder, stream_blocks
 
 
 def time_forward(model: torch.nn.Module, x: torch.Tensor, steps: int = 5) -> float:
@@ -59,8 +59,11 @@ def main() -> None:
     model.head.to(device)
     for name, prefetch in (("synchronous offload", 0), ("async, prefetch 1", 1), ("async, prefetch 2", 2)):
         recorder = TimelineRecorder(device)
-        streamer = BlockStreamer(
-            model.blocks, device, range(args.blocks), prefetch=prefetch, recorder=recorder, root=model
+        streamer = stream_blocks(
+            model.blocks,
+            device,
+            range(args.blocks),
+            StreamSpec(ring=RingOptions(prefetch=prefetch), calls=CallOptions(root=model), recorder=recorder),
         )
         streamer.enable()
         ms = time_forward(model, x, args.steps)

@@ -7,7 +7,7 @@ of its blocks, the others read from the file at every step.
 The stack (``harness/transformer_stack.py``, bf16 compute; at ``--dim 5120`` a block holds 12 x 5120^2
 weights, 629 MB in bf16, near a Wan 2.1 14B block's 700 MB) is saved as a safetensors file in ``--stored``
 and mapped read-only, as ComfyUI's Dynamic VRAM reader maps a checkpoint (``harness/mapped_file.py``). Per
-share of the streamed bytes allowed host buffers (``offload/host_tier.py`` picks which blocks): the step time
+share of the streamed bytes allowed host buffers (``offload/file_tier.py`` picks which blocks): the step time
 of every block streamed (prefetch 2), against the resident step and the limit max(resident step, streamed
 bytes / pinned host-to-device bandwidth, file-tier bytes / read bandwidth), the read bandwidth measured on
 the file as the page cache holds it (warm: the file was just written). ``--cold`` also times each share
@@ -33,8 +33,17 @@ from harness.transformer_stack import transformer_stack
 
 from bench.engine_microbench import time_forward
 from bench.timing import drop_from_cache, h2d_bandwidth_gbps
-from block_offload.offload import BlockStreamer, TimelineRecorder, module_bytes, read_bandwidth
-from block_offload.offload.host_tier import host_tier
+from block_offload.offload import (
+    CallOptions,
+    FileOptions,
+    RingOptions,
+    StreamSpec,
+    TimelineRecorder,
+    module_bytes,
+    read_bandwidth,
+    stream_blocks,
+)
+from block_offload.offload.file_tier import host_tier
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,16 +109,20 @@ def measure(args: argparse.Namespace, device: torch.device, folder: Path) -> lis
         file_bytes = sum(mapped.file_slice(t).nbytes for i in from_file for t in blocks[i].state_dict().values())
         for cold in modes:
             recorder = TimelineRecorder(device)
-            streamer = BlockStreamer(
+            streamer = stream_blocks(
                 blocks,
                 device,
                 range(len(blocks)),
-                prefetch=2,
-                recorder=recorder,
-                root=mapped.module,
-                file_slice=mapped.file_slice,
-                read_each_step=from_file,
-                dtype_of=lambda module, name: torch.bfloat16,
+                StreamSpec(
+                    ring=RingOptions(prefetch=2),
+                    files=FileOptions(
+                        file_slice=mapped.file_slice,
+                        read_each_step=from_file,
+                        dtype_of=lambda module, name: torch.bfloat16,
+                    ),
+                    calls=CallOptions(root=mapped.module),
+                    recorder=recorder,
+                ),
             )
             streamer.enable()
             hook = mapped.module.register_forward_pre_hook(lambda *_: drop_from_cache(mapped.path)) if cold else None

@@ -9,7 +9,7 @@ bytes ready to copy, then one copy of every block to the device from what it mad
 
 * register first (the pack's pinned buffers before 2026-11-27): a fresh buffer registered (``cudaHostRegister``),
   the block copied in;
-* copy first (the pack's way since then, ``offload.page_lock.filled_host_buffer``): a fresh buffer, the block
+* copy first (the pack's way since then, ``offload.pinning.filled_host_buffer``): a fresh buffer, the block
   copied in (the first touch of its fresh pages then runs on the copy's threads, not inside the driver's
   registration), then registered;
 * in place (ComfyUI's classic loader, ``pin_memory``): each weight registered where it lies, nothing copied;
@@ -54,7 +54,7 @@ import torch
 import harness  # noqa: F401 (makes the pack importable as block_offload)
 from harness.comfy_host import interrupt_on_sigterm
 
-from block_offload.offload.page_lock import CudaHostRegistrar, HostRegistrar
+from block_offload.offload.pinning import CudaHostRegistrar, HostRegistrar
 
 MIB = 2**20
 SMALL_PART = 4096  # bytes of a bias or a norm weight

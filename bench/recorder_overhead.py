@@ -26,7 +26,17 @@ import torch
 
 from harness.transformer_stack import transformer_stack
 
-from block_offload.offload import BlockStreamer, OffloadPlan, StepTimeline, TimelineRecorder, module_bytes
+from block_offload.offload import (
+    BlockStreamer,
+    CallOptions,
+    OffloadPlan,
+    RingOptions,
+    StepTimeline,
+    StreamSpec,
+    TimelineRecorder,
+    module_bytes,
+    stream_blocks,
+)
 from block_offload.offload.device import Clock, Marker, copy_stream, current_stream, synchronize
 from block_offload.offload.timeline import UNWATCHED_PERIOD_S
 
@@ -120,7 +130,12 @@ def unwatched(recorder: TimelineRecorder, period_s: float = UNWATCHED_PERIOD_S) 
 
 
 def streaming(model: torch.nn.Module, device: torch.device, recorder: TimelineRecorder | None) -> BlockStreamer:
-    streamer = BlockStreamer(model.blocks, device, range(BLOCKS), prefetch=1, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        device,
+        range(BLOCKS),
+        StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     return streamer
 

@@ -17,7 +17,7 @@ import harness  # noqa: F401 - makes the pack importable as block_offload
 
 from block_offload.offload.device import Clock, synchronize
 from block_offload.offload.file_source import FileSlice, read_bandwidth
-from block_offload.offload.page_lock import pinned_host_buffer
+from block_offload.offload.pinning import pinned_host_buffer
 
 
 def ms_per_call(fn: Callable[[], object], device: torch.device, steps: int, warmup: int) -> float:

@@ -1,4 +1,4 @@
-"""A gate in front of the engine's packing thread (``offload/packing_thread.py``), so a test decides how far
+"""A gate in front of the engine's packing thread (``offload/background_packing.py``), so a test decides how far
 packing in the background has got when the model steps: it holds the thread before each block until ``let``
 lets it pack more, and a streamer that stops its packing meanwhile stops it there, as between two copies."""
 
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from block_offload.offload.packing_thread import BackgroundPacking, PackingStopped
+from block_offload.offload.background_packing import BackgroundPacking, PackingStopped
 
 
 class PackingGate:

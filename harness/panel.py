@@ -85,7 +85,9 @@ def streaming_engine(pack: SimpleNamespace, num_blocks: int, resident: int, dim:
     model = transformer_stack(num_blocks=num_blocks, dim=dim, heads=4)
     plan = off.OffloadPlan.build([off.module_bytes(b) for b in model.blocks], resident_count=resident)
     recorder = off.TimelineRecorder(torch.device("cpu"))
-    runner = off.BlockStreamer(model.blocks, "cpu", plan.streamed, recorder=recorder, root=model)
+    runner = off.stream_blocks(
+        model.blocks, "cpu", plan.streamed, off.StreamSpec(calls=off.CallOptions(root=model), recorder=recorder)
+    )
     request = pack.engine.OffloadRequest(node="panel test")
     engine = pack.engine.Engine(request, pack.engine.Placement.of_plan(plan), runner, recorder)
     return model, engine

@@ -13,7 +13,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from block_offload.offload import BlockStreamer, OffloadPlan, TimelineRecorder, module_bytes, place_falling_back
+from block_offload.offload import (
+    BlockStreamer,
+    CallOptions,
+    HostOptions,
+    OffloadPlan,
+    RingOptions,
+    StreamSpec,
+    TimelineRecorder,
+    module_bytes,
+    place_falling_back,
+    stream_blocks,
+)
 
 
 class BlockOffloader:
@@ -61,15 +72,16 @@ class BlockOffloader:
         return self.plan
 
     def _place(self, plan: OffloadPlan) -> None:
-        self.streamer = BlockStreamer(
+        self.streamer = stream_blocks(
             self.blocks,
             self.device,
             plan.streamed,
-            prefetch=plan.prefetch,
-            pin_memory=plan.pin_memory,
-            recorder=self.recorder,
-            root=self.root,
-            ring_bytes=plan.ring_bytes or None,
+            StreamSpec(
+                host=HostOptions(pin_memory=plan.pin_memory),
+                ring=RingOptions(prefetch=plan.prefetch, ring_bytes=plan.ring_bytes or None),
+                calls=CallOptions(root=self.root),
+                recorder=self.recorder,
+            ),
         )
         self.streamer.enable()
         self._move_unstreamed(self.device)

@@ -138,7 +138,7 @@ def models_table() -> str:
     by module)."""
     from block_offload.nodes.blocks import find_blocks
     from block_offload.offload import NoBlocksError
-    from block_offload.offload.block_methods import entry_methods
+    from block_offload.offload.discovery import entry_methods
 
     rows = ["| Model | ComfyUI classes | Block lists found |", "|---|---|---|"]
     for spec in zoo():

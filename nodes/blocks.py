@@ -30,9 +30,8 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 
 from ..offload import OffloadPlan, streamed_modules
-from ..offload.discovery import FoundBlocks, NoBlocksError
+from ..offload.discovery import FoundBlocks, NoBlocksError, class_code
 from ..offload.discovery import find_blocks as discover
-from ..offload.model_code import class_code
 
 #: Within ``one_tree_per_load``: the blocks found so far, per diffusion model (by ``id``: each kept beside its
 #: blocks, alive, so that no other model takes its ``id`` within the scope).

@@ -42,7 +42,7 @@ from .device_patches import (
     write_patches_to_host,
 )
 from .dynamic_vram import on_fast_disk
-from .engine_runner import CallOrder, PatchHistory, decide_baking, file_tier_options, make_runner
+from .engine_runner import CallOrder, PatchHistory, decide_baking, file_tier_options, host_options, make_runner
 from .placement import (
     Placement,
     block_names,
@@ -212,8 +212,7 @@ def start_engine(
     fast_disk = on_fast_disk(model)
     held = sum(runner.host_bytes for runner in _live_runners() if runner.enabled)
     file_options, in_host = file_tier_options(request, units, recurse, fast_disk, held)
-    read_each_step = file_options.get("read_each_step", frozenset())
-    baking = decide_baking(model, request, placement, units, read_each_step, in_host, history, parking)
+    baking = decide_baking(model, request, placement, units, file_options.read_each_step, in_host, history, parking)
     baked = baking.blocks if baking is not None else frozenset()
     # Only a block plan bakes: the sequential wrapper's model may have no block list.
     baked_names = frozenset(block_names(model)[index] for index in baked) if baked else frozenset()
@@ -224,14 +223,21 @@ def start_engine(
     adapters = AdapterStaging.of(patching, units, recurse)
     arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    streaming = {
-        "companions": adapters.companions,
-        "contents": contents,
-        "transforms": arrival.transforms(),
-        "parking": parking,
-        "scratch_bytes": patch_scratch_bytes(model, placement.streamed, device, as_cast),
-    }
-    runner = make_runner(model, request, placement.plan, device, recorder, units, last_order, file_options, streaming)
+    host = host_options(request, placement.plan, parking, adapters.companions, contents)
+    scratch_bytes = patch_scratch_bytes(model, placement.streamed, device, as_cast)
+    runner = make_runner(
+        model,
+        request,
+        placement.plan,
+        device,
+        recorder,
+        units,
+        last_order,
+        host,
+        file_options,
+        arrival.transforms(),
+        scratch_bytes,
+    )
     adapters.bind(runner)
     started = time.perf_counter()
     runner.enable(pack_progress(lambda: runner.packed_bytes))

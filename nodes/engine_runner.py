@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +16,22 @@ from torch import nn
 
 from ..offload import (
     BakeDecision,
-    BlockStreamer,
+    CallOptions,
+    FileOptions,
+    HostOptions,
     OffloadPlan,
     ParkingLot,
+    RingOptions,
     Runner,
-    SequentialOffloader,
+    SequentialOptions,
+    StreamSpec,
     TimelineRecorder,
+    Transform,
+    entry_methods,
+    host_tier,
+    stream_blocks,
+    stream_modules,
 )
-from ..offload.block_methods import entry_methods
-from ..offload.host_tier import host_tier
 from ..offload.layout import BlockLayout, module_stored_bytes
 from .blocks import find_blocks, read_by_parents
 from .comfy_memory import (
@@ -54,7 +61,7 @@ class PatchHistory:
 
 def file_tier_options(
     request: OffloadRequest, units: dict[int, nn.Module], recurse: bool, fast_disk: bool, held: int
-) -> tuple[dict, frozenset[int]]:
+) -> tuple[FileOptions, frozenset[int]]:
     """The engine's file options for a Dynamic VRAM twin, whose weights are views of their checkpoint file:
     where each weight's bytes are, the dtypes ComfyUI computes in, and the streamed units read from the file
     at each step, those that get no host buffer within ``host_buffer_room``; and the units in the file that
@@ -65,7 +72,7 @@ def file_tier_options(
     would take more RAM than ComfyUI alone), unless ``BLOCK_OFFLOAD_MAX_PINNED_GB`` asks for some. ``held``: the host
     bytes the other engines' runners hold now."""
     if not request.dynamic_vram_twin:
-        return {}, frozenset()
+        return FileOptions(), frozenset()
     in_file, elsewhere = [], 0
     for index, unit in sorted(units.items()):
         nbytes = module_stored_bytes(unit, recurse, recorded_dtype)
@@ -76,7 +83,7 @@ def file_tier_options(
     room = 0 if fast_disk and not os.environ.get(PINNED_LIMIT_ENV) else host_buffer_room(held) - elsewhere
     kept = host_tier(in_file, room)
     read_each_step = frozenset(index for index, _ in in_file) - kept
-    return {"file_slice": file_slice, "dtype_of": recorded_dtype, "read_each_step": read_each_step}, kept
+    return FileOptions(file_slice=file_slice, dtype_of=recorded_dtype, read_each_step=read_each_step), kept
 
 
 def decide_baking(
@@ -105,6 +112,35 @@ def decide_baking(
     return bake(placement, model, candidates - read_each_step, steps, least_ms)
 
 
+def host_options(
+    request: OffloadRequest,
+    plan: OffloadPlan | None,
+    parking: ParkingLot,
+    companions: Mapping[int, Sequence[torch.Tensor]],
+    contents: Mapping[int, Hashable],
+) -> HostOptions:
+    """How the engine keeps the units on the host: pinned as the plan (or, for the sequential wrapper, the
+    request) asks within the pack's pin budget, packed in the background, parked into the model's ``parking``,
+    with the patches' ``companions`` and the ``contents`` baked into host buffers (blocks only)."""
+    if plan is None:
+        return HostOptions(
+            pin_memory=request.pin_memory and pinning_enabled(),
+            pin_budget=PINNED_MEMORY,
+            storage_dtype=request.storage_dtype,
+            pack_in_background=True,
+            parking=parking,
+            companions=companions,
+        )
+    return HostOptions(
+        pin_memory=plan.pin_memory,
+        pin_budget=PINNED_MEMORY,
+        pack_in_background=True,
+        parking=parking,
+        contents=contents,
+        companions=companions,
+    )
+
+
 def make_runner(
     model: ModelPatcher,
     request: OffloadRequest,
@@ -113,52 +149,51 @@ def make_runner(
     recorder: TimelineRecorder,
     units: dict[int, nn.Module],
     last_order: CallOrder | None,
-    file_options: dict,
-    streaming: dict,
+    host: HostOptions,
+    files: FileOptions,
+    transforms: Mapping[int, Transform],
+    scratch_bytes: int,
 ) -> Runner:
     """The engine of ``units`` (``Units.streamed``: modules for the sequential wrapper, else the plan's
-    streamed blocks), with ``file_tier_options``' and the patches' ``streaming`` options: the units'
-    ``companions``, their host buffer ``contents`` (blocks only), the ``transforms``, and the model's
-    ``parking``."""
+    streamed blocks), from one ``StreamSpec``: ``host_options``' host part, ``file_tier_options``' file part,
+    and the patches' ``transforms`` with the ``scratch_bytes`` they work in."""
     diffusion_model = model.model.diffusion_model
+    persistent = outside_the_recording()
     if plan is None:
-        streaming.pop("contents")  # only blocks bake
-        return SequentialOffloader(
-            diffusion_model,
-            device,
-            storage_dtype=request.storage_dtype,
-            vram_limit_bytes=request.vram_limit_bytes,
-            prefetch=request.prefetch,
-            pin_memory=request.pin_memory and pinning_enabled(),
+        spec = StreamSpec(
+            host=host,
+            ring=RingOptions(prefetch=request.prefetch, scratch_bytes=scratch_bytes, persistent_allocations=persistent),
+            files=files,
+            calls=CallOptions(
+                call_order=order_for(last_order, "module", len(units)), holders=read_by_parents(diffusion_model)
+            ),
+            transforms=transforms,
             recorder=recorder,
-            on_promote=functools.partial(_count_promoted, model.model),
-            pin_budget=PINNED_MEMORY,
-            call_order=order_for(last_order, "module", len(units)),
-            holders=read_by_parents(diffusion_model),
-            persistent_allocations=outside_the_recording(),
-            pack_in_background=True,
-            **streaming,
-            **file_options,
         )
+        promotion = SequentialOptions(
+            vram_limit_bytes=request.vram_limit_bytes, on_promote=functools.partial(_count_promoted, model.model)
+        )
+        return stream_modules(diffusion_model, device, spec, promotion)
     found = find_blocks(diffusion_model)
     blocks = found.blocks
-    return BlockStreamer(
-        [block for _, block in blocks],
-        device,
-        plan.streamed,
-        prefetch=plan.prefetch,
-        pin_memory=plan.pin_memory,
+    spec = StreamSpec(
+        host=host,
+        ring=RingOptions(
+            prefetch=plan.prefetch,
+            ring_bytes=plan.ring_bytes or None,
+            scratch_bytes=scratch_bytes,
+            persistent_allocations=persistent,
+        ),
+        files=files,
+        calls=CallOptions(
+            root=diffusion_model,
+            call_order=order_for(last_order, "block", len(blocks)),
+            entry_methods=entry_methods(diffusion_model, found),
+        ),
+        transforms=transforms,
         recorder=recorder,
-        root=diffusion_model,
-        pin_budget=PINNED_MEMORY,
-        ring_bytes=plan.ring_bytes or None,
-        call_order=order_for(last_order, "block", len(blocks)),
-        entry_methods=entry_methods(diffusion_model, found),
-        persistent_allocations=outside_the_recording(),
-        pack_in_background=True,
-        **streaming,
-        **file_options,
     )
+    return stream_blocks([block for _, block in blocks], device, plan.streamed, spec)
 
 
 def order_for(last: CallOrder | None, unit: str, units: int) -> tuple[int, ...] | None:

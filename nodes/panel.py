@@ -33,7 +33,7 @@ import time
 import weakref
 from typing import Any
 
-from ..offload.step_timeline import StepTimeline
+from ..offload import StepTimeline
 from . import extension
 from .engine import Engine
 from .panel_messages import (

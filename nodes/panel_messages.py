@@ -24,9 +24,8 @@ from typing import Any, Final
 import psutil
 import torch
 
-from ..offload import memory_snapshot, pinned_bytes
+from ..offload import StepTimeline, memory_snapshot, pinned_bytes
 from ..offload.device import is_accelerator
-from ..offload.step_timeline import StepTimeline
 from .comfy_memory import host_ram
 from .engine import Engine
 

@@ -1,8 +1,11 @@
 """The offload engine: pure PyTorch, no ComfyUI.
 
-* ``BlockStreamer`` streams chosen blocks of a stack through reusable device slots.
+* ``StreamSpec`` is what a host asks of an engine, in frozen parts by concern (``HostOptions``, ``RingOptions``,
+  ``FileOptions``, ``CallOptions``; ``SequentialOptions`` for the sequential wrapper).
+* ``stream_blocks`` returns the ``BlockStreamer`` that streams chosen blocks of a stack through reusable
+  device slots; ``stream_modules`` the ``SequentialOffloader`` that streams every tensor-owning module of any
+  model.
 * ``OffloadPlan`` says which blocks stay resident (count, byte budget, policy).
-* ``SequentialOffloader`` streams every tensor-owning module of any model.
 * ``Runner`` is what a host uses of either.
 * ``TimelineRecorder`` times each block's copy and compute on the device.
 * ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
@@ -11,28 +14,41 @@
 * ``PROCESS_STATE`` holds what belongs to the process, not to an engine, each entry with why.
 """
 
-from .bake import BakeDecision, bake_decision
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms
-from .device import MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
-from .discovery import FoundBlocks, NoBlocksError, find_blocks
+from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
+from .discovery import FoundBlocks, NoBlocksError, entry_methods, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
-from .host_memory import release_freed_host_memory
-from .page_lock import CudaHostRegistrar, HostRegistrar, can_pin_memory, pinned_bytes, use_host_registrar
+from .file_tier import host_tier
 from .parking import ParkingLot
-from .pinning import PinnedMemoryBudget
-from .plan import GIB, OffloadPlan, module_bytes, place_falling_back
-from .planner import PREFETCH_CHOICES, best_plan
-from .process_state import PROCESS_STATE
-from .residency import ResidencyPolicy, resident_for_budget, resident_indices
+from .pinning import (
+    CudaHostRegistrar,
+    HostRegistrar,
+    PinnedMemoryBudget,
+    can_pin_memory,
+    pinned_bytes,
+    use_host_registrar,
+)
+from .plan import (
+    GIB,
+    OffloadPlan,
+    ResidencyPolicy,
+    StepAside,
+    module_bytes,
+    place_falling_back,
+    platform_aside,
+    resident_for_budget,
+    resident_indices,
+    step_aside,
+)
+from .planner import PREFETCH_CHOICES, BakeDecision, bake_decision, best_plan
 from .runner import Runner
-from .sequential import ModuleState, SequentialOffloader, buffer_bytes, streamed_modules
+from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
 from .simulator import simulate
-from .step_aside import StepAside, platform_aside, step_aside
-from .step_timeline import BlockSpan, ReadSpan, StepTimeline
-from .streamer import BlockStreamer
-from .system_memory import HostRam, clamp_to_cgroups
-from .timeline import TimelineRecorder
+from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
+from .streamer import BlockStreamer, stream_blocks
+from .system_memory import HostRam, clamp_to_cgroups, release_freed_host_memory
+from .timeline import BlockSpan, ReadSpan, StepTimeline, TimelineRecorder
 
 __all__ = [
     "GIB",
@@ -43,8 +59,16 @@ __all__ = [
     "FoundBlocks",
     "HostRam",
     "NoBlocksError",
+    "entry_methods",
     "find_blocks",
+    "host_tier",
     "BakeDecision",
+    "CallOptions",
+    "FileOptions",
+    "HostOptions",
+    "RingOptions",
+    "SequentialOptions",
+    "StreamSpec",
     "CostCache",
     "CudaHostRegistrar",
     "FileChangedError",
@@ -64,6 +88,7 @@ __all__ = [
     "StepAside",
     "StepTimeline",
     "TimelineRecorder",
+    "Transform",
     "bake_decision",
     "best_plan",
     "buffer_bytes",
@@ -85,6 +110,8 @@ __all__ = [
     "resident_indices",
     "simulate",
     "step_aside",
+    "stream_blocks",
+    "stream_modules",
     "streamed_modules",
     "unsupported_torch",
     "use_host_registrar",

@@ -1,20 +1,37 @@
-"""The block calls of a step, as an engine's hooks see them: the calls open now (running inside each other,
-outermost first), the order this step has called blocks in so far, and the order the next calls are
-expected in.
+"""How the engine sees the model run and what it does at each call.
 
-The call order is learned: the first step assumes the order it is given (an earlier engine's, else list
-order), later steps the order the previous step really used, so blocks that run twice, run out of order or
-are skipped cost a miss (an unhidden copy) at most once. A step that raised or was interrupted teaches
-nothing: the blocks after where it stopped would not be copied ahead in the next.
+* ``StepCalls``: the calls open now (running inside each other, outermost first), the order this step has
+  called blocks in so far, and the order the next calls are expected in. The order is learned: the first step
+  assumes the order it is given (an earlier engine's, else list order), later steps the order the previous step
+  really used, so blocks that run twice, out of order or not at all cost a miss (an unhidden copy) at most once.
+  A step that raised teaches nothing: the blocks after where it stopped would not be copied ahead in the next.
+* The hooks: a pair per module called (a block, or the holder that brings blocks in), a wrapper around each
+  method of its own a model runs a block through instead of calling it, and a pair around the root's forward,
+  which brackets one step.
+* ``BlockCalls``: what runs through them. A step's start settles the background packing and issues the copies
+  of the first blocks it expects. A block call waits (on the device) for its block's copy, points the block's
+  parameters at its region of the ring, runs the host's transform there, and issues the next copies. The
+  call's end records when the compute stream is done with the region (a later copy into any of its bytes waits
+  on that), and points the parameters back at the host buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Sequence
+import functools
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar, cast
 
-from .ring import look_ahead
-from .timeline import CallRecord
+import torch
+from torch import nn
+
+from .device import current_stream
+from .file_tier import FileTier
+from .host_blocks import HostBlocks
+from .ring import DeviceRing, copy_ahead, look_ahead
+from .spec import CallOptions, Transform
+from .streamed_block import StreamedBlock
+from .timeline import CallRecord, TimelineRecorder
 
 
 @dataclass
@@ -76,3 +93,283 @@ class StepCalls:
         if self.order and learn:
             self.expected = self.order
         self.order = []
+
+
+Hook = TypeVar("Hook", bound=Callable[..., object])
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+def eager(hook: Hook) -> Hook:
+    """``hook``, run as plain Python under ``torch.compile``: the engine's hooks issue copies, record events
+    and repoint parameters, which a traced graph would bake in once; the compiler breaks the graph around
+    them instead, and compiles the blocks' own code between them."""
+    disable: Callable[..., object] = torch.compiler.disable
+    return cast(Hook, disable(hook, recursive=True))
+
+
+def hook_calls(
+    blocks: Sequence[nn.Module],
+    holders: Mapping[int, nn.Module],
+    methods: Mapping[int, Sequence[str]],
+    begins: Callable[[int], None],
+    ends: Callable[[int], None],
+    after: Callable[[], None],
+    running: Callable[[int], bool],
+) -> list[Removable]:
+    """Calls ``begins(i)`` before block ``i`` runs and ``ends(i)`` once it has (even when it raised), then
+    ``after()``. ``holders[i]``: the module whose call brings block ``i`` in, where that is not the block
+    itself. One pair of hooks per module called: a holder brings in every block it holds and lets them go in
+    the reverse order, so a call ending never releases a call around it. ``methods[i]``: block ``i``'s own
+    methods the model runs it through besides its call, each run a call of the block unless the block is
+    ``running`` already (the method runs inside its call or another of its methods: ending there would release
+    the block under the outer call)."""
+    callers: dict[int, tuple[nn.Module, list[int]]] = {}
+    for index, block in enumerate(blocks):
+        caller = holders.get(index, block)
+        callers.setdefault(id(caller), (caller, []))[1].append(index)
+    handles: list[Removable] = []
+    for caller, indices in callers.values():
+        handles.append(caller.register_forward_pre_hook(eager(_each(begins, tuple(indices)))))
+        handles.append(
+            caller.register_forward_hook(eager(_each(ends, tuple(reversed(indices)), after)), always_call=True)
+        )
+    for index, names in methods.items():
+        handles += [_MethodCalls(blocks[index], name, index, begins, ends, after, running) for name in names]
+    return handles
+
+
+class _MethodCalls:
+    """Block ``index``'s method ``name``, replaced on the block (an instance attribute before its class's) by
+    one that brackets it with ``begins(index)`` and ``ends(index)``, then ``after()``, unless the block is
+    ``running`` already. The end runs whatever the method raised: an interrupt (a ``BaseException``) leaves no
+    call open either."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        name: str,
+        index: int,
+        begins: Callable[[int], None],
+        ends: Callable[[int], None],
+        after: Callable[[], None],
+        running: Callable[[int], bool],
+    ) -> None:
+        method: Callable[..., object] = getattr(block, name)
+
+        @eager
+        def begin() -> bool:
+            if running(index):
+                return False
+            try:
+                begins(index)
+            except BaseException:  # the call may be open already: closed, as a module's post-hook closes it
+                ends(index)
+                raise
+            return True
+
+        @eager
+        def end() -> None:
+            ends(index)
+            after()
+
+        @functools.wraps(method)
+        def called(*args: object, **kwargs: object) -> object:
+            began = begin()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if began:
+                    end()
+
+        self.block, self.name, self.called = block, name, called
+        block.__dict__[name] = called
+
+    def remove(self) -> None:
+        if self.block.__dict__.get(self.name) is self.called:
+            del self.block.__dict__[self.name]
+
+
+def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[bool], None]) -> list[Removable]:
+    """Calls ``begin()`` before ``root``'s forward, every other hook of it included (the root may be a block
+    too), and ``end(returned)`` after it, even when it raised: ``returned`` False then (PyTorch hands a hook
+    run for a forward that raised no output)."""
+    return [
+        root.register_forward_pre_hook(eager(lambda *_: begin()), prepend=True),
+        root.register_forward_hook(eager(lambda _root, _args, output: end(output is not None)), always_call=True),
+    ]
+
+
+def _each(
+    call: Callable[[int], None], indices: tuple[int, ...], then: Callable[[], None] | None = None
+) -> Callable[..., None]:
+    """A hook calling ``call`` for each of ``indices`` in turn, then ``then``."""
+
+    def hook(module: nn.Module, *_: object) -> None:
+        for index in indices:
+            call(index)
+        if then is not None:
+            then()
+
+    return hook
+
+
+class BlockCalls:
+    """The steps and block calls of one streamer (see the module docstring): its ring's device, host blocks,
+    prefetch (how many blocks are copied ahead) and recorder; ``transforms``: see ``StreamSpec``."""
+
+    def __init__(
+        self, ring: DeviceRing, files: FileTier, calls: StepCalls, transforms: Mapping[int, Transform]
+    ) -> None:
+        self.ring = ring
+        self.files = files
+        self.calls = calls
+        self.device: torch.device = ring.device
+        self.host: HostBlocks = ring.host
+        self.recorder: TimelineRecorder | None = ring.recorder
+        self.transforms = transforms
+        self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
+
+    def hook(self, blocks: Sequence[nn.Module], options: CallOptions) -> list[Removable]:
+        """Hooks the blocks' calls, and the root's forward as the step, to this; returns the handles."""
+        handles = hook_calls(
+            blocks,
+            options.holders,
+            options.entry_methods,
+            self._call_begins,
+            self._call_ends,
+            self._after_call,
+            self.calls.running,
+        )
+        if options.root is not None:
+            handles += hook_step(options.root, self.begin_step, self.end_step)
+        return handles
+
+    def sources_changed(self) -> None:
+        """Some blocks' host memory changed kind (packed, pinned or unpinned): which copies wait for a call's
+        post-hook is decided again."""
+        self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
+
+    def _prefetch(self, defer_pageable: bool = False) -> None:
+        """Issues the copies of the next streamed blocks, as far ahead as the ring has room, and the reads of
+        the file-tier blocks after them.
+
+        ``defer_pageable``: skip blocks in pageable memory. A copy from pageable memory holds the host
+        thread until it is done (the driver stages it), so issued before a block's kernels are launched
+        it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
+        just launched computing meanwhile. A file-tier block whose read is not done is copied later too:
+        waiting for it would hold up the launch of the block about to run."""
+        if not self.host.blocks:
+            return
+        books, _ = self.ring.allocated()
+
+        def skip(index: int) -> bool:
+            return self.files.reading(index) or (defer_pageable and self._deferred(self.host.blocks[index]))
+
+        copy_ahead(
+            self.calls.upcoming(self.host.blocks, self.ring.options.prefetch),
+            self.calls.held(),
+            books.regions,
+            self.ring.load,
+            skip,
+        )
+        if self.files.reader is not None:  # no look-ahead over every block at each call without a file tier
+            self.files.read_ahead(
+                self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.ring.options.prefetch
+            )
+
+    def _deferred(self, state: StreamedBlock) -> bool:
+        if self.ring.copy_stream is None:
+            return False
+        if state.companions is not None and not state.companions.pinned:
+            return True
+        return not (self.files.pinned if state.read is not None else state.pinned)
+
+    def begin_step(self) -> None:
+        """Marks the start of one pass through the blocks (the root module's forward)."""
+        self.finish_active()
+        self.files.check_files()
+        packing = self.host.background.running
+        self.host.background.settle()
+        if packing:  # blocks were packed since the last step: some of them copy from pinned memory now
+            self.sources_changed()
+        self.calls.step_began()
+        if self.recorder:
+            self.recorder.begin_step(current_stream(self.device))
+        self._prefetch()
+
+    def close_open_step(self) -> None:
+        """Ends a step an exception left open; nothing when none is.
+
+        The hooks that close a step run with ``always_call``, which PyTorch honours for ``Exception``
+        only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
+        leaves the block's region held and its weights pointing at the device until this is called."""
+        if self.calls.in_step:
+            self.end_step(returned=False)
+
+    def end_step(self, returned: bool = True) -> None:
+        """Ends a step; one that did not return (it raised, or was interrupted) teaches no call order: the blocks
+        after where it stopped would not be copied ahead in the next."""
+        self.finish_active()
+        self.calls.step_ended(learn=returned)
+        if self.recorder:
+            self.recorder.end_step(current_stream(self.device))
+
+    def _call_begins(self, index: int) -> None:
+        compute = current_stream(self.device)
+        record = self.recorder.call_arrived(index, compute) if self.recorder else None
+        self.calls.arrived(index)
+        copy = None
+        state = self.host.blocks.get(index)
+        if state is not None:
+            region = self.ring.region_of(index)
+            if region is None:
+                if not self.ring.load(index, self.calls.held()):
+                    raise RuntimeError(
+                        f"no room for {self.host.unit} {index} in the device ring of {self.ring.capacity} bytes: "
+                        f"{len(self.calls.open)} streamed {self.host.unit}s are running nested inside each other"
+                    )
+                region = self.ring.region_of(index)
+                assert region is not None  # just placed
+            if compute is not None and state.ready is not None:
+                compute.wait_event(state.ready)
+            copy, state.copy = state.copy, None
+            views = self.ring.views(state, region[0])
+            with self.host.lock:
+                state.in_call = True
+                state.layout.point_at(views)
+        self.calls.opened(OpenCall(index, state is not None, record))
+        if self.recorder:
+            self.recorder.call_started(record, copy, compute)
+        if state is not None and index in self.transforms:  # part of the call's compute, as timed
+            self.ring.transform(index, self.transforms[index])
+        self._prefetch(defer_pageable=True)
+
+    def _call_ends(self, index: int) -> None:
+        for call in self.calls.closed(index):
+            self._release(call)
+
+    def _after_call(self) -> None:
+        if self._pageable_deferred or self.files.reader is not None:
+            self._prefetch()
+
+    def _release(self, call: OpenCall) -> None:
+        compute = current_stream(self.device)
+        if self.recorder:
+            self.recorder.call_finished(call.record, compute)
+        if not call.streamed:
+            return
+        state = self.host.blocks[call.block]
+        if state.released is not None:
+            state.released.record(compute)
+            state.released_once = True
+        with self.host.lock:
+            state.in_call = False
+            state.layout.point_at(state.host_views)
+
+    def finish_active(self) -> None:
+        """Releases calls an exception left open, so the next step starts clean."""
+        for call in self.calls.close_all():
+            self._release(call)

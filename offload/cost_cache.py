@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .costs import Prediction, StackCosts
-from .plan import OffloadPlan
+from .plan import OffloadPlan, ResidencyPolicy
 from .planner import best_plan
-from .residency import ResidencyPolicy
 from .simulator import predict
 
 

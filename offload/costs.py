@@ -16,11 +16,11 @@ from typing import Any
 
 from .layout import aligned
 from .plan import OffloadPlan
-from .step_timeline import StepTimeline
+from .timeline import StepTimeline
 
-#: The copy speed a placement is checked against, relative to the measured one. On the H100, Flux's
-#: ``auto`` row ran 11.6 % slower than predicted (docs/records/log.md); a placement at its copy limit with
-#: one block of prefetch loses all of such a shortfall, one whose ring runs further ahead absorbs it.
+#: The copy speed a placement is checked against, relative to the measured one: real copies run slower than
+#: predicted at times, and a placement at its copy limit with one block of prefetch loses all of such a
+#: shortfall, while one whose ring runs further ahead absorbs it.
 SLOW_COPIES = 0.85
 
 

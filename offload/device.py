@@ -1,27 +1,27 @@
-"""The few device operations the engine needs, written against torch's generic
-accelerator API so CUDA, XPU and others share one code path.
+"""The few device operations the engine needs, written against torch's generic accelerator API so CUDA, XPU and
+others share one code path, and the state that belongs to the process rather than to any engine.
 
-On the CPU there are no streams or events: copies run inline and clocks are
-read from the host. Every caller handles ``None`` streams that way.
+On the CPU there are no streams or events: copies run inline and clocks are read from the host. Every caller
+handles ``None`` streams that way. Each call takes ``torch.accelerator`` where it has the function and the
+device's own module (``torch.cuda``, ``torch.xpu``) where it does not; ``unsupported_torch`` names what neither
+has, before any work starts.
 
-``torch.accelerator`` grew over several releases (its memory functions came after
-torch 2.7, the oldest ComfyUI 0.33 supports): each call here takes it where it has
-the function and the device's own module (``torch.cuda``, ``torch.xpu``) where it
-does not, and ``unsupported_torch`` names what neither has, before any work starts.
+``PROCESS_STATE`` is one registry of named entries, each with why it cannot live on an object of its own: the
+driver's page locks, one copy stream per device, a host's pin budget. A host adapter adds its own entries the
+same way, so ``PROCESS_STATE.reasons()`` lists all of it.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias, TypeVar, cast
 
 import torch
-
-from .process_state import PROCESS_STATE
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -248,3 +248,43 @@ def device_ms(work: Callable[[], object], device: torch.device, repeats: int = 3
         clock.mark(end, stream)
         times.append(clock.elapsed_ms(start, end))
     return min(times)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    value: object
+    why: str
+
+
+class ProcessState:
+    """Named process-wide values, each made once on first use, with why it is process-wide."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        # Entries are first used from the streamer's thread, the packing thread and the server's threads.
+        self._lock = threading.Lock()
+
+    def entry(self, name: str, make: Callable[[], T], why: str) -> T:
+        """The value named ``name``: the one ``make`` returns on the first call, the same one after."""
+        found = self._entries.get(name)
+        if found is None:
+            with self._lock:
+                found = self._entries.get(name)
+                if found is None:
+                    found = self._entries[name] = _Entry(make(), why)
+        return cast(T, found.value)
+
+    def made(self, name: str) -> object | None:
+        """The value named ``name`` if it was made; None before its first ``entry``."""
+        found = self._entries.get(name)
+        return found.value if found is not None else None
+
+    def reasons(self) -> dict[str, str]:
+        """Every entry made so far, by name: why it is process-wide."""
+        return {name: entry.why for name, entry in self._entries.items()}
+
+
+PROCESS_STATE = ProcessState()

@@ -1,23 +1,30 @@
-"""A model's transformer blocks, found from its module tree alone: no table of architectures.
+"""A model's transformer blocks, found from its module tree alone (``find_blocks``: no table of architectures), and
+the methods it runs them through where it does not call them, read from its code (``entry_methods``).
 
 Blocks are the entries of the lists that hold blocks: a ``ModuleList`` or ``ModuleDict`` (containers a model
 only iterates) with an entry that has submodules of its own, or a ``Sequential`` whose entries repeat one
-structure (two of one class with submodules). A list of bare layers, as an embedder's ``Sequential(Linear,
-SiLU, Linear)``, is no block list; a ``ModuleList`` of one block is (a model configured with one block in a
-list, as a Flux of one double and one single block). An entry that is itself a list
-stands for its entries: a UNet's ``input_blocks`` holds ``TimestepEmbedSequential``s whose layers it calls
-one by one, never the sequential itself. The search descends through every other module, so lists
-nested anywhere are found (an approximator's layers, a text refiner's blocks), but never into a list it
-took. Lists holding under ``MIN_LIST_SHARE`` of the weights stay with the rest of the model; if the lists
-taken hold under ``MIN_SHARE`` of them, the model has no blocks worth streaming and the caller streams it
-module by module instead. Embedding tables count in neither share (``_lookup_bytes``).
+structure. A list of bare layers (an embedder's ``Sequential(Linear, SiLU, Linear)``) is no block list; a
+``ModuleList`` of one block is. An entry that is itself a list stands for its entries: a UNet calls the layers
+of its ``TimestepEmbedSequential``s one by one. The search descends through every other module, never into a
+list it took. Lists holding under ``MIN_LIST_SHARE`` of the weights stay with the rest of the model; if the
+lists taken hold under ``MIN_SHARE``, the model has no blocks worth streaming and the caller streams it module
+by module. Embedding tables count in neither share (``_lookup_bytes``). Blocks come in module-tree order; the
+engine learns the order the model calls them in.
 
-Blocks come in module-tree order; the engine learns the order the model calls them in.
+A block streams around its calls, which its module hooks see. Some models never call a block: Wan Animate 2
+runs each block through ``block.forward_pose(...)`` and ``block.forward_gen(...)``. So the loops over a block
+list and the lookups into it, in the class (and bases) of the module that holds it, are read for the methods
+called on what they yield; only the block class's own methods count, as ``nn.Module``'s are seen by its hooks.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -128,3 +135,96 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
         kinds.pop() if len(kinds) == 1 else "mixed",
         sum(sizes.values()),
     )
+
+
+def entry_methods(root: nn.Module, found: FoundBlocks) -> dict[int, tuple[str, ...]]:
+    """Per block (its index in ``found.blocks``), the methods of its own the model's code runs it through; blocks
+    only ever called as modules are left out."""
+    index_of = {id(block): index for index, (_, block) in enumerate(found.blocks)}
+    methods: dict[int, tuple[str, ...]] = {}
+    for block_list in found.lists:
+        if block_list.path.endswith(".*"):  # entries that are lists: the model iterates those, not the blocks
+            continue
+        holder_path, _, attribute = block_list.path.rpartition(".")
+        # Widened to ``type``: mypy takes the ``type[Module]`` of ``type(holder)`` for unhashable.
+        holder_class: type = type(root.get_submodule(holder_path))
+        called = methods_called_on(holder_class).get(attribute, ())
+        for _, block in block_list.blocks:
+            own = tuple(name for name in called if _own_method(type(block), name))
+            if own:
+                methods[index_of[id(block)]] = own
+    return methods
+
+
+@functools.cache
+def methods_called_on(cls: type) -> dict[str, tuple[str, ...]]:
+    """Per attribute of ``self`` that ``cls``'s code iterates or indexes, the methods it calls on the entries;
+    {} where the code cannot be read (built in, compiled)."""
+    called: dict[str, dict[str, None]] = {}
+    for tree in class_code(cls):
+        for attribute, method in _calls_on_entries(tree):
+            called.setdefault(attribute, {})[method] = None
+    return {attribute: tuple(methods) for attribute, methods in called.items()}
+
+
+def _calls_on_entries(tree: ast.AST) -> Iterator[tuple[str, str]]:
+    """(attribute, method) for each ``entry.method(...)`` where ``entry`` is a loop variable over ``self.attribute``
+    (inside that loop, nested functions included), and each ``self.attribute[...].method(...)``."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.comprehension)):
+            attribute = _iterated(node.iter)
+            if attribute is None:
+                continue
+            names = {name.id for name in ast.walk(node.target) if isinstance(name, ast.Name)}
+            scope = node.body if isinstance(node, ast.For) else [node]
+            for statement in scope:
+                for call in ast.walk(statement):
+                    method = _method_called(call)
+                    if method is not None and isinstance(method[0], ast.Name) and method[0].id in names:
+                        yield attribute, method[1]
+        method = _method_called(node)
+        if method is not None and isinstance(method[0], ast.Subscript):
+            attribute = _self_attribute(method[0].value)
+            if attribute is not None:
+                yield attribute, method[1]
+
+
+def _method_called(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """(what, name) for a call ``what.name(...)``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.value, node.func.attr
+    return None
+
+
+def _iterated(expression: ast.expr) -> str | None:
+    """The attribute of ``self`` a loop runs over: ``self.blocks``, ``enumerate(self.blocks)``, ``zip(self.blocks,
+    ...)``, ``self.blocks.items()``."""
+    attribute = _self_attribute(expression)
+    if attribute is not None or not isinstance(expression, ast.Call):
+        return attribute
+    if isinstance(expression.func, ast.Attribute) and expression.func.attr in ("items", "values"):
+        return _self_attribute(expression.func.value)
+    return next(filter(None, map(_self_attribute, expression.args)), None)
+
+
+def _self_attribute(expression: ast.expr) -> str | None:
+    if isinstance(expression, ast.Attribute) and isinstance(expression.value, ast.Name):
+        return expression.attr if expression.value.id == "self" else None
+    return None
+
+
+def _own_method(cls: type, name: str) -> bool:
+    """Whether ``name`` is a method ``cls`` defines beyond ``nn.Module``'s."""
+    return not hasattr(nn.Module, name) and inspect.isfunction(getattr(cls, name, None))
+
+
+def class_code(cls: type) -> Iterator[ast.Module]:
+    """The parsed source of ``cls`` and of each of its bases beyond torch's; none for a class whose code cannot
+    be read (built in, compiled)."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
+            continue
+        try:
+            yield ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue

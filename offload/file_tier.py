@@ -1,21 +1,22 @@
-"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for
-each copy, into a few host staging slots (``offload/reader.py``), in the dtypes they are stored in.
+"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for each copy,
+into a few host staging slots (``FileReader``), in the dtypes they are stored in; and which blocks in a file
+keep a host buffer instead (``host_tier``).
 
-Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for the blocks
-that will need a copy: one still in the ring at its call needs no read. The files are stamped when
-streaming starts and checked at every step, so a checkpoint rewritten under a running model is an error,
-never a wrong weight.
+Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for blocks that will
+need a copy. The files are stamped when streaming starts and checked at every step, so a checkpoint rewritten
+under a running model is an error, never a wrong weight. A host buffer costs host memory, a file read costs
+bandwidth at each step: within a cap, as many blocks as fit keep one, spread evenly over the call order so the
+reader is never asked for a long run of reads at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from .device_ring import DeviceRing
-from .file_source import FileSlice, FileStamp, read_threads, stamps
+from .file_source import FileReader, FileSlice, FileStamp, read_threads, stamps
 from .host_blocks import HostBlocks
 from .layout import aligned
-from .reader import FileReader
+from .ring import DeviceRing
 from .timeline import TimelineRecorder
 
 
@@ -23,12 +24,9 @@ class FileTier:
     """The reader of a streamer's file-tier blocks, its staging slots and the files' stamps; idle (no reader,
     no slots) when no streamed block is read from its file."""
 
-    def __init__(
-        self, host: HostBlocks, ring: DeviceRing, staging_slots: int, recorder: TimelineRecorder | None
-    ) -> None:
+    def __init__(self, host: HostBlocks, ring: DeviceRing, recorder: TimelineRecorder | None) -> None:
         self.host = host
         self.ring = ring
-        self.staging_slots = staging_slots
         self.recorder = recorder
         self.reader: FileReader | None = None
         self._slot_reservation = 0  # the staging slots' pinned bytes
@@ -42,7 +40,7 @@ class FileTier:
             return
         slot_bytes = max(read.nbytes for read in reads)
         slots = []
-        for _ in range(self.staging_slots):
+        for _ in range(self.host.files.staging_slots):
             slot, reserved, _ = self.host.memory.buffer(slot_bytes)
             self._slot_reservation += reserved
             slots.append(slot)
@@ -124,3 +122,14 @@ class FileTier:
         """The file slices of the file-tier blocks, in block order."""
         blocks = sorted(self.host.blocks.items())
         return tuple(source for _, state in blocks if state.read for source in state.read.slices())
+
+
+def host_tier(blocks: Sequence[tuple[int, int]], cap: int) -> frozenset[int]:
+    """The blocks (``(index, host bytes)`` in call order) that keep a host buffer within ``cap`` bytes: the
+    most that fit, evenly spaced; the others form the file tier."""
+    count = len(blocks)
+    for kept in range(count, 0, -1):
+        chosen = [blocks[i * count // kept] for i in range(kept)]
+        if sum(nbytes for _, nbytes in chosen) <= cap:
+            return frozenset(index for index, _ in chosen)
+    return frozenset()

@@ -1,90 +1,58 @@
-"""The host side of streamed blocks: each block's tensors packed once into a host buffer (pinned where the
-pin budget and the driver allow) or left in their checkpoint file to be read at each copy (the file tier), the
+"""The host side of streamed blocks: each block's tensors packed once into a host buffer (pinned where the pin
+budget and the driver allow) or left in their checkpoint file to be read at each copy (the file tier), the
 companions packed beside them, and what becomes of them when streaming stops: restored to memory of their own,
-or parked (``offload/parking.py``) for the next streamer of the same modules to take over as they are.
+or parked in a ``ParkingLot`` (``BlockParking``) for the next streamer of the same modules to take over as they
+are.
 
 ``BlockStreamer`` owns one and runs the device side (ring, copies, hooks) from the ``StreamedBlock`` records it
-keeps (``offload/streamed_block.py``).
+keeps.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from .block_parking import BlockParking
-from .companions import PackedCompanions
-from .file_source import FileSlice
-from .layout import BlockLayout, DtypeOf
-from .packing_thread import BackgroundPacking
-from .page_lock import pinned_allocation_bytes, unpin_host_buffer
-from .parking import ParkingLot
-from .pinning import HostMemory, PinnedShare
-from .streamed_block import StreamedBlock
+from .background_packing import BackgroundPacking
+from .layout import BlockLayout
+from .parking import ParkedBuffer, ParkedInPlace, leave, signature
+from .pinning import HostMemory, pinned_allocation_bytes, unpin_host_buffer
+from .spec import FileOptions, HostOptions
+from .streamed_block import PackedCompanions, StreamedBlock
 
 
 class HostBlocks:
     """The host side of a streamer's blocks (see the module docstring): ``blocks`` holds each streamed block's
     record by index, from ``pack`` to ``take`` or ``let_go``.
 
-    ``pinned``: the streamer's share of a pin budget (None: unbounded).
-    ``storage_dtype`` keeps floating-point parameters in another dtype on the host; they are cast back on the
-    copy stream, right after the copy, so the cast and the copy are ordered on one stream. It shrinks what each
-    step copies; the originals are kept too, because a rounded copy must never replace them.
-    Weights that are views of their checkpoint file (``file_slice`` says where a tensor's bytes are in it) are
-    never copied into memory of the process: a block of ``read_each_step`` has no host buffer and is read from
-    the file for each copy (``offload/file_tier.py``), in the dtypes it is stored in; other streamed blocks pack
-    their host buffer from the file. ``dtype_of`` gives the dtype each plain tensor is computed in (a file
-    stored in fp32, run in bf16): the host buffers hold that dtype, and file-tier bytes are cast to it on the
+    ``memory``: where host buffers come from (pinned as the streamer may, within its share of a pin budget);
+    ``options`` and ``files``: the spec's parts (``offload/spec.py``).
+    A storage dtype is cast back on the copy stream, right after the copy, so the cast and the copy are ordered on
+    one stream; the originals are kept too, because a rounded copy must never replace them.
+    Weights that are views of their checkpoint file are never copied into memory of the process: a block read
+    from the file each step has no host buffer (``offload/file_tier.py``); other blocks pack their host buffer
+    from the file. Host buffers hold the dtype each tensor is computed in; file-tier bytes are cast to it on the
     device, after the copy.
-    ``companions``: per streamed block, tensors copied with it into the ring (packed once, pinned like its
-    buffer), handed back as device views while it runs (``BlockStreamer.companions``).
-    ``contents``: per streamed block, a name for what the host writes over its weights in its host buffer
-    (through the block's tensors, between ``enable`` and the first step: ``needs_content`` says which, and
-    ``wrote_content`` that it is done), such as patches applied once instead of at every call. A parked buffer
-    is adopted only by a streamer naming the same content, or none; one holding other content is dropped and
-    the block packed again from its originals, so only a block packed from its file may hold content.
-    ``parking``: where ``let_go(park=True)`` leaves the blocks' host buffers and ``pack`` takes them over from
-    (``offload/parking.py``, through ``BlockParking``); without one the streamer neither parks nor adopts."""
+    A host writes a block's ``contents`` through its tensors between ``enable`` and the first step
+    (``needs_content`` says which, ``wrote_content`` that it is done). A parked buffer is adopted only by a
+    streamer naming the same content, or none; one holding other content is dropped and the block packed again
+    from its originals, so only a block packed from its file may hold content."""
 
     def __init__(
-        self,
-        device: torch.device,
-        *,
-        unit: str,
-        recurse: bool,
-        pin_memory: bool,
-        pinned: PinnedShare | None,
-        storage_dtype: torch.dtype | None,
-        dtype_of: DtypeOf | None,
-        file_slice: Callable[[torch.Tensor], FileSlice | None] | None,
-        read_each_step: frozenset[int],
-        contents: Mapping[int, Hashable],
-        companions: Mapping[int, Sequence[torch.Tensor]],
-        parking: ParkingLot | None,
+        self, device: torch.device, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool
     ) -> None:
         self.device = device
-        self.unit = unit
+        self.options = options
+        self.files = files
         self.recurse = recurse
-        self.memory = HostMemory(pin_memory, pinned)
-        self.storage_dtype = storage_dtype
-        self.dtype_of = dtype_of
-        self.file_slice = file_slice
-        self.read_each_step = read_each_step
-        self.contents = dict(contents)
-        self._companion_tensors = dict(companions)
-        self.parking = BlockParking(
-            parking,
-            self.memory,
-            recurse=recurse,
-            dtype_of=dtype_of,
-            storage_dtype=storage_dtype,
-            read_each_step=read_each_step,
-            contents=self.contents,
-        )
+        self.memory = memory
+        # Narrowed by ``BlockStreamer.make_resident`` as blocks leave the host side.
+        self.read_each_step = files.read_each_step
+        self.parking = BlockParking(self.memory, options, files, recurse=recurse)
         self.blocks: dict[int, StreamedBlock] = {}
         # Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
         # thread: none; the thread counts its own in ``background.packed_bytes``).
@@ -94,6 +62,10 @@ class HostBlocks:
         # from a block and each re-pointing of its tensors, by the packing thread around handing a block over.
         self.lock = threading.Lock()
         self.background = BackgroundPacking(self.blocks, self.memory, self.lock, device)
+
+    @property
+    def unit(self) -> str:
+        return "block" if self.recurse else "module"
 
     def pack_all(
         self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None, later: bool = False
@@ -126,18 +98,19 @@ class HostBlocks:
         by the packing thread, or its parked buffer taken over (nothing to pack); False (nothing done) for a
         block that cannot wait: one read from its file each step (never packed), cast to a storage dtype or to
         hold other content (both need its host buffer before the first step), or not in CPU memory."""
-        if self.storage_dtype is not None or index in self.read_each_step or index in self.contents:
+        if self.options.storage_dtype is not None or index in self.read_each_step or index in self.options.contents:
             return False
         adopted = self.parking.adopt(index, block)
         if adopted is not None:
             self.blocks[index], self.modules[index] = adopted, block
             self._pack_companions(index, adopted)
             return True
-        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.files.dtype_of)
         current = layout.current()
         if any(part.device.type != "cpu" for part in current):
             return False
-        file_backed = self.file_slice is not None and any(self.file_slice(part) is not None for part in current)
+        file_slice = self.files.file_slice
+        file_backed = file_slice is not None and any(file_slice(part) is not None for part in current)
         reserved = pinned_allocation_bytes(layout.nbytes) if self.memory.pin_memory else 0
         wants_pin = self.memory.pin_memory and (self.memory.share is None or self.memory.share.reserve(reserved))
         self.blocks[index] = StreamedBlock.on_its_own_tensors(
@@ -163,7 +136,7 @@ class HostBlocks:
 
     def check_can_park(self, park: bool) -> None:
         """Raises before anything is let go if ``park`` is asked without a lot to park into."""
-        if park and self.parking.lot is None:
+        if park and self.options.parking is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
 
     def let_go(self, park: bool) -> None:
@@ -237,9 +210,10 @@ class HostBlocks:
         adopted = self.parking.adopt(index, block)
         if adopted is not None:
             return adopted
-        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.dtype_of)
+        file_slice, dtype_of, storage_dtype = self.files.file_slice, self.files.dtype_of, self.options.storage_dtype
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=dtype_of)
         current = layout.current()
-        slices = [self.file_slice(part) for part in current] if self.file_slice is not None else []
+        slices = [file_slice(part) for part in current] if file_slice is not None else []
         file_backed = any(source is not None for source in slices)
         if index in self.read_each_step:
             if not file_backed:
@@ -247,8 +221,8 @@ class HostBlocks:
             stored = BlockLayout.of(block, recurse=self.recurse)
             return StreamedBlock.read_from_file(layout, stored, current, slices, layout.device or self.device)
         storage = layout
-        if self.storage_dtype is not None:
-            storage = BlockLayout.of(block, self.storage_dtype, recurse=self.recurse, dtype_of=self.dtype_of)
+        if storage_dtype is not None:
+            storage = BlockLayout.of(block, storage_dtype, recurse=self.recurse, dtype_of=dtype_of)
         origin = layout.device or self.device
         host, reserved, pageable_because = self.memory.buffer(storage.nbytes, storage.pack_into)
         pinned = self.memory.pin_memory and pageable_because is None
@@ -257,7 +231,7 @@ class HostBlocks:
         originals = None
         if file_backed:
             originals = current  # views of the file: they cost no memory
-        elif self.storage_dtype is not None:
+        elif storage_dtype is not None:
             # Kept on the host: originals left on the device would keep the whole block there.
             originals = tuple(t.to("cpu") for t in current)
         # Otherwise the block's only copy of its weights is now the host buffer.
@@ -276,7 +250,7 @@ class HostBlocks:
         )
 
     def _pack_companions(self, index: int, state: StreamedBlock) -> None:
-        tensors = self._companion_tensors.get(index)
+        tensors = self.options.companions.get(index)
         if tensors:
             state.companions = PackedCompanions.pack(tensors, state.layout.nbytes, self.memory.buffer)
 
@@ -290,7 +264,7 @@ class HostBlocks:
         """The streamed blocks whose host buffers do not hold the content ``contents`` names for them yet."""
         return frozenset(
             index
-            for index, content in self.contents.items()
+            for index, content in self.options.contents.items()
             if index in self.blocks and self.blocks[index].content != content
         )
 
@@ -303,7 +277,7 @@ class HostBlocks:
                     f"{self.unit} {index} has no originals in a file to go back to: only a host buffer packed from "
                     "its file may hold other content"
                 )
-            state.content = self.contents[index]
+            state.content = self.options.contents[index]
 
     def unpin(self, state: StreamedBlock) -> None:
         """Gives the block's pinned bytes (or a waiting block's reservation) back to the budget (its host buffer
@@ -314,3 +288,127 @@ class HostBlocks:
         if state.pinned or state.waiting:
             self.memory.release(state.pinned_bytes)
             state.pinned_bytes = 0
+
+
+class BlockParking:
+    """Parks and adopts the host buffers of one streamer's blocks.
+
+    ``options.parking``: where they are parked and taken from (None: this streamer neither parks nor adopts). A
+    buffer is adopted only where this streamer would have packed the same bytes (no storage dtype, not read from
+    its file each step, the same ``contents``)."""
+
+    def __init__(self, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool) -> None:
+        self.memory = memory
+        self.options = options
+        self.files = files
+        self.recurse = recurse
+
+    def park(self, module: nn.Module, state: StreamedBlock, unpin: Callable[[StreamedBlock], None]) -> None:
+        """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
+        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
+        file at each step, or stored in a lossy dtype, goes back to its originals (``unpin`` gives back its
+        pinned bytes)."""
+        if state.read is not None or (state.originals is not None and not state.file_backed):
+            state.point_at_originals()  # the rounded copy must not replace them
+            unpin(state)
+            return
+        storage = state.host.untyped_storage()
+        reservation = self.memory.park(state.pinned_bytes, storage) if state.pinned else None
+        lot = self.options.parking
+        if lot is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        lot.park(
+            module,
+            ParkedBuffer(
+                weakref.ref(storage),
+                state.host.numel(),
+                signature(state.layout),
+                state.pinned,
+                self.recurse,
+                reservation,
+                state.originals if state.file_backed else None,
+                state.content,
+            ),
+        )
+
+    def park_in_place(self, module: nn.Module, state: StreamedBlock) -> None:
+        """Leaves a block pinned in place (``StreamedBlock.pinned_in_place``) as it is: its tensors stay registered
+        with the driver, and its reservation stays counted until it is adopted or its memory freed."""
+        lot = self.options.parking
+        if lot is None:
+            raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
+        storages = tuple(storage.untyped_storage() for storage in state.pinned_in_place)
+        reservation = self.memory.park(state.pinned_bytes, storages[0]) if storages else None
+        lot.park(
+            module,
+            ParkedInPlace(
+                tuple(weakref.ref(storage) for storage in storages),
+                state.pinned_bytes,
+                signature(state.layout),
+                self.recurse,
+                reservation,
+            ),
+        )
+        state.pinned_in_place, state.pinned_bytes = (), 0
+
+    def adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
+        """The block's parked host buffer, taken over as it is (``_take_over``), or its tensors pinned in place as
+        they are. One not taken over goes: a block packed from its file points at the file's views again, to be
+        packed from them (never from a buffer that may hold other content, nor into a copy of its own that would
+        outlive the streamer); one pinned in place is unpinned, to be pinned or packed again."""
+        lot = self.options.parking
+        parked = lot.take(block) if lot is not None else None
+        if parked is None:
+            return None
+        layout = BlockLayout.of(block, recurse=self.recurse, dtype_of=self.files.dtype_of)
+        if isinstance(parked, ParkedInPlace):
+            adopted = self._take_over_in_place(parked, layout, index)
+        else:
+            adopted = self._take_over(parked, layout, index)
+        if adopted is None and (isinstance(parked, ParkedInPlace) or parked.originals is not None):
+            leave(block, parked)
+        return adopted
+
+    def _take_over_in_place(self, parked: ParkedInPlace, layout: BlockLayout, index: int) -> StreamedBlock | None:
+        """A block pinned in place as this streamer would have pinned it: pinning asked, its own tensors streamed
+        as they are (no storage dtype, not read from its file each step), still on the storages parked."""
+        if self.options.storage_dtype is not None or index in self.files.read_each_step or not self.memory.pin_memory:
+            return None
+        storages = parked.parts_for(layout)
+        if storages is None or not self.memory.adopt(parked.reservation, True):
+            return None
+        return StreamedBlock.on_its_own_tensors(
+            layout,
+            pinned=True,
+            pinned_bytes=parked.nbytes,
+            sources=layout.current(),
+            in_place=True,
+            pinned_in_place=storages,
+        )
+
+    def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
+        """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned
+        bytes can move into this streamer's share; never for a block to be read from its file at each step."""
+        fits = (
+            None
+            if self.options.storage_dtype is not None or index in self.files.read_each_step
+            else parked.parts_for(layout, self.memory.pin_memory, self.options.contents.get(index))
+        )
+        if fits is None:
+            return None
+        if not self.memory.adopt(parked.reservation, parked.pinned):
+            return None
+        host, parts = fits
+        reserved = pinned_allocation_bytes(parked.nbytes) if parked.pinned else 0
+        return StreamedBlock(
+            layout,
+            layout,
+            host,
+            layout.assemble(parts),
+            host.device,
+            parked.originals,
+            parked.pinned,
+            reserved,
+            file_backed=parked.originals is not None,
+            content=parked.content,
+        )

@@ -170,8 +170,8 @@ class TensorSlot:
 class Views(tuple[torch.Tensor, ...]):
     """A module's tensors as ``point_at`` places them, kept by whoever places them again and again (a block's host
     form, each of its ring positions): the inference alias a placement needs (``_inference_alias``) is made once
-    per tensor, then kept. Every streamed call places two; made at each call, the aliases were half of its host
-    work (250-320 us a call, 75-155 us without them, on a 2-core CPU)."""
+    per tensor, then kept. Every streamed call places two, and making the aliases at each call would be about half of
+    its host work."""
 
     def inference_alias(self, index: int) -> torch.Tensor:
         aliases: dict[int, torch.Tensor] = self.__dict__.setdefault("aliases", {})

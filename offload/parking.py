@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .layout import BlockLayout
-from .page_lock import byte_view, unpin_host_buffer, whole_storages
+from .pinning import byte_view, unpin_host_buffer, whole_storages
 
 #: What a parked buffer's parts must still be for a block to take it over: name, parameter or not, offset,
 #: shape and dtype of each, in order. No owner modules: a value of the weak lot must not keep its key alive.

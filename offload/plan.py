@@ -1,18 +1,60 @@
-"""A placement plan: which blocks stay on the device, which stream, how far ahead."""
+"""A placement: which blocks stay on the device and which stream, how far ahead (``OffloadPlan``); which blocks
+stay by count, byte budget and position policy (``ResidencyPolicy``); and when a node leaves the model to its
+host's own loader instead (``step_aside``).
+
+Streaming pays off only for weights that cannot stay on the device. A host that manages device memory itself
+(ComfyUI's Dynamic VRAM) runs a model that fits fully resident faster than any streamed placement, so a node
+steps aside when nothing would stream or the whole model fits the room the host has for it. On some devices
+streaming cannot gain at all (``platform_aside``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
+from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from .layout import ALIGNMENT, DtypeOf, aligned, module_stored_bytes
-from .residency import ResidencyPolicy, resident_for_budget, resident_indices
 from .ring import ring_capacity
 
 GIB = 1024**3
+
+
+class ResidencyPolicy(str, Enum):
+    """Where the resident blocks sit in the stack.
+
+    ``strided`` spreads them evenly, so each streamed block's copy can hide behind
+    the compute of resident neighbours instead of all copies queueing at one end.
+    """
+
+    LEADING = "leading"
+    TRAILING = "trailing"
+    STRIDED = "strided"
+
+
+def resident_indices(num_blocks: int, count: int, policy: ResidencyPolicy) -> frozenset[int]:
+    """The ``count`` block indices that stay resident under ``policy``."""
+    if not 0 <= count <= num_blocks:
+        raise ValueError(f"resident block count must be between 0 and {num_blocks}, got {count}")
+    if policy is ResidencyPolicy.LEADING:
+        return frozenset(range(count))
+    if policy is ResidencyPolicy.TRAILING:
+        return frozenset(range(num_blocks - count, num_blocks))
+    # Evenly spaced, centred in each of ``count`` equal spans: 10 blocks, 3 resident -> 1, 5, 8.
+    return frozenset(int((i + 0.5) * num_blocks / count) for i in range(count))
+
+
+def resident_for_budget(block_bytes: Sequence[int], budget_bytes: int, policy: ResidencyPolicy) -> frozenset[int]:
+    """The largest resident set under ``policy`` whose blocks fit in ``budget_bytes``."""
+    for count in range(len(block_bytes), -1, -1):
+        chosen = resident_indices(len(block_bytes), count, policy)
+        if sum(block_bytes[i] for i in chosen) <= budget_bytes:
+            return chosen
+    return frozenset()
 
 
 def stream_buffer_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int = 0) -> int:
@@ -185,3 +227,41 @@ def place_falling_back(
         undo()
         failed.append(plan)
         plan = smaller
+
+
+@dataclass(frozen=True)
+class StepAside:
+    """Why a node returned the model unchanged, for the log and the panel."""
+
+    reason: str
+
+
+def step_aside(model_bytes: int, room_bytes: int, streams_any: bool) -> StepAside | None:
+    """The decision for a model of ``model_bytes`` weights, on a device with ``room_bytes`` for weights
+    (its memory less the host's reserve for inference), whose request would stream ``streams_any``."""
+    if not streams_any:
+        return StepAside("the settings stream no block, so the host's own loader runs the model as fast")
+    if model_bytes <= room_bytes:
+        return StepAside(
+            f"the whole model ({model_bytes / GIB:.2f} GiB) fits the {room_bytes / GIB:.2f} GiB the device has "
+            "for weights, where the host's loader keeps it resident, faster than any streamed placement"
+        )
+    return None
+
+
+# Devices where the engine's copies cannot pay: why, for the log and the panel.
+_NO_GAIN = MappingProxyType(
+    {
+        "mps": "Apple Silicon's memory is unified (the GPU computes from the same RAM the blocks would stream from), "
+        "and its copies run on the compute stream, so streaming costs RAM and copies and saves no memory; ComfyUI's "
+        "own loading is the better choice there",
+        "privateuseone": "DirectML has no copy stream or events for a copy to overlap compute, so every block would "
+        "wait for its own copy; ComfyUI's own loading (--lowvram) is the better choice there",
+    }
+)
+
+
+def platform_aside(device: torch.device) -> StepAside | None:
+    """The decision for a device where streaming gains nothing whatever the model (None: it may gain)."""
+    reason = _NO_GAIN.get(device.type)
+    return StepAside(f"on {device.type}, {reason}") if reason is not None else None

@@ -1,29 +1,38 @@
-"""Where streamed blocks live on the device: one buffer of a byte capacity (the ring), each block copied
-into a region of its own size, regions placed one after the other in the order blocks are copied.
+"""The device ring: one device buffer of a byte capacity where streamed blocks live while they run, each block
+copied into a region of its own size, regions placed one after the other in the order blocks are copied.
 
 Sizing the buffer in bytes rather than in blocks lets the copies run as far ahead as memory allows: while
 resident blocks compute, the copy stream fills the whole ring, and small blocks take less of it than the
-largest one would. The ring only keeps the books (which block holds which bytes); ``BlockStreamer`` owns
-the memory and the events, and the planner's simulator (``offload.simulator``) replays the same books with clocks.
+largest one would.
 
-What to copy when is chosen by ``look_ahead`` and ``copy_ahead``, here so that the engine and the
-planner's replay of it share them.
-
-A region is placed where the previous one ended (wrapping to the start when the rest is too short), so
-the blocks copied longest ago are overwritten first; regions start at multiples of a granule
-(``ring_granule``). Blocks the caller *holds* (running, or about to run)
-are never overwritten: the region goes to the start of another stretch between held regions, the one
-nearest after the head. That is complete: a region that fits anywhere can slide down until it starts at
-0 or at a held region's end.
+* ``ByteRing`` keeps the books (which block holds which bytes); the planner's simulator replays the same books
+  with clocks, and what to copy when (``look_ahead``, ``copy_ahead``) is here so both share it. A region is
+  placed where the previous one ended (wrapping to the start when the rest is too short), so the blocks copied
+  longest ago are overwritten first; regions start at multiples of a granule (``ring_granule``). Blocks the
+  caller holds (running, or about to run) are never overwritten: the region goes to the start of another
+  stretch between held regions, the one nearest after the head. That is complete: a region that fits anywhere
+  can slide down until it starts at 0 or at a held region's end.
+* ``DeviceRing`` owns the memory: the ring's bytes, the staging buffer a copy to cast lands in first, each
+  block's events and device views, and the copies themselves, issued on the device's copy stream.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from .layout import ALIGNMENT, aligned
+import torch
+
+from .device import copy_stream, current_stream, free_device_bytes, is_accelerator
+from .file_source import FileReader
+from .host_blocks import HostBlocks
+from .layout import ALIGNMENT, TensorForm, Views, aligned
+from .spec import RingOptions
+from .streamed_block import StreamedBlock
+from .timeline import TimelineRecorder
 
 
 def ring_capacity(largest: int, prefetch: int, nesting: int = 1, ring_bytes: int = 0) -> int:
@@ -126,3 +135,241 @@ def copy_ahead(
             continue
         if not load(index, held):
             return
+
+
+#: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
+#: to step once the ring's cycle and the step's line up; when they drift, views are made again.
+_VIEWS_KEPT = 16
+
+CachedViews = TypeVar("CachedViews", bound=tuple[torch.Tensor, ...])  # a block's (``Views``) or its companions'
+
+
+def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], CachedViews]) -> CachedViews:
+    """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
+    views = cache.get(start)
+    if views is None:
+        if len(cache) == _VIEWS_KEPT:
+            cache.clear()
+        views = cache[start] = make()
+    return views
+
+
+class DeviceRing:
+    """The ring the ``host``'s blocks are copied into, as ``options`` asks (``RingOptions``); allocated at the
+    first copy (or ``allocate``). File-tier blocks are copied from ``reader``'s staging slots."""
+
+    def __init__(
+        self, device: torch.device, host: HostBlocks, options: RingOptions, recorder: TimelineRecorder | None
+    ) -> None:
+        self.device = device
+        self.host = host
+        self.options = options
+        self.recorder = recorder
+        self.copy_stream = copy_stream(device)
+        self.reader: FileReader | None = None
+        self.books: ByteRing | None = None
+        self.memory: torch.Tensor | None = None  # the ring's bytes
+        self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
+        self.scratch: torch.Tensor | None = None  # where a host's transforms work (``StreamSpec.transforms``)
+        self.holds_all = False  # the ring holds every streamed block at once (then a block copied once stays)
+
+    @property
+    def capacity(self) -> int:
+        """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
+        options = self.options
+        return ring_capacity(self._largest, options.prefetch, options.nesting, options.ring_bytes or 0)
+
+    @property
+    def _largest(self) -> int:
+        return max((state.region_bytes for state in self.host.blocks.values()), default=0)
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        """Device bytes the ring (its staging buffer and scratch too) hold now (0 before the first copy and after
+        ``free``)."""
+        return sum(buffer.numel() for buffer in (self.memory, self._staging, self.scratch) if buffer is not None)
+
+    def recount(self) -> None:
+        """Whether the ring holds every streamed block, again (after blocks left the host side)."""
+        self.holds_all = sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
+
+    def allocate(self) -> None:
+        capacity = self.capacity
+        casting = [state.storage.nbytes for state in self.host.blocks.values() if cast_on_device(state)]
+        staging = max(casting, default=0)
+        free = free_device_bytes(self.device)
+        scratch = self.options.scratch_bytes
+        needed = capacity + staging + scratch
+        if free is not None and needed > free:
+            raise torch.OutOfMemoryError(
+                f"the device ring needs {needed} bytes and {self.device} has {free} free: allocated "
+                "anyway it would fail, or spill into shared host memory (the driver's system-memory fallback)"
+            )
+        with self.options.persistent_allocations():
+            self.memory = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
+            self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
+            # One scratch serves every transform: they run in turn on the compute stream.
+            self.scratch = torch.empty(scratch, dtype=torch.uint8, device=self.device) if scratch else None
+        self.books = ByteRing(capacity, ring_granule(self._largest, self.options.ring_bytes or 0))
+        self.recount()
+        if is_accelerator(self.device):
+            for state in self.host.blocks.values():
+                if state.ready is None:
+                    state.ready = torch.Event(device=self.device)
+                    state.released = torch.Event(device=self.device)
+        # The allocator hands out memory on the compute stream: its last reader there may still be queued. The
+        # first copy into fresh memory has no released event to wait on.
+        self._copies_after_compute()
+
+    def _copies_after_compute(self) -> None:
+        """Orders the copy stream after everything the compute stream has issued so far: for ring bytes that no
+        region's released event covers."""
+        compute = current_stream(self.device)
+        if self.copy_stream is not None and compute is not None:
+            self.copy_stream.wait_stream(compute)
+
+    def free(self) -> None:
+        for state in self.host.blocks.values():
+            state.device_views.clear()  # views keep the memory they view alive
+            if state.companions is not None:
+                state.companions.views.clear()
+        with self.options.persistent_allocations():
+            self.books = self.memory = self._staging = self.scratch = None
+
+    def region_of(self, index: int) -> tuple[int, int] | None:
+        """The bytes of the ring (start, end) holding block ``index``, or None while it is only on the host."""
+        return None if self.books is None else self.books.regions.get(index)
+
+    def drop(self, index: int) -> None:
+        """Forgets block ``index``'s region: its next call copies it afresh."""
+        if self.books is not None:
+            self.books.drop(index)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether every part of ``tensor`` (a quantized one's data and scales) lies in the ring."""
+        if self.memory is None:
+            return False
+        start, end = self.memory.data_ptr(), self.memory.data_ptr() + self.memory.numel()
+        parts = list(TensorForm.of(tensor, "tensor").parts_of(tensor))
+        return all(start <= part.data_ptr() < end for part in parts)
+
+    def allocated(self) -> tuple[ByteRing, torch.Tensor]:
+        """The ring's books and memory, allocated now if they are not yet."""
+        if self.books is None or self.memory is None:
+            self.allocate()
+        assert self.books is not None and self.memory is not None
+        return self.books, self.memory
+
+    def views(self, state: StreamedBlock, start: int) -> Views:
+        """The block's tensors as views of its region at ``start``."""
+        _, memory = self.allocated()
+        return _cached_views(state.device_views, start, lambda: state.layout.views(memory[start:]))
+
+    def transform(self, index: int, transform: Callable[[bool], None]) -> None:
+        """Runs a host's ``transform`` of block ``index`` where it is in the ring, telling it whether this is the
+        first call since the copy (the region holds the bytes as packed). One that raises leaves the region to
+        be copied afresh: half transformed, it must not be called again."""
+        state = self.host.blocks[index]
+        try:
+            transform(state.fresh)
+        except BaseException:
+            # Its kernels queued so far may still write the region, which a copy placed there once it is forgotten
+            # would not wait for.
+            self._copies_after_compute()
+            self.drop(index)
+            raise
+        state.fresh = False
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        """Block ``index``'s companions as device views while it is in the ring; None when it has none or is
+        elsewhere."""
+        state = self.host.blocks.get(index)
+        region = self.region_of(index)
+        if state is None or state.companions is None or region is None or self.memory is None:
+            return None
+        layout, memory = state.companions.layout, self.memory
+        start = region[0] + aligned(state.layout.nbytes)
+        return _cached_views(state.companions.views, start, lambda: layout.views(memory[start:]))
+
+    def load(self, index: int, held: Container[int]) -> bool:
+        """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
+        books, memory = self.allocated()
+        state = self.host.blocks[index]
+        placed = books.place(index, state.region_bytes, held)
+        if placed is None:
+            return False
+        start, overwritten = placed
+        stream = self.copy_stream
+        with stream if stream is not None else nullcontext():
+            if stream is not None:
+                for other in overwritten:
+                    released = self.host.blocks[other].released
+                    if released is not None and self.host.blocks[other].released_once:
+                        stream.wait_event(released)
+            record = self.recorder.copy_started(stream, state.storage.nbytes) if self.recorder else None
+            try:
+                unpacked = self._copy_in(index, state, memory, start)
+            except BaseException:
+                self._copy_failed(index, state)
+                raise
+            if record is not None:
+                record.unpacked = unpacked
+            state.fresh = True
+            if self.recorder:
+                self.recorder.copy_finished(record, stream)
+            if state.ready is not None:
+                state.ready.record(stream)
+        state.copy = record
+        return True
+
+    def _copy_failed(self, index: int, state: StreamedBlock) -> None:
+        """A copy that raised (its file's read failed, an interrupt): the block's region holds other bytes, so it
+        is forgotten, to be copied afresh at its call; its staging slot, which would hold the failed read, is
+        freed once what was issued from it is done, to be read again."""
+        self.drop(index)
+        if self.reader is not None and state.read is not None:
+            self.reader.release(index, self.copy_stream)
+
+    def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> bool:
+        """Issues the block's copy into the ring at ``start``; whether it came from a block still waiting to be
+        packed (its sources)."""
+        reader = self.reader
+        unpacked = False
+        size = state.storage.nbytes
+        cast = cast_on_device(state)
+        if cast:
+            assert self._staging is not None  # allocated with the ring, as large as the largest block cast
+            target = self._staging[:size]
+        else:
+            target = memory[start : start + size]
+        if state.read is not None:
+            assert reader is not None  # a file-tier block's streamer started its reader
+            host = reader.take(index, state.read)
+            target.copy_(host[:size], non_blocking=host.is_pinned())
+        else:
+            with self.host.lock:  # the packing thread hands a waiting block over between copies, not during one
+                unpacked = state.waiting
+                if state.sources is not None:  # waiting, or pinned where its bytes lie: part by part from them
+                    for view, source in zip(state.storage.part_views(target), state.sources, strict=True):
+                        view.copy_(source, non_blocking=True)
+                    if state.ready is not None:
+                        # Before the lock goes: the packing thread, handing the block over, waits for this event
+                        # before it frees the sources (a copy from page-locked ones is still reading them).
+                        state.ready.record(self.copy_stream)
+                else:
+                    target.copy_(state.host[:size], non_blocking=state.host.is_pinned())
+        if cast:
+            targets = state.layout.part_views(memory[start:])
+            for target_part, source in zip(targets, state.storage.part_views(target), strict=True):
+                target_part.copy_(source)
+        if reader is not None and state.read is not None:
+            reader.release(index, self.copy_stream)
+        if state.companions is not None:
+            state.companions.copy_into(memory[start + aligned(state.layout.nbytes) :])
+        return unpacked
+
+
+def cast_on_device(state: StreamedBlock) -> bool:
+    """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
+    return state.storage is not state.layout

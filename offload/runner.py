@@ -1,5 +1,6 @@
 """What a host uses of a streaming engine, whichever it is: ``BlockStreamer`` (blocks of a list) or
-``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them."""
+``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them. Only
+what a host reads or calls is declared here; tests reach the parts themselves (``ring``, ``host``, ``files``)."""
 
 from __future__ import annotations
 
@@ -75,10 +76,6 @@ class Runner(Protocol):
         """Unit ``index``'s companion tensors as device views while it runs (None: none, or not in the ring)."""
         ...
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s memory (every part of it) lies in the engine's device buffers."""
-        ...
-
     @property
     def scratch(self) -> torch.Tensor | None:
         """The device bytes a host's transforms work in (``scratch_bytes``), allocated with the ring; None when
@@ -132,7 +129,7 @@ class Runner(Protocol):
 
     @property
     def needs_content(self) -> frozenset[int]:
-        """The units whose host buffers do not hold the content their host named yet (``BlockStreamer``'s
+        """The units whose host buffers do not hold the content their host named yet (``HostOptions``'s
         ``contents``): to write after ``enable``, before the first step, then to declare with ``wrote_content``."""
         ...
 

@@ -11,22 +11,19 @@ while they fit ``vram_limit_bytes``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from enum import Enum
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .file_source import FileSlice
-from .hooks import eager
-from .layout import BlockLayout, DtypeOf, module_stored_bytes
-from .parking import ParkingLot
-from .pinning import PinnedMemoryBudget
+from .calls import eager
+from .layout import BlockLayout, module_stored_bytes
 from .plan import stream_buffer_bytes
-from .streamer import BlockStreamer
-from .timeline import TimelineRecorder
+from .spec import SequentialOptions, StreamSpec
+from .streamer import BlockStreamer, check_spec
 
 
 class ModuleState(str, Enum):
@@ -81,143 +78,59 @@ def _nesting(root: nn.Module, modules: list[nn.Module], holders: Mapping[int, nn
     return max(1, depth(root))
 
 
-def _streamers(name: str) -> property:
-    """A read-only attribute that is the per-module streamer's own."""
-    return property(lambda self: getattr(self.streamer, name), doc=f"``BlockStreamer.{name}`` of the modules.")
+def stream_modules(
+    root: nn.Module,
+    device: torch.device | str,
+    spec: StreamSpec,
+    options: SequentialOptions,
+) -> SequentialOffloader:
+    """The engine that streams every tensor-owning module of ``root`` (``streamed_modules``, numbered so for the
+    spec's indices) as ``spec`` asks. The wrapper sets the spec's root, recurse and nesting itself. Raises for a
+    spec that does not fit, before anything is touched; ``enable`` starts it."""
+    if spec.calls.root is not None or not spec.calls.recurse or spec.ring.nesting != 1:
+        raise ValueError("the sequential wrapper sets the spec's root, recurse and nesting itself: leave them unset")
+    modules = [module for _, module in streamed_modules(root)]
+    nesting = _nesting(root, modules, spec.calls.holders)
+    spec = replace(spec, calls=replace(spec.calls, root=root, recurse=False), ring=replace(spec.ring, nesting=nesting))
+    streamed = frozenset(range(len(modules)))
+    check_spec(len(modules), streamed, spec)
+    return SequentialOffloader(modules, torch.device(device), streamed, spec, options)
 
 
-class SequentialOffloader:
-    """Wraps every tensor-owning module of ``root``; call ``enable`` to start, ``disable`` to undo."""
+class SequentialOffloader(BlockStreamer):
+    """A ``BlockStreamer`` whose units are every tensor-owning module of ``root`` (built by ``stream_modules``),
+    that keeps the most called modules on the device after the first pass (``SequentialOptions``). A module
+    with a transform is never kept there (see ``make_resident``)."""
 
     def __init__(
         self,
-        root: nn.Module,
-        device: torch.device | str,
-        *,
-        storage_dtype: torch.dtype | None = None,
-        vram_limit_bytes: int = 0,
-        prefetch: int = 1,
-        pin_memory: bool = True,
-        recorder: TimelineRecorder | None = None,
-        on_promote: Callable[[int], None] | None = None,
-        pin_budget: PinnedMemoryBudget | None = None,
-        file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
-        read_each_step: Iterable[int] = (),
-        dtype_of: DtypeOf | None = None,
-        call_order: Sequence[int] | None = None,
-        companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
-        transforms: Mapping[int, Callable[[bool], None]] | None = None,
-        holders: Mapping[int, nn.Module] | None = None,
-        persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
-        parking: ParkingLot | None = None,
-        pack_in_background: bool = False,
-        scratch_bytes: int = 0,
+        modules: list[nn.Module],
+        device: torch.device,
+        streamed: frozenset[int],
+        spec: StreamSpec,
+        options: SequentialOptions,
     ) -> None:
-        """``on_promote`` hears how many bytes moved to the device for good, for whoever keeps the books.
-        ``file_slice``, ``read_each_step`` (indices of ``streamed_modules``), ``dtype_of``, ``call_order``,
-        ``companions``, ``transforms`` (never kept on the device: see ``make_resident``), ``holders`` (a
-        module's parent that reads its tensors without calling it: ComfyUI's fused ops) and
-        ``persistent_allocations``, ``parking``, ``pack_in_background`` and ``scratch_bytes``: see
-        ``BlockStreamer``."""
-        self.root = root
-        self.on_promote = on_promote
-        self.modules = [module for _, module in streamed_modules(root)]
-        self.vram_limit_bytes = vram_limit_bytes
-        self.streamer = BlockStreamer(
-            self.modules,
-            device,
-            range(len(self.modules)),
-            prefetch=prefetch,
-            pin_memory=pin_memory,
-            storage_dtype=storage_dtype,
-            recorder=recorder,
-            root=root,
-            recurse=False,
-            nesting=_nesting(root, self.modules, holders or {}),
-            pin_budget=pin_budget,
-            file_slice=file_slice,
-            read_each_step=read_each_step,
-            dtype_of=dtype_of,
-            call_order=call_order,
-            companions=companions,
-            transforms=transforms,
-            holders=holders,
-            persistent_allocations=persistent_allocations,
-            parking=parking,
-            pack_in_background=pack_in_background,
-            scratch_bytes=scratch_bytes,
-        )
+        super().__init__(modules, device, streamed, spec)
+        self.options = options
         self._promotion_hook: RemovableHandle | None = None
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """``progress``: see ``BlockStreamer.enable``."""
-        self.streamer.enable(progress)
-        if self.vram_limit_bytes > 0:
-            self._promotion_hook = self.root.register_forward_hook(eager(self._promote_after_first_pass))
+        super().enable(progress)
+        root = self.spec.calls.root  # the wrapper's root (``stream_modules``)
+        if self.options.vram_limit_bytes > 0 and root is not None:
+            self._promotion_hook = root.register_forward_hook(eager(self._promote_after_first_pass))
 
     def disable(self, park: bool = False) -> None:
-        """``park``: see ``BlockStreamer.disable``."""
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        self.streamer.disable(park)
-
-    # -- the Runner interface (offload/runner.py): the streamer's, per module ------------------
-
-    enabled = _streamers("enabled")
-    unit = _streamers("unit")
-    units = _streamers("units")
-    streamed = _streamers("streamed")
-    read_each_step = _streamers("read_each_step")
-    file_tier_bytes = _streamers("file_tier_bytes")
-    bytes_read = _streamers("bytes_read")
-    refused_pinning = _streamers("refused_pinning")
-    failed_pinning = _streamers("failed_pinning")
-    device_buffer_bytes = _streamers("device_buffer_bytes")
-    host_bytes = _streamers("host_bytes")
-    packed_bytes = _streamers("packed_bytes")
-    pinning_progress = _streamers("pinning_progress")
-    waiting_bytes = _streamers("waiting_bytes")
-    background_packing = _streamers("background_packing")
-    staging_bytes = _streamers("staging_bytes")
-    companion_bytes = _streamers("companion_bytes")
-    scratch = _streamers("scratch")
-    last_order = _streamers("last_order")
-    needs_content = _streamers("needs_content")
-
-    def allocate_device_buffers(self) -> None:
-        """See ``BlockStreamer.allocate_device_buffers``."""
-        self.streamer.allocate_device_buffers()
-
-    def finish_packing(self) -> None:
-        """See ``BlockStreamer.finish_packing``."""
-        self.streamer.finish_packing()
-
-    def close_open_step(self) -> None:
-        """See ``BlockStreamer.close_open_step``."""
-        self.streamer.close_open_step()
-
-    def wrote_content(self, indices: Iterable[int]) -> None:
-        """See ``BlockStreamer.wrote_content``."""
-        self.streamer.wrote_content(indices)
-
-    def file_slices(self) -> tuple[FileSlice, ...]:
-        """See ``BlockStreamer.file_slices``."""
-        return self.streamer.file_slices()
-
-    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
-        """See ``BlockStreamer.companions``."""
-        return self.streamer.companions(index)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        """See ``BlockStreamer.holds``."""
-        return self.streamer.holds(tensor)
+        super().disable(park)
 
     def state(self, module: nn.Module) -> ModuleState:
-        index = next(i for i, m in enumerate(self.modules) if m is module)
-        if index not in self.streamer.streamed:
+        index = next(i for i, m in enumerate(self.blocks) if m is module)
+        if index not in self.streamed:
             return ModuleState.KEPT
-        if self.streamer.region_of(index) is not None:
+        if self.ring.region_of(index) is not None:
             return ModuleState.ONLOADED
         return ModuleState.OFFLOADED
 
@@ -225,16 +138,16 @@ class SequentialOffloader:
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        calls = Counter(index for index in self.streamer.last_order if index not in self.streamer.transforms)
+        calls = Counter(index for index in self.last_order if index not in self.spec.transforms)
         # Most calls first; among equals the smaller module, so more of them fit.
-        ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.modules[i])))
-        limit = self.vram_limit_bytes - self.streamer.device_buffer_bytes  # the limit counts the ring too
+        ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.blocks[i])))
+        limit = self.options.vram_limit_bytes - self.ring.device_buffer_bytes  # the limit counts the ring too
         kept, used = [], 0
         for index in ranked:
-            size = _own_bytes(self.modules[index])
+            size = _own_bytes(self.blocks[index])
             if used + size <= limit:
                 kept.append(index)
                 used += size
-        self.streamer.make_resident(kept)
-        if self.on_promote is not None and kept:
-            self.on_promote(used)
+        self.make_resident(kept)
+        if self.options.on_promote is not None and kept:
+            self.options.on_promote(used)

@@ -1,186 +1,99 @@
-"""Streams blocks that do not live on the device through one reusable device
-buffer, the ring, each copy issued ahead of use on a dedicated copy stream.
+"""Streams blocks that do not live on the device through one reusable device buffer, the ring, each copy issued
+ahead of use on a dedicated copy stream.
 
 How one step runs:
 
-* Each streamed block's tensors live once, in one flat (pinned) host buffer; the
-  module's parameters point at views of it while the block is offloaded.
-* The ring is allocated once, sized in bytes: by default as ``prefetch + 1``
-  blocks as large as the largest streamed one; a planner may give it whatever
-  its budget leaves. Before block ``i`` runs, the next streamed blocks of the
-  expected call order are copied into it, each into a region of its own size,
-  as far ahead as the ring has room and at most ``prefetch`` blocks.
-* The compute stream waits on the block's *ready* event, not on the host, and
-  the block's parameters are pointed at its region for the duration of its call.
-* After the call the block records a *released* event on the compute stream; a
-  copy that overwrites any of its bytes waits on it first on the copy stream.
-  That ordering is what prevents the use-after-free race of overwriting memory
-  the compute stream has not finished reading; later copies on the same stream
-  come after it. Weights are only read, so nothing is copied back.
+* Each streamed block's tensors live once, in one flat (pinned) host buffer; the module's parameters point at
+  views of it while the block is offloaded.
+* The ring is allocated once, sized in bytes: by default as ``prefetch + 1`` blocks as large as the largest
+  streamed one; a planner may give it whatever its budget leaves. Before block ``i`` runs, the next streamed
+  blocks of the expected call order are copied into it, each into a region of its own size, as far ahead as
+  the ring has room and at most ``prefetch`` blocks.
+* The compute stream waits on the block's *ready* event, not on the host, and the block's parameters are
+  pointed at its region for the duration of its call.
+* After the call the block records a *released* event on the compute stream; a copy that overwrites any of its
+  bytes waits on it first on the copy stream. That ordering prevents overwriting memory the compute stream has
+  not finished reading. Weights are only read, so nothing is copied back.
 
-``BlockStreamer`` owns the parts, each with its own state, and changes what is streamed (enable, disable,
-make resident, unpin):
+``stream_blocks`` checks a ``StreamSpec`` against the blocks and builds a ``BlockStreamer``, which owns the
+parts, each reading its part of the spec, and changes what is streamed (enable, disable, make resident, unpin):
+``HostBlocks`` (``host_blocks.py``: host buffers, pinning, parking), ``DeviceRing`` (``ring.py``),
+``FileTier`` (``file_tier.py``), and ``StepCalls`` with ``BlockCalls`` (``calls.py``: the hooks and what each
+call does).
 
-* ``HostBlocks`` (``host_blocks.py``): the host buffers, pinning, parking and adoption;
-* ``DeviceRing`` (``device_ring.py``): the ring's memory, copies and events, the regions'
-  books (``ring.py``, whose schedule the planner replays), companions;
-* ``FileTier`` (``file_tier.py``): blocks read from their checkpoint file at each copy;
-* ``StepCalls`` (``calls.py``): the calls open now and the learned call order;
-* ``BlockCalls`` (``block_calls.py``): what runs at each step and block call, through the hooks (``hooks.py``)
-  by which it sees the model run.
-
-Stopping can *park* instead of restoring: blocks that came from the CPU keep
-their host buffers, which then are their only storage (valid CPU tensors holding
-exactly the weights), in the streamer's ``ParkingLot`` (``offload/parking.py``).
-The next streamer enabled on the same modules with the same lot adopts a parked
-buffer while the modules still use exactly its views, so a host that hands a
-model from one streamer to the next (ComfyUI loads a new clone for every prompt)
-neither copies nor pins the streamed weights again.
+Stopping can *park* instead of restoring: blocks that came from the CPU keep their host buffers, which then are
+their only storage, in the spec's ``ParkingLot``. The next streamer enabled on the same modules with the same
+lot adopts a parked buffer while the modules still use exactly its views, so a host that hands a model from one
+streamer to the next (ComfyUI loads a new clone for every prompt) neither copies nor pins its weights again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from .block_calls import BlockCalls
-from .calls import StepCalls
+from .calls import BlockCalls, Removable, StepCalls
 from .device import synchronize
-from .device_ring import DeviceRing
 from .file_source import FileSlice
 from .file_tier import FileTier
-from .hooks import Removable
 from .host_blocks import HostBlocks
-from .layout import DtypeOf
-from .page_lock import can_pin_memory
-from .parking import ParkingLot
-from .pinning import PinnedMemoryBudget
-from .timeline import TimelineRecorder
-from .views import StreamerViews
+from .pinning import HostMemory, can_pin_memory
+from .ring import DeviceRing
+from .spec import StreamSpec
 
 
-def check_arguments(
-    count: int, streamed: frozenset[int], read_each_step: frozenset[int], prefetch: int, files: bool, staging_slots: int
-) -> None:
+def check_spec(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
     """Raises, before anything is touched, for streamed indices outside ``count`` blocks, blocks to read from their
-    file each step that are not streamed or have no file to read (``files``) or no slot, a negative prefetch."""
+    file each step that are not streamed or have no file to read or no slot, a negative prefetch."""
+    prefetch, files = spec.ring.prefetch, spec.files
     if prefetch < 0:
         raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
     bad = sorted(i for i in streamed if not 0 <= i < count)
     if bad:
         raise ValueError(f"streamed block indices {bad} are outside 0..{count - 1}")
-    extra = sorted(read_each_step - streamed)
+    extra = sorted(files.read_each_step - streamed)
     if extra:
         raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
-    if read_each_step and (not files or staging_slots < 1):
+    if files.read_each_step and (files.file_slice is None or files.staging_slots < 1):
         raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
 
 
-class BlockStreamer(StreamerViews):
-    """Streams ``blocks[i]`` for every ``i`` in ``streamed``; other blocks are left alone.
+def stream_blocks(
+    blocks: Sequence[nn.Module], device: torch.device | str, streamed: Iterable[int], spec: StreamSpec
+) -> BlockStreamer:
+    """The engine that streams ``blocks[i]`` for every ``i`` in ``streamed`` as ``spec`` asks; other blocks are
+    left alone. Raises for a spec that does not fit the blocks, before anything is touched; ``enable`` starts it."""
+    blocks, streamed = list(blocks), frozenset(streamed)
+    check_spec(len(blocks), streamed, spec)
+    return BlockStreamer(blocks, torch.device(device), streamed, spec)
 
-    ``prefetch=0`` is the synchronous mode kept for comparison: each copy is issued
-    when its block is called and the compute waits for it at once.
-    ``ring_bytes`` sizes the device ring (see the module docstring); ``prefetch`` then
-    still caps how many blocks are copied ahead.
-    ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
-    ``call_order``: the order the blocks were called in by an earlier streamer of the same model
-    (``last_order``), so the first step copies and reads ahead in that order rather than the list's.
-    ``transforms``: per streamed block, a host's transform of its weights where they are in the ring, called
-    (``copied``) on the compute stream at each call, once the block's tensors point at the ring, as part of the
-    call's compute; ``copied`` at the first call after each copy, when the region holds the bytes as packed
-    (ComfyUI's patches of quantized weights are re-quantized in place then, as ComfyUI re-quantizes them at
-    load; later calls only put the re-quantized tensors back). A transform that raises leaves the region to be
-    copied afresh. ``scratch_bytes``: device memory the transforms work in (``scratch``), allocated with the ring,
-    so no call allocates.
-    ``holders``: per block, the module whose call brings it in, where that is not the block itself (``hooks.py``).
-    ``entry_methods``: per block, the methods of its own the model runs it through instead of calling it
-    (``block_methods.py``); each run of one is a call of the block.
-    ``persistent_allocations``: a context entered around each device allocation the engine keeps from one call
-    to the next (its ring and staging buffer, a block made resident) and around their frees, some of which
-    happen inside a block call (a ring released with ``release_device_buffers`` is allocated again by the next
-    call): a host that records and replays the allocations of each call (ComfyUI's compiler) keeps them out.
-    How blocks are kept on the host (``storage_dtype``, ``dtype_of``, ``file_slice``, ``read_each_step``,
-    ``companions``, ``contents``, ``parking``): see ``HostBlocks``; file-tier blocks are read through
-    ``staging_slots`` host slots (``FileTier``).
-    ``pack_in_background``: ``enable`` returns without packing the blocks that can wait; they stream from where
-    their bytes are until a thread of their own has packed them (``offload/packing_thread.py``).
-    """
+
+class BlockStreamer:
+    """Streams ``blocks[i]`` for every ``i`` in ``streamed``, as ``spec`` asks (``offload/spec.py``); built by
+    ``stream_blocks``, which checks the spec first.
+
+    Prefetch 0 is the synchronous mode kept for comparison: each copy is issued when its block is called and the
+    compute waits for it at once."""
 
     def __init__(
-        self,
-        blocks: Sequence[nn.Module],
-        device: torch.device | str,
-        streamed: Iterable[int],
-        *,
-        prefetch: int = 1,
-        pin_memory: bool = True,
-        storage_dtype: torch.dtype | None = None,
-        recorder: TimelineRecorder | None = None,
-        root: nn.Module | None = None,
-        recurse: bool = True,
-        nesting: int = 1,
-        pin_budget: PinnedMemoryBudget | None = None,
-        ring_bytes: int | None = None,
-        file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None,
-        read_each_step: Iterable[int] = (),
-        dtype_of: DtypeOf | None = None,
-        staging_slots: int = 2,
-        call_order: Sequence[int] | None = None,
-        companions: Mapping[int, Sequence[torch.Tensor]] | None = None,
-        contents: Mapping[int, Hashable] | None = None,
-        transforms: Mapping[int, Callable[[bool], None]] | None = None,
-        holders: Mapping[int, nn.Module] | None = None,
-        entry_methods: Mapping[int, Sequence[str]] | None = None,
-        persistent_allocations: Callable[[], AbstractContextManager[object]] = nullcontext,
-        parking: ParkingLot | None = None,
-        pack_in_background: bool = False,
-        scratch_bytes: int = 0,
+        self, blocks: list[nn.Module], device: torch.device, streamed: frozenset[int], spec: StreamSpec
     ) -> None:
-        self.blocks = list(blocks)
-        self.device = torch.device(device)
-        self.streamed = frozenset(streamed)
-        check_arguments(len(self.blocks), self.streamed, frozenset(read_each_step), prefetch,
-                        file_slice is not None, staging_slots)  # fmt: skip
-        self.transforms = dict(transforms or {})
-        self.holders = dict(holders or {})
-        self.entry_methods = dict(entry_methods or {})
-        self.persistent_allocations = persistent_allocations
-        self.root = root
-        self.recurse = recurse
-        self.host = HostBlocks(
-            self.device,
-            unit=self.unit,
-            recurse=recurse,
-            pin_memory=pin_memory and can_pin_memory(),
-            pinned=pin_budget.share(self.give_back_pinned) if pin_budget is not None else None,
-            storage_dtype=storage_dtype,
-            dtype_of=dtype_of,
-            file_slice=file_slice,
-            read_each_step=frozenset(read_each_step),
-            contents={index: content for index, content in (contents or {}).items() if content is not None},
-            companions=companions or {},
-            parking=parking,
-        )
-        self.ring = DeviceRing(
-            self.device,
-            self.host,
-            prefetch=prefetch,
-            nesting=nesting,
-            ring_bytes=ring_bytes,
-            recorder=recorder,
-            persistent_allocations=persistent_allocations,
-            scratch_bytes=scratch_bytes,
-        )
-        self.files = FileTier(self.host, self.ring, staging_slots, recorder)
+        self.blocks = blocks
+        self.device = device
+        self.streamed = streamed
+        self.spec = spec
+        budget = spec.host.pin_budget
+        pinned = budget.share(self.give_back_pinned) if budget is not None else None
+        memory = HostMemory(spec.host.pin_memory and can_pin_memory(), pinned)
+        self.host = HostBlocks(device, memory, spec.host, spec.files, recurse=spec.calls.recurse)
+        self.ring = DeviceRing(device, self.host, spec.ring, spec.recorder)
+        self.files = FileTier(self.host, self.ring, spec.recorder)
         # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
-        self.calls = StepCalls(len(self.blocks), call_order)
-        self.steps = BlockCalls(self.ring, self.files, self.calls, transforms=self.transforms, unit=self.unit)
+        self.calls = StepCalls(len(blocks), spec.calls.call_order)
+        self.steps = BlockCalls(self.ring, self.files, self.calls, spec.transforms)
         self._handles: list[Removable] = []
-        self.pack_in_background = pack_in_background
         self.enabled = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -192,9 +105,9 @@ class BlockStreamer(StreamerViews):
         if self.enabled:
             return
         blocks = {index: self.blocks[index] for index in self.streamed}
-        self.host.pack_all(blocks, progress, later=self.pack_in_background)
+        self.host.pack_all(blocks, progress, later=self.spec.host.pack_in_background)
         self.files.start()
-        self._handles = self.steps.hook(self.blocks, self.holders, self.entry_methods, self.root)
+        self._handles = self.steps.hook(self.blocks, self.spec.calls)
         self.steps.sources_changed()
         self.enabled = True
         self._pack_in_call_order()
@@ -202,10 +115,10 @@ class BlockStreamer(StreamerViews):
     def _pack_in_call_order(self) -> None:
         """(Re)starts packing the waiting blocks in the background, in the order the steps call them."""
         upcoming = list(self.calls.upcoming(self.host.blocks, len(self.host.blocks)))
-        self.host.background.start(upcoming, self.host.file_slice)
+        self.host.background.start(upcoming, self.spec.files.file_slice)
 
     def finish_packing(self) -> None:
-        """Waits until every block waiting to be packed is (see ``pack_in_background``)."""
+        """Waits until every block waiting to be packed is (see ``HostOptions.pack_in_background``)."""
         self.host.background.finish()
         self.steps.sources_changed()
 
@@ -236,11 +149,11 @@ class BlockStreamer(StreamerViews):
         self.ring.free()
 
     def make_resident(self, indices: Iterable[int]) -> None:
-        """Stops streaming these blocks: their tensors move to the device for good. Not for a block with
-        ``transforms``: resident, its weights would be the module's only copy, and a transform in place would
+        """Stops streaming these blocks: their tensors move to the device for good. Not for a block with a
+        transform: resident, its weights would be the module's only copy, and a transform in place would
         change them for good."""
         indices = list(indices)
-        transformed = sorted(set(indices) & self.transforms.keys())
+        transformed = sorted(set(indices) & self.spec.transforms.keys())
         if transformed:
             raise ValueError(f"blocks {transformed} are transformed where they arrive and cannot be made resident")
         self.steps.finish_active()
@@ -251,7 +164,7 @@ class BlockStreamer(StreamerViews):
             if state is not None:
                 self.ring.drop(index)
                 self.files.forget(index)
-                with self.persistent_allocations():
+                with self.spec.ring.persistent_allocations():
                     state.restore(self.device)
                 self.host.unpin(state)
         self.streamed = frozenset(self.host.blocks)
@@ -287,3 +200,84 @@ class BlockStreamer(StreamerViews):
     def close_open_step(self) -> None:
         """See ``BlockCalls.close_open_step``."""
         self.steps.close_open_step()
+
+    # -- what a host reads (``Runner`` documents each) -----------------------------------------
+
+    @property
+    def unit(self) -> str:
+        return self.host.unit
+
+    @property
+    def units(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def last_order(self) -> tuple[int, ...]:
+        return tuple(self.calls.expected)
+
+    @property
+    def read_each_step(self) -> frozenset[int]:
+        return self.host.read_each_step
+
+    @property
+    def needs_content(self) -> frozenset[int]:
+        return self.host.needs_content
+
+    def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
+        return self.ring.companions(index)
+
+    @property
+    def scratch(self) -> torch.Tensor | None:
+        return self.ring.scratch
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
+        return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
+
+    @property
+    def companion_bytes(self) -> int:
+        return self.host.companion_bytes
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        return self.ring.device_buffer_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.files.staging_bytes
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.host.packed_bytes
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self.host.background.waiting_bytes
+
+    @property
+    def background_packing(self) -> tuple[int, int]:
+        return self.host.background.progress
+
+    @property
+    def pinning_progress(self) -> tuple[int, int]:
+        return self.host.background.pinning_progress
+
+    @property
+    def refused_pinning(self) -> dict[int, int]:
+        return self.host.pageable_because("cap")
+
+    @property
+    def failed_pinning(self) -> dict[int, int]:
+        return self.host.pageable_because("driver")
+
+    @property
+    def file_tier_bytes(self) -> int:
+        return self.files.file_bytes
+
+    @property
+    def bytes_read(self) -> int:
+        return self.files.bytes_read
+
+    def file_slices(self) -> tuple[FileSlice, ...]:
+        return self.files.file_slices()

@@ -1,18 +1,22 @@
-"""Host RAM as the kernel enforces it: the host's figures clamped to the memory cgroups the process is in.
+"""Host RAM as the kernel enforces it, and giving freed host memory back to it.
 
-``/proc/meminfo`` (psutil's source) is not namespaced: inside a container with a memory limit (Docker's
-``--memory``, a Kubernetes pod, most rented GPU machines) it reports the host's RAM, while the kernel kills the
-process at the limit of its cgroup, or of any cgroup above it. The room left is therefore the least, over the
-process's memory cgroup and its ancestors that set a limit, of that limit less the group's working set: its usage
-less its inactive file pages, which the kernel reclaims before it kills anything (what the kubelet counts, and
-what newer ComfyUI's ``comfy/system_memory.py`` counts). A limit at or above the host's RAM (cgroup v1 spells "no
-limit" as a huge number) changes nothing; where there is no cgroup file system (Windows, macOS) the host's
-figures stand.
+* ``HostRam``: the host's figures clamped to the memory cgroups the process is in. ``/proc/meminfo`` is not
+  namespaced: in a container with a memory limit it reports the host's RAM, while the kernel kills the process
+  at the limit of its cgroup or of any above it. The room left is the least, over those cgroups that set a
+  limit, of the limit less the group's working set (usage less inactive file pages, which the kernel reclaims
+  first). A limit at or above the host's RAM changes nothing; without a cgroup file system the host's figures
+  stand.
+* ``release_freed_host_memory``: glibc keeps freed heap memory in its arenas, so freeing a model's worth of
+  small weights (the originals once packed into host buffers) would leave the process's RSS as high as before.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -142,3 +146,19 @@ def clamp_to_cgroups(host_total: int, host_available: int, files: ProcFiles = Pr
         return HostRam(host_total, host_available)
     tightest = min(limits, key=lambda group: group.room)
     return HostRam(min(group.limit for group in limits), min(host_available, tightest.room), tightest)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    library = ctypes.CDLL(name) if name else None
+    trim: Callable[[int], int] | None = getattr(library, "malloc_trim", None)  # glibc only
+    return trim
+
+
+def release_freed_host_memory() -> None:
+    """Returns the heap memory freed so far to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+    Costs a walk over the allocator's free lists: call it after freeing many weights, not per step."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

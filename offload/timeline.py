@@ -1,26 +1,22 @@
-"""Per-block copy and compute spans, timed on the device.
+"""The recorder: each block call's copy and compute span, timed on the device (``TimelineRecorder``), and what a
+recorded step is (``StepTimeline``: spans and file reads in milliseconds from the step's start, with the
+step's totals), which the planner's measured costs, the report and the panel read.
 
-What a block call costs the recorder on the sampling thread: two marks on the compute stream (the
-compute reached the block; its kernels ended) and, for a block copied in, two on the copy stream (the
-copy's start and end), each one event record that never blocks the host. When the compute could start
-is not marked: the compute stream waits for nothing but the slot's ready event, recorded right after
-the copy's end, so it started at the later of its arrival and that end.
+A block call costs the recorder two marks on the compute stream (the compute reached the block; its kernels
+ended) and, for a block copied in, two on the copy stream, each an event record that never blocks the host.
+When the compute could start is not marked: the compute stream waits for nothing but the region's ready event,
+recorded right after the copy's end, so it started at the later of its arrival and that end. Reads of
+file-tier blocks run on a thread of their own, off any stream: they are timed on the host and placed against
+the host's start of the step they ended in.
 
-Reads of file-tier blocks (``offload/reader.py``) run on a thread of their own, off any stream: they are
-timed on the host (``time.perf_counter``) and placed against the host's start of the step they ended in.
+A finished step is read (one elapsed time per marker, no synchronization) only when someone asks: the listener,
+at the next step boundary once the device has finished it; ``latest()`` and ``steps``, which wait for the
+device. Records and their markers are pooled, so a run in its steady state creates none.
 
-A finished step is read (one elapsed time per marker, no synchronization) only when someone asks for
-it: the listener, which follows every step, at the next step boundary once the device has finished
-it; ``latest()`` and ``steps``, which wait for the device. Without a listener, a step that falls out of
-the last ``keep`` is reused unread. Records and their markers are pooled: once a run has as many as
-its steps in flight need (on the CPU, after its first step), it creates none.
-
-Which steps are recorded: every one while someone watches (``watched``, the panel with a client connected);
-while nobody does, a recorder's first ``FIRST_STEPS_RECORDED`` steps, then at most one step per
-``unwatched_period_s``, enough for the planner's measured costs and the report's last step. A step not
-recorded makes no device call: a recorded block call costs 38 us of host time on an H200, 11 % of a tiny
-streamed block's (docs/records/log.md). Whether a step is recorded is decided when the step before it begins,
-so the copies issued ahead for it are recorded with it.
+Every step is recorded while someone watches (``watched``: the panel with a client connected); otherwise a
+recorder's first ``FIRST_STEPS_RECORDED`` steps, then at most one per ``unwatched_period_s``, enough for the
+planner and the report: a step not recorded makes no device call. Whether a step is recorded is decided when
+the step before it begins, so the copies issued ahead for it are recorded with it.
 """
 
 from __future__ import annotations
@@ -28,13 +24,104 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from .device import Clock, Marker, peak_allocated, reset_peak_memory
-from .step_timeline import BlockSpan, ReadSpan, StepTimeline
+
+
+# Not frozen, though nothing changes a span once it is read: a frozen dataclass sets each field through
+# object.__setattr__, several times slower to build, and the panel has every step's spans built on the
+# sampling thread.
+@dataclass(slots=True)
+class BlockSpan:
+    """A resolved call, in milliseconds from the start of its step."""
+
+    block: int
+    compute_start: float
+    compute_end: float
+    stall: float
+    copy_start: float | None = None
+    copy_end: float | None = None
+    bytes_copied: int = 0
+
+
+@dataclass(slots=True)
+class ReadSpan:
+    """A file-tier block read from its file into a staging slot, in milliseconds from the step's start."""
+
+    block: int
+    start: float
+    end: float
+    bytes_read: int
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One forward pass of the model through its blocks."""
+
+    step: int
+    duration_ms: float
+    spans: tuple[BlockSpan, ...]
+    peak_allocated: int | None = None
+    reads: tuple[ReadSpan, ...] = ()
+    # Of its copies, those from blocks still waiting to be packed: bytes and milliseconds. They do not show the
+    # bandwidth of the later steps (pageable memory, part by part).
+    unpacked_bytes: int = 0
+    unpacked_copy_ms: float = 0.0
+    copy_ms: float = field(init=False)
+    stall_ms: float = field(init=False)
+    bytes_copied: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        copies = [s.copy_end - s.copy_start for s in self.spans if s.copy_start is not None and s.copy_end is not None]
+        object.__setattr__(self, "copy_ms", sum(copies))
+        object.__setattr__(self, "stall_ms", sum(s.stall for s in self.spans))
+        object.__setattr__(self, "bytes_copied", sum(s.bytes_copied for s in self.spans))
+
+    @property
+    def overlap(self) -> float:
+        """Share of copy time hidden behind compute (1.0 when nothing was copied)."""
+        if self.copy_ms <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.stall_ms / self.copy_ms)
+
+    @property
+    def bandwidth_gbps(self) -> float | None:
+        """Effective host-to-device bandwidth of this step's copies, in GB/s."""
+        if self.copy_ms <= 0:
+            return None
+        return self.bytes_copied / (self.copy_ms / 1000.0) / 1e9
+
+    @property
+    def packed_bandwidth_gbps(self) -> float | None:
+        """The host-to-device bandwidth of this step's copies from packed blocks, in GB/s: what the steps copy at
+        once packing is done (None when it copied none)."""
+        copy_ms = self.copy_ms - self.unpacked_copy_ms
+        if copy_ms <= 0 or self.bytes_copied <= self.unpacked_bytes:
+            return None
+        return (self.bytes_copied - self.unpacked_bytes) / (copy_ms / 1000.0) / 1e9
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(read.bytes_read for read in self.reads)
+
+    @property
+    def read_gbps(self) -> float | None:
+        """Bandwidth of this step's file reads, in GB/s (None when nothing was read)."""
+        read_ms = sum(read.end - read.start for read in self.reads)
+        if read_ms <= 0:
+            return None
+        return self.bytes_read / (read_ms / 1000.0) / 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["overlap"] = self.overlap
+        data["bandwidth_gbps"] = self.bandwidth_gbps
+        data["read_gbps"] = self.read_gbps
+        return data
 
 
 @dataclass(slots=True, eq=False)
@@ -44,7 +131,7 @@ class CopyRecord:
     start: Marker
     end: Marker
     nbytes: int = 0
-    # From a block still waiting to be packed (``offload/packing_thread.py``): part by part, from pageable
+    # From a block still waiting to be packed (``offload/background_packing.py``): part by part, from pageable
     # memory, slower than the copies of later steps.
     unpacked: bool = False
 

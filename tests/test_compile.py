@@ -1,6 +1,6 @@
 """torch.compile through ComfyUI's own TorchCompileModel helper (``set_torch_compile_wrapper``), in-process.
 
-The engine's hooks run outside the compiled graphs (``offload.hooks.eager``), so a model compiled with
+The engine's hooks run outside the compiled graphs (``offload.calls.eager``), so a model compiled with
 inductor streams: the compiler breaks its graph at each block's hooks and compiles the code between.
 The cudagraphs backend cannot replay weights that move between buffers, and is refused before any work.
 On the CPU inductor compiles C++ kernels: the first compilation takes a minute or so on two cores.

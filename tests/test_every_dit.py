@@ -80,7 +80,7 @@ def test_every_node_streams_the_model_bitwise(comfy: SimpleNamespace, name: str)
 
 #: Models the block table of earlier releases refused: video, image, and the largest ComfyUI ships (MiniMax H3).
 NEW_MODELS = ["Kandinsky 5 (video)", "Cosmos Predict2 T2I", "MiniMax H3"]
-#: Wan Animate 2 runs each block through two of its methods per step, never calling it (``offload/block_methods.py``):
+#: Wan Animate 2 runs each block through two of its methods per step, never calling it (``offload/discovery.py``):
 #: a LoRA is applied at the first of them after each copy and kept for the second.
 BLOCKS_BY_METHODS = ["Wan Animate 2"]
 

@@ -512,7 +512,7 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
     assert baked[-1] == runner.streamed - runner.read_each_step, "every host-tier block, no file-tier block"
     assert "patches baked once into the host buffers of" in engine.summary
     # Patched where they arrive: the file-tier blocks only (their patches are the engine's ``transforms``).
-    assert set(runner.transforms) == set(runner.read_each_step), (runner.transforms, runner.read_each_step)
+    assert set(runner.spec.transforms) == set(runner.read_each_step), (runner.spec.transforms, runner.read_each_step)
 
     packed = count_packs(monkeypatch)
     written: list[str] = []

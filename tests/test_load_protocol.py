@@ -148,7 +148,7 @@ def on_buffers(patcher, buffers: dict[int, tuple[int, ...]]) -> bool:
 def assert_streaming(comfy: SimpleNamespace, patcher) -> None:
     """An engine runs, no call left open, and ComfyUI counts exactly the resident part."""
     engine = patcher.offload_engine
-    assert engine is not None and engine.runner.enabled and not engine.runner.running
+    assert engine is not None and engine.runner.enabled and not engine.runner.calls.open
     loaded = patcher.model.model_loaded_weight_memory
     assert 0 < loaded == resident_part(comfy, patcher) < patcher.model_size()
 

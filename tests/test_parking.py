@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,16 @@ from harness.inprocess import async_offload, count_packs, offloaded, sample, wan
 from harness.parking import lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, PinnedMemoryBudget, SequentialOffloader
+from block_offload.offload import (
+    BlockStreamer,
+    CallOptions,
+    HostOptions,
+    PinnedMemoryBudget,
+    SequentialOptions,
+    StreamSpec,
+    stream_blocks,
+    stream_modules,
+)
 from block_offload.offload.streamed_block import StreamedBlock
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
@@ -39,8 +49,13 @@ def uses(module: torch.nn.Module, buffer: range) -> bool:
     return any(p.data_ptr() in buffer for p in module.parameters())
 
 
-def streaming(model, device: torch.device = CPU, **kwargs) -> BlockStreamer:
-    streamer = BlockStreamer(model.blocks, device, STREAMED, root=model, parking=lot_of(model), **kwargs)
+def streaming(model, device: torch.device = CPU, host: HostOptions | None = None) -> BlockStreamer:
+    streamer = stream_blocks(
+        model.blocks,
+        device,
+        STREAMED,
+        StreamSpec(host=replace(host or HostOptions(), parking=lot_of(model)), calls=CallOptions(root=model)),
+    )
     streamer.enable()
     return streamer
 
@@ -115,11 +130,11 @@ def test_storage_dtype_parks_on_the_originals() -> None:
     """A rounded host copy must never replace the weights: parking points back at the originals, no copy."""
     model = transformer_stack()
     originals = {name: p.data for name, p in model.blocks[1].named_parameters()}
-    streamer = streaming(model, storage_dtype=torch.bfloat16)
+    streamer = streaming(model, host=HostOptions(storage_dtype=torch.bfloat16))
     streamer.disable(park=True)
     for name, p in model.blocks[1].named_parameters():
         assert p.data_ptr() == originals[name].data_ptr() and p.dtype == originals[name].dtype, name
-    again = streaming(model, storage_dtype=torch.bfloat16)
+    again = streaming(model, host=HostOptions(storage_dtype=torch.bfloat16))
     assert again.host.blocks[1].host.dtype == torch.uint8 and again.host.blocks[1].originals is not None
     again.disable()
 
@@ -155,13 +170,13 @@ def test_sequential_offloader_parks_and_adopts() -> None:
     model = transformer_stack()
     x = torch.randn(2, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    first = SequentialOffloader(model, CPU, parking=lot_of(model))
+    first = stream_modules(model, CPU, StreamSpec(host=HostOptions(parking=lot_of(model))), SequentialOptions())
     first.enable()
-    packed = host_ptrs(first.streamer)
+    packed = host_ptrs(first)
     first.disable(park=True)
-    second = SequentialOffloader(model, CPU, parking=lot_of(model))
+    second = stream_modules(model, CPU, StreamSpec(host=HostOptions(parking=lot_of(model))), SequentialOptions())
     second.enable()
-    assert host_ptrs(second.streamer) == packed
+    assert host_ptrs(second) == packed
     assert forward_steps(model, x)[-1].equal(reference)
     second.disable()
 
@@ -202,7 +217,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     for index in (0,):
         model.blocks[index].to(cuda)
     budget = PinnedMemoryBudget()
-    first = streaming(model, cuda, pin_budget=budget)
+    first = streaming(model, cuda, HostOptions(pin_budget=budget))
     used = budget.used
     assert used == first.host_bytes > 0
     packed = host_ptrs(first)
@@ -211,7 +226,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     del first
     gc.collect()
     assert budget.used == used
-    second = streaming(model, cuda, pin_budget=budget)
+    second = streaming(model, cuda, HostOptions(pin_budget=budget))
     assert host_ptrs(second) == packed and budget.used == used and not second.refused_pinning
     assert forward_steps(model, x.to(cuda))[-1].cpu().equal(reference)
     second.disable(park=True)
@@ -225,7 +240,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
 
 def host_buffers(model) -> dict[int, int]:
     runner = model.offload_engine.runner
-    return host_ptrs(getattr(runner, "streamer", runner))  # the sequential wrapper streams through one
+    return host_ptrs(runner)
 
 
 def block_weights(model, indices: Iterable[int]) -> dict[str, int]:
@@ -440,7 +455,7 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     assert torch.equal(sample(comfy, streaming), reference)
     engine = streaming.offload_engine
     runner = engine.runner
-    ring = (runner.streamer if node == "sequential" else runner).ring_memory
+    ring = runner.ring.memory
     inside = range(ring.data_ptr(), ring.data_ptr() + ring.numel())
     streamed = [
         (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)

@@ -28,16 +28,18 @@ from harness.packing_gate import PackingGate
 
 from block_offload.offload import (
     GIB,
+    CallOptions,
     CudaHostRegistrar,
     PinnedMemoryBudget,
+    StreamSpec,
     cost_cache,
-    device_ring,
-    page_lock,
+    pinning,
     planner,
+    ring,
+    stream_blocks,
     use_host_registrar,
 )
 from block_offload.offload import device as device_module
-from block_offload.offload import streamer as streamer_module
 from block_offload.offload.file_source import FileChangedError
 from block_offload.offload.pinning import HostMemory
 
@@ -60,7 +62,7 @@ def cudart(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     if hasattr(comfy.mm, "discard_cuda_async_error"):  # 0.33: ComfyUI's own clearing
         monkeypatch.setattr(comfy.mm, "discard_cuda_async_error", lambda: cleared.append(1))
     else:  # 0.3.75 has none: the engine's
-        monkeypatch.setattr(page_lock, "discard_async_error", lambda: cleared.append(1))
+        monkeypatch.setattr(pinning, "discard_async_error", lambda: cleared.append(1))
     monkeypatch.setattr(comfy.pinned, "ram_admits", lambda nbytes: True)
     use_host_registrar(comfy.pinned.comfyui_registrar())
     fake.cleared = cleared
@@ -634,11 +636,16 @@ def test_the_ring_is_checked_against_the_devices_free_memory(monkeypatch: pytest
     from harness.transformer_stack import transformer_stack
 
     model = transformer_stack(num_blocks=4, dim=32)
-    streamer = streamer_module.BlockStreamer(model.blocks, torch.device("cpu"), range(1, 4), root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        torch.device("cpu"),
+        range(1, 4),
+        StreamSpec(calls=CallOptions(root=model)),
+    )
     streamer.enable()
-    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity - 1)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.ring.capacity - 1)
     with pytest.raises(torch.OutOfMemoryError, match="spill into shared host memory"):
         streamer.allocate_device_buffers()
-    monkeypatch.setattr(device_ring, "free_device_bytes", lambda device: streamer.capacity)
+    monkeypatch.setattr(ring, "free_device_bytes", lambda device: streamer.ring.capacity)
     streamer.allocate_device_buffers()
     streamer.disable()

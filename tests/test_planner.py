@@ -27,18 +27,20 @@ from harness.transformer_stack import transformer_stack
 
 from block_offload.offload import (
     GIB,
-    BlockStreamer,
+    CallOptions,
     OffloadPlan,
     ResidencyPolicy,
+    RingOptions,
+    StreamSpec,
     TimelineRecorder,
     cost_cache,
     module_bytes,
+    stream_blocks,
 )
-from block_offload.offload.bake import bake_decision
 from block_offload.offload.cost_cache import CostCache, cache_key, cached_best_plan
 from block_offload.offload.costs import Prediction, StackCosts, lower_bound_ms
 from block_offload.offload.layout import aligned
-from block_offload.offload.planner import PREFETCH_CHOICES, best_plan
+from block_offload.offload.planner import PREFETCH_CHOICES, bake_decision, best_plan
 from block_offload.offload.simulator import simulate
 
 CPU = torch.device("cpu")
@@ -313,8 +315,15 @@ def record_side_by_side(streamed: set[int], prefetch: int, ring_bytes: int = 0, 
     for streams in (set(), streamed):
         model = transformer_stack(num_blocks=6, dim=384, heads=4)
         recorder = TimelineRecorder(CPU, keep=steps)
-        streamer = BlockStreamer(
-            model.blocks, CPU, streams, prefetch=prefetch, recorder=recorder, root=model, ring_bytes=ring_bytes or None
+        streamer = stream_blocks(
+            model.blocks,
+            CPU,
+            streams,
+            StreamSpec(
+                ring=RingOptions(prefetch=prefetch, ring_bytes=ring_bytes or None),
+                calls=CallOptions(root=model),
+                recorder=recorder,
+            ),
         )
         streamer.enable()
         runs.append((model, recorder))

@@ -167,7 +167,7 @@ def assert_copies_are_the_stored_bytes(patched: object, node: str, path: Path, f
         # Every module streams on its own, called or brought in with the parent whose code reads it (0.33's
         # Wan feed-forward runs an INT8 down-projection from its forward: comfy.ops.linear_input_act).
         names = {id(module): name for name, module in diffusion_model.named_modules()}
-        called = {names[id(engine.runner.modules[span.block])] for span in step.spans}
+        called = {names[id(engine.runner.blocks[span.block])] for span in step.spans}
         units = [(name, diffusion_model.get_submodule(name)) for name in called]
         recurse = False
     else:

@@ -56,7 +56,7 @@ def streamed_modules_of(patched: object) -> dict[int, torch.nn.Module]:
     """The modules with weights of the engine's streamed units, by id."""
     runner = patched.offload_engine.runner
     if runner.unit == "module":
-        units = [runner.modules[index] for index in runner.streamed]
+        units = [runner.blocks[index] for index in runner.streamed]
         return {id(module): module for module in units}
     blocks = [runner.blocks[index] for index in runner.streamed]
     return {id(m): m for block in blocks for m in block.modules() if list(m.parameters(recurse=False))}
@@ -82,7 +82,7 @@ def reads_outside_the_engine(comfy: SimpleNamespace, patched: object) -> Iterato
             streamed.update(streamed_modules_of(patched))
         if id(module) in streamed:
             for param, tensor in module.named_parameters(recurse=False):
-                if not engine.runner.holds(tensor):
+                if not engine.runner.ring.holds(tensor):
                     outside.append(f"{names[id(module)]}.{param}")
 
     original = comfy.ops.cast_bias_weight

@@ -44,8 +44,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 def assert_idle(streamer) -> None:
     """No call left open, the ring its planned size, every streamed block on its host copy (its host buffer's
     views, or its own tensors kept where they lie)."""
-    assert not streamer.running
-    assert streamer.ring_memory is not None and streamer.ring_memory.numel() == streamer.capacity
+    assert not streamer.calls.open
+    assert streamer.ring.memory is not None and streamer.ring.memory.numel() == streamer.ring.capacity
     for index in streamer.streamed:
         held = {view.data_ptr() for view in streamer.host.blocks[index].host_views}
         assert all(p.data_ptr() in held for p in streamer.blocks[index].parameters()), index

@@ -55,14 +55,47 @@ def test_both_engines_offer_everything_the_runner_protocol_declares() -> None:
 
     from harness.transformer_stack import transformer_stack
 
-    from block_offload.offload import BlockStreamer, Runner, SequentialOffloader
+    from block_offload.offload import (
+        CallOptions,
+        Runner,
+        SequentialOptions,
+        StreamSpec,
+        stream_blocks,
+        stream_modules,
+    )
 
     declared = {name for name in vars(Runner) if not name.startswith("_")}
     assert {"needs_content", "wrote_content", "read_each_step", "companions"} <= declared
     model = transformer_stack(num_blocks=2, dim=8)
     for engine in (
-        BlockStreamer(model.blocks, torch.device("cpu"), [1], root=model),
-        SequentialOffloader(model, "cpu"),
+        stream_blocks(model.blocks, torch.device("cpu"), [1], StreamSpec(calls=CallOptions(root=model))),
+        stream_modules(model, "cpu", StreamSpec(), SequentialOptions()),
     ):
         missing = sorted(name for name in declared if not hasattr(engine, name))
         assert not missing, f"{type(engine).__name__} lacks {missing}"
+
+
+def test_the_seam_takes_only_the_typed_spec(tmp_path: Path) -> None:
+    """What crosses from the nodes into the engine is one ``StreamSpec``: mypy rejects loose options at the entry
+    points and a wrong type in a part, and a built spec cannot be changed, its mappings included."""
+    import dataclasses
+
+    import pytest
+
+    from block_offload.offload import CallOptions, HostOptions, StreamSpec
+
+    snippet = tmp_path / "seam.py"
+    snippet.write_text(
+        "from offload import FileOptions, HostOptions, StreamSpec, stream_blocks\n"
+        "stream_blocks([], 'cpu', [], {'prefetch': 1})\n"
+        "stream_blocks([], 'cpu', [], StreamSpec(host=FileOptions()))\n"
+        "HostOptions(pin_memory='yes')\n"
+    )
+    done = checked(*MYPY, str(snippet))
+    assert done.returncode != 0 and done.stdout.count("error:") == 3, done.stdout + done.stderr
+    spec = StreamSpec(host=HostOptions(contents={0: "patched"}), calls=CallOptions(call_order=[1, 0]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.host.pin_memory = False  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.host.contents[1] = "other"  # type: ignore[index]
+    assert spec.calls.call_order == (1, 0)

@@ -1,4 +1,4 @@
-"""Packing in the background (``BlockStreamer(pack_in_background=True)``, what the nodes use): the first step
+"""Packing in the background (``HostOptions(pack_in_background=True)``, what the nodes use): the first step
 runs before any block is packed, each step is bitwise whatever mix of packed and waiting blocks it copies, and
 stopping, parking, a refused registration or a changed file mid-packing leave nothing behind.
 
@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,17 @@ from harness.transformer_stack import assert_same_tensors, forward_steps, snapsh
 
 from block_offload.offload import (
     BlockStreamer,
+    CallOptions,
     FileChangedError,
+    FileOptions,
+    HostOptions,
     PinnedMemoryBudget,
+    RingOptions,
+    StreamSpec,
     TimelineRecorder,
+    stream_blocks,
 )
-from block_offload.offload.step_timeline import BlockSpan, StepTimeline
+from block_offload.offload.timeline import BlockSpan, StepTimeline
 
 CPU = torch.device("cpu")
 BLOCKS = 6
@@ -55,8 +62,25 @@ def _stack(dim: int = 32, tokens: int = 5, batch: int = 1) -> tuple[torch.nn.Mod
     return model, x, forward_steps(model, x, steps=1)[0]
 
 
-def _streamer(model, **kwargs) -> BlockStreamer:
-    return BlockStreamer(model.blocks, CPU, range(BLOCKS), root=model, pack_in_background=True, **kwargs)
+def _streamer(
+    model,
+    host: HostOptions | None = None,
+    ring: RingOptions | None = None,
+    files: FileOptions | None = None,
+    recorder: TimelineRecorder | None = None,
+) -> BlockStreamer:
+    return stream_blocks(
+        model.blocks,
+        CPU,
+        range(BLOCKS),
+        StreamSpec(
+            host=replace(host or HostOptions(), pack_in_background=True),
+            ring=ring or RingOptions(),
+            files=files or FileOptions(),
+            calls=CallOptions(root=model),
+            recorder=recorder,
+        ),
+    )
 
 
 def _pinned_where_it_lies(streamer: BlockStreamer, cudart: FakeCudart, index: int) -> bool:
@@ -84,7 +108,7 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
     before = snapshot(model)
     budget = PinnedMemoryBudget()
     recorder = TimelineRecorder(CPU)
-    streamer = _streamer(model, prefetch=1, pin_budget=budget, recorder=recorder)
+    streamer = _streamer(model, HostOptions(pin_budget=budget), RingOptions(prefetch=1), recorder=recorder)
     streamer.enable()
     # Nothing packed, nothing pinned, yet the whole first step runs, every block copied from the model's tensors.
     assert _waiting(streamer) == list(range(BLOCKS)) and streamer.packed_bytes == 0 and cudart.pinned == 0
@@ -116,7 +140,7 @@ def test_a_registration_refused_halfway_leaves_the_rest_pageable(
     gate = PackingGate(monkeypatch)
     model, x, reference = _stack()
     budget = PinnedMemoryBudget()
-    streamer = _streamer(model, pin_budget=budget)
+    streamer = _streamer(model, HostOptions(pin_budget=budget))
     streamer.enable()
     gate.let(1)
     _wait_for(streamer, BLOCKS - 1)
@@ -147,7 +171,7 @@ def test_a_block_refused_halfway_is_unregistered_only_while_no_copy_from_it_can_
     gate = PackingGate(monkeypatch)
     model, x, reference = _stack()
     budget = PinnedMemoryBudget()
-    streamer = _streamer(model, pin_budget=budget)
+    streamer = _streamer(model, HostOptions(pin_budget=budget))
     register, unregister = cudart.cudaHostRegister, cudart.cudaHostUnregister
     held_at_unregister: list[bool] = []
 
@@ -195,7 +219,7 @@ def test_tensors_another_holder_pinned_are_not_registered_again(
         return register(pointer, nbytes, flags)
 
     monkeypatch.setattr(cudart, "cudaHostRegister", noting)
-    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    streamer = _streamer(model, HostOptions(pin_budget=PinnedMemoryBudget()))
     streamer.enable()
     streamer.finish_packing()
     state = streamer.host.blocks[2]
@@ -217,7 +241,7 @@ def test_the_event_the_hand_over_waits_for_covers_every_copy_from_a_blocks_sourc
     the record that covers it (on a GPU a copy from page-locked sources still reads them after it returns)."""
     gate = PackingGate(monkeypatch)
     model, x, reference = _stack()
-    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    streamer = _streamer(model, HostOptions(pin_budget=PinnedMemoryBudget()))
     streamer.enable()
     spies = {index: EventSpy(streamer.host.lock) for index in range(BLOCKS)}
     for index, spy in spies.items():
@@ -240,7 +264,7 @@ def test_a_packed_blocks_sources_are_freed_only_once_the_copies_from_them_are_do
     returns), and only then lets the sources go: freed then, so the weights are not held twice either."""
     gate = PackingGate(monkeypatch)
     model, x, reference = _stack()
-    streamer = _streamer(model, pin_budget=PinnedMemoryBudget())
+    streamer = _streamer(model, HostOptions(pin_budget=PinnedMemoryBudget()))
     freed: list[int] = []
     for index, block in enumerate(model.blocks):
         for tensor in block.state_dict().values():
@@ -270,7 +294,7 @@ def test_stopping_while_packing_gives_every_pin_back_and_restores_the_model(
     model, x, reference = _stack()
     before = snapshot(model)
     budget = PinnedMemoryBudget()
-    streamer = _streamer(model, pin_budget=budget)
+    streamer = _streamer(model, HostOptions(pin_budget=budget))
     streamer.enable()
     gate.let(2)
     _wait_for(streamer, BLOCKS - 2)
@@ -291,7 +315,7 @@ def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     model, x, reference = _stack()
     budget = PinnedMemoryBudget()
     lot = lot_of(model)
-    first = _streamer(model, pin_budget=budget, parking=lot)
+    first = _streamer(model, HostOptions(pin_budget=budget, parking=lot))
     first.enable()
     gate.let(2)
     _wait_for(first, BLOCKS - 2)
@@ -300,7 +324,7 @@ def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     registered, calls = dict(cudart.registered), cudart.calls
     first.disable(park=True)
     assert len(packed) == 2 and cudart.registered == registered and cudart.pinned == budget.used  # parked, pinned
-    second = _streamer(model, pin_budget=budget, parking=lot)
+    second = _streamer(model, HostOptions(pin_budget=budget, parking=lot))
     second.enable()
     assert all(_pinned_where_it_lies(second, cudart, index) for index in packed)
     assert cudart.calls == calls and cudart.registered == registered  # taken over as they are
@@ -321,7 +345,9 @@ def test_a_file_changed_under_waiting_blocks_is_a_clear_error(tmp_path: Path, mo
     model = transformer_stack(num_blocks=BLOCKS, dim=32)
     mapped = MappedFile(transformer_stack(num_blocks=BLOCKS, dim=32), tmp_path / "stack.safetensors", torch.float32)
     x = torch.randn(1, 5, 32)
-    streamer = _streamer(mapped.module, file_slice=mapped.file_slice, parking=lot_of(mapped.module))
+    streamer = _streamer(
+        mapped.module, HostOptions(parking=lot_of(mapped.module)), files=FileOptions(file_slice=mapped.file_slice)
+    )
     streamer.enable()
     assert torch.equal(forward_steps(mapped.module, x, steps=1)[0], forward_steps(model, x, steps=1)[0])
     streamer.release_device_buffers()
@@ -340,7 +366,14 @@ def _anon_growth(background: bool) -> tuple[int, int]:
     model = transformer_stack(num_blocks=8, dim=1024, heads=8)
     x = torch.randn(1, 4, 1024)
     block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
-    streamer = BlockStreamer(model.blocks, CPU, range(8), root=model, prefetch=1, pack_in_background=background)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(8),
+        StreamSpec(
+            host=HostOptions(pack_in_background=background), ring=RingOptions(prefetch=1), calls=CallOptions(root=model)
+        ),
+    )
     gc.collect()
     with peak_during(os.getpid()) as peak:
         streamer.enable()

@@ -1,5 +1,5 @@
 """Blocks a model runs through methods of their own instead of calling them (Wan Animate 2's ``forward_pose`` and
-``forward_gen``): found from the model's code (``offload/block_methods.py``) and streamed around those calls.
+``forward_gen``): found from the model's code (``offload/discovery.py``) and streamed around those calls.
 ComfyUI's Wan Animate 2 itself is in ``test_every_dit.py``."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from block_offload.offload import BlockStreamer, TimelineRecorder
-from block_offload.offload.block_methods import entry_methods, methods_called_on
-from block_offload.offload.discovery import find_blocks
+from block_offload.offload import BlockStreamer, CallOptions, RingOptions, StreamSpec, TimelineRecorder, stream_blocks
+from block_offload.offload.discovery import entry_methods, find_blocks, methods_called_on
 
 CPU = torch.device("cpu")
 WIDTH = 16
@@ -112,17 +111,18 @@ def test_the_methods_a_model_runs_its_blocks_through_are_read_from_its_code() ->
 
 def streamed(model: TwoPassModel, methods: bool, prefetch: int = 1) -> tuple[BlockStreamer, TimelineRecorder]:
     recorder = TimelineRecorder(CPU)
-    streamer = BlockStreamer(
+    streamer = stream_blocks(
         model.blocks,
         CPU,
         range(len(model.blocks)),
-        prefetch=prefetch,
-        recorder=recorder,
-        root=model,
-        entry_methods=entry_methods(model, find_blocks(model)) if methods else None,
+        StreamSpec(
+            ring=RingOptions(prefetch=prefetch),
+            calls=CallOptions(root=model, entry_methods=entry_methods(model, find_blocks(model)) if methods else {}),
+            recorder=recorder,
+        ),
     )
     streamer.enable()
-    model.holds.append(streamer.holds)
+    model.holds.append(streamer.ring.holds)
     return streamer, recorder
 
 
@@ -191,14 +191,15 @@ def test_a_call_through_a_method_whose_start_raises_is_closed_all_the_same() -> 
         if failing[0]:
             raise torch.OutOfMemoryError("patching block 1")
 
-    streamer = BlockStreamer(
+    streamer = stream_blocks(
         model.blocks,
         CPU,
         range(len(model.blocks)),
-        prefetch=1,
-        root=model,
-        entry_methods=entry_methods(model, find_blocks(model)),
-        transforms={1: transform},
+        StreamSpec(
+            ring=RingOptions(prefetch=1),
+            calls=CallOptions(root=model, entry_methods=entry_methods(model, find_blocks(model))),
+            transforms={1: transform},
+        ),
     )
     streamer.enable()
     with pytest.raises(torch.OutOfMemoryError, match="patching block 1"):

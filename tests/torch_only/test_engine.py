@@ -20,15 +20,21 @@ from harness.stream_spies import StreamSpy
 from harness.transformer_stack import assert_same_tensors, forward_steps, fp8_stack, snapshot, transformer_stack
 
 from block_offload.offload import (
-    BlockStreamer,
+    CallOptions,
+    HostOptions,
     ModuleState,
     OffloadPlan,
     ResidencyPolicy,
+    RingOptions,
     SequentialOffloader,
+    SequentialOptions,
+    StreamSpec,
     TimelineRecorder,
     buffer_bytes,
     module_bytes,
     release_freed_host_memory,
+    stream_blocks,
+    stream_modules,
     streamed_modules,
 )
 from block_offload.offload.layout import ALIGNMENT, BlockLayout, aligned
@@ -85,7 +91,12 @@ def test_blocks_called_twice_out_of_order_or_skipped() -> None:
     x = torch.randn(2, 6, 32)
     (reference,) = forward_steps(model, x, steps=1)
     recorder = TimelineRecorder(CPU)
-    streamer = BlockStreamer(model.blocks, CPU, range(5), prefetch=2, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(5),
+        StreamSpec(ring=RingOptions(prefetch=2), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     assert streamer.last_order == tuple(schedule)
@@ -102,7 +113,9 @@ def test_a_step_that_raises_or_is_interrupted_teaches_no_call_order(error: BaseE
     model = transformer_stack(num_blocks=6)
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    streamer = BlockStreamer(model.blocks, CPU, range(6), prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, range(6), StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     full = streamer.last_order
@@ -125,7 +138,9 @@ def test_fp8_weights_with_a_scale_stream_exactly() -> None:
     x = torch.randn(2, 4, 32)
     (reference,) = forward_steps(model, x, steps=1)
     before = snapshot(model)
-    streamer = BlockStreamer(model.blocks, CPU, [0, 1, 2], prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, [0, 1, 2], StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
     assert model.blocks[1].linear.weight.dtype == torch.float8_e4m3fn
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
@@ -137,7 +152,9 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     model = transformer_stack()
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, [1, 2, 3], StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
 
     def explode(module: torch.nn.Module, args: tuple) -> None:
@@ -150,13 +167,13 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     # Block 3's parameters went back to the host although its call never returned.
     host = streamer.host.blocks[3].host
     inside = range(host.data_ptr(), host.data_ptr() + host.numel())
-    assert not streamer.running and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
+    assert not streamer.calls.open and all(p.data_ptr() in inside for p in model.blocks[3].parameters())
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
-    assert streamer.device_buffer_bytes == 0 and all(streamer.region_of(i) is None for i in (1, 2, 3))
+    assert streamer.device_buffer_bytes == 0 and all(streamer.ring.region_of(i) is None for i in (1, 2, 3))
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
-    assert streamer.device_buffer_bytes == streamer.capacity
+    assert streamer.device_buffer_bytes == streamer.ring.capacity
     streamer.disable()
 
 
@@ -167,7 +184,9 @@ def test_enable_tells_its_progress_and_an_exception_there_packs_nothing_for_good
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
     before = snapshot(model)
-    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, [1, 2, 3], StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     heard: list[tuple[int, int]] = []
 
     def interrupted(done: int, total: int) -> None:
@@ -194,9 +213,9 @@ def test_sequential_wrapper_is_bitwise_identical_and_restores() -> None:
     x = torch.randn(2, 7, 32)
     (reference,) = forward_steps(model, x, steps=1)
     before = snapshot(model)
-    wrapper = SequentialOffloader(model, CPU, prefetch=2)
+    wrapper = stream_modules(model, CPU, StreamSpec(ring=RingOptions(prefetch=2)), SequentialOptions())
     wrapper.enable()
-    assert {wrapper.state(m) for m in wrapper.modules} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
+    assert {wrapper.state(m) for m in wrapper.blocks} <= {ModuleState.OFFLOADED, ModuleState.ONLOADED}
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     wrapper.disable()
     assert_same_tensors(model, before, CPU)
@@ -208,13 +227,13 @@ def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None
     (reference,) = forward_steps(model, x, steps=1)
     slots = buffer_bytes(model, prefetch=1)
     limit = module_bytes(model.blocks[1]) + slots  # the limit counts the slot pool too
-    wrapper = SequentialOffloader(model, CPU, vram_limit_bytes=limit)
+    wrapper = stream_modules(model, CPU, StreamSpec(), SequentialOptions(vram_limit_bytes=limit))
     wrapper.enable()
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
-    kept = [m for m in wrapper.modules if wrapper.state(m) is ModuleState.KEPT]
+    kept = [m for m in wrapper.blocks if wrapper.state(m) is ModuleState.KEPT]
     assert kept, "nothing was promoted"
     own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-    assert wrapper.streamer.device_buffer_bytes == slots
+    assert wrapper.device_buffer_bytes == slots
     assert sum(t.numel() * t.element_size() for t in own) <= limit - slots
     # Block 1 runs three times per pass, so its modules are promoted before any other.
     assert all(any(m is k for k in model.blocks[1].modules()) for m in kept)
@@ -230,7 +249,9 @@ def test_sequential_storage_dtype_matches_a_model_rounded_to_it() -> None:
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
     (reference,) = forward_steps(rounded, x, steps=1)
     before = snapshot(model)
-    wrapper = SequentialOffloader(model, CPU, storage_dtype=torch.bfloat16)
+    wrapper = stream_modules(
+        model, CPU, StreamSpec(host=HostOptions(storage_dtype=torch.bfloat16)), SequentialOptions()
+    )
     wrapper.enable()
     assert model.blocks[0].qkv.weight.dtype == torch.bfloat16  # stored small while offloaded
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
@@ -242,7 +263,12 @@ def test_sequential_storage_dtype_matches_a_model_rounded_to_it() -> None:
 def test_recorder_times_every_call_and_exports_json() -> None:
     model = transformer_stack()
     recorder = TimelineRecorder(CPU, keep=3)
-    streamer = BlockStreamer(model.blocks, CPU, [1, 3], prefetch=1, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        [1, 3],
+        StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     forward_steps(model, torch.randn(1, 5, 32), steps=3)
     last = recorder.latest()
@@ -291,7 +317,9 @@ def test_streaming_keeps_no_second_copy_in_ram() -> None:
     model = transformer_stack(num_blocks=8, dim=1024, heads=8)
     size = module_bytes(model)
     before = _anon()
-    streamer = BlockStreamer(model.blocks, CPU, range(8), prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, range(8), StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
     after = _anon()
     assert streamer.host_bytes >= module_bytes(model.blocks) > 0.9 * size
@@ -328,7 +356,12 @@ def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_
     and the CUDA peak-memory test count) is exactly that: dim 40 gives tensors of odd sizes, padded in the
     ring to the layout's alignment."""
     model = transformer_stack(num_blocks=4, dim=40)
-    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=2, storage_dtype=storage_dtype)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        [1, 2, 3],
+        StreamSpec(host=HostOptions(storage_dtype=storage_dtype), ring=RingOptions(prefetch=2)),
+    )
     streamer.enable()
     with AllocationCounter() as counter:
         streamer.allocate_device_buffers()
@@ -347,14 +380,21 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     x = torch.randn(2, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
     companions = {i: (torch.randn(16, 8), torch.arange(i + 3, dtype=torch.int64)) for i in (1, 2, 3)}
-    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model, companions=companions)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        [1, 2, 3],
+        StreamSpec(
+            host=HostOptions(companions=companions), ring=RingOptions(prefetch=1), calls=CallOptions(root=model)
+        ),
+    )
     streamer.enable()
     seen: dict[int, bool] = {}
 
     def check(index: int):
         def hook(*_: object) -> None:
             views = streamer.companions(index)
-            ring = streamer.ring_memory
+            ring = streamer.ring.memory
             inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
             same = all(torch.equal(v, t) for v, t in zip(views, companions[index], strict=True))
             seen[index] = inside and same
@@ -383,13 +423,20 @@ def test_companions_as_large_as_their_block_are_copied_from_where_they_lie() -> 
     (reference,) = forward_steps(model, x, steps=1)
     other = {i: tuple(weight.detach() * 1.25 for weight in model.blocks[i].parameters()) for i in (1, 2)}
     small = {3: (torch.randn(4, 8),)}
-    streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], prefetch=1, root=model, companions=other | small)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        [1, 2, 3],
+        StreamSpec(
+            host=HostOptions(companions=other | small), ring=RingOptions(prefetch=1), calls=CallOptions(root=model)
+        ),
+    )
     streamer.enable()
     seen: dict[int, bool] = {}
 
     def check(index: int):
         def hook(*_: object) -> None:
-            ring = streamer.ring_memory
+            ring = streamer.ring.memory
             views = streamer.companions(index)
             inside = all(ring.data_ptr() <= v.data_ptr() < ring.data_ptr() + ring.numel() for v in views)
             seen[index] = inside and all(torch.equal(v, t) for v, t in zip(views, (other | small)[index], strict=True))
@@ -432,7 +479,12 @@ def test_transforms_apply_once_per_fresh_copy_and_never_to_the_host_buffers() ->
                 model.blocks[index].proj.weight.data.add_(1.0)
 
         transforms = {index: functools.partial(shift, index) for index in range(4)}
-        streamer = BlockStreamer(model.blocks, CPU, range(4), root=model, transforms=transforms, ring_bytes=ring_bytes)
+        streamer = stream_blocks(
+            model.blocks,
+            CPU,
+            range(4),
+            StreamSpec(ring=RingOptions(ring_bytes=ring_bytes), calls=CallOptions(root=model), transforms=transforms),
+        )
         streamer.enable()
         for out in forward_steps(model, x, steps=3):
             assert torch.equal(out, expected), ring_bytes
@@ -460,15 +512,18 @@ def test_a_transform_that_raises_leaves_its_region_only_after_the_copies_wait_fo
         if index == 1 and failing[0]:
             raise torch.OutOfMemoryError("patching block 1")
 
-    streamer = BlockStreamer(
-        model.blocks, CPU, range(3), root=model, transforms={i: functools.partial(transform, i) for i in range(3)}
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(3),
+        StreamSpec(calls=CallOptions(root=model), transforms={i: functools.partial(transform, i) for i in range(3)}),
     )
     streamer.enable()
     ring = streamer.ring
     spy = StreamSpy(lambda: ring.region_of(1))
     # What a CUDA device has: a copy stream, and a compute stream for it to wait on.
     monkeypatch.setattr(ring, "copy_stream", spy)
-    monkeypatch.setattr("block_offload.offload.device_ring.current_stream", lambda device: "compute stream")
+    monkeypatch.setattr("block_offload.offload.ring.current_stream", lambda device: "compute stream")
     with pytest.raises(torch.OutOfMemoryError, match="patching block 1"):
         forward_steps(model, x, steps=1)
     assert spy.waits[-1] is not None and ring.region_of(1) is None, spy.waits  # waited while it still held it
@@ -483,8 +538,11 @@ def test_the_sequential_wrapper_keeps_no_transformed_module_on_the_device() -> N
     x = torch.randn(2, 5, 32)
     modules = [module for _, module in streamed_modules(model)]
     transformed = {modules.index(block.proj) for block in model.blocks}
-    offloader = SequentialOffloader(
-        model, CPU, vram_limit_bytes=1 << 30, transforms=dict.fromkeys(transformed, lambda copied: None)
+    offloader = stream_modules(
+        model,
+        CPU,
+        StreamSpec(transforms=dict.fromkeys(transformed, lambda copied: None)),
+        SequentialOptions(vram_limit_bytes=1 << 30),
     )
     offloader.enable()
     forward_steps(model, x, steps=2)
@@ -505,7 +563,7 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if engines:
-                reads.append(all(engines[-1].holds(t) for t in (self.down.weight, self.norm.weight, self.gain)))
+                reads.append(all(engines[-1].ring.holds(t) for t in (self.down.weight, self.norm.weight, self.gain)))
             y = torch.nn.functional.linear(torch.relu(self.up(x)), self.down.weight, self.down.bias)
             return torch.nn.functional.layer_norm(y, (16,), self.norm.weight, self.norm.bias) * self.gain
 
@@ -518,7 +576,7 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.fused(x)
             if engines:
-                reads.append(engines[-1].holds(self.shift))
+                reads.append(engines[-1].ring.holds(self.shift))
             return y + self.shift
 
     reads: list[bool] = []
@@ -529,7 +587,7 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
     modules = [module for _, module in streamed_modules(model)]
     holders = {modules.index(outer.fused.down): outer.fused for outer in model}
     holders |= {modules.index(outer.fused.norm): outer.fused for outer in model}
-    offloader = SequentialOffloader(model, CPU, holders=holders)
+    offloader = stream_modules(model, CPU, StreamSpec(calls=CallOptions(holders=holders)), SequentialOptions())
     engines.append(offloader)
     offloader.enable()
     assert torch.equal(model(x), reference) and torch.equal(model(x), reference)
@@ -537,9 +595,24 @@ def test_a_holder_brings_in_the_modules_whose_tensors_its_code_reads() -> None:
     offloader.disable()
     assert buffer_bytes(model, 1, holders=holders) > buffer_bytes(model, 1)  # the parent holds two more
     reads.clear()
-    offloader = SequentialOffloader(model, CPU)
+    offloader = stream_modules(model, CPU, StreamSpec(), SequentialOptions())
     engines.append(offloader)
     offloader.enable()
     assert torch.equal(model(x), reference)
     assert reads == [False, True, False, True]  # without the holders, the children are read where they rest
     offloader.disable()
+
+
+def test_the_sequential_wrapper_sets_its_own_root_recurse_and_nesting() -> None:
+    """The wrapper streams every module of its root, one module's own tensors each: a spec that sets these
+    itself is refused before anything is touched."""
+    model = transformer_stack(num_blocks=2, dim=8)
+    before = snapshot(model)
+    for spec in (
+        StreamSpec(calls=CallOptions(root=model)),
+        StreamSpec(calls=CallOptions(recurse=False)),
+        StreamSpec(ring=RingOptions(nesting=2)),
+    ):
+        with pytest.raises(ValueError, match="sets the spec's root, recurse and nesting itself"):
+            stream_modules(model, CPU, spec, SequentialOptions())
+    assert_same_tensors(model, before, CPU)

@@ -27,12 +27,17 @@ from bench.recorder_overhead import (
     unwatched,
 )
 from block_offload.offload import (
-    BlockStreamer,
+    CallOptions,
+    HostOptions,
     OffloadPlan,
-    SequentialOffloader,
+    RingOptions,
+    SequentialOptions,
+    StreamSpec,
     TimelineRecorder,
     module_bytes,
     pinned_bytes,
+    stream_blocks,
+    stream_modules,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -59,7 +64,7 @@ def test_streamed_and_sequential_outputs_equal_resident_on_cuda() -> None:
             offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=resident, prefetch=prefetch))
             assert torch.equal(forward(model, x, steps=2), reference), (prefetch, resident)
     offloader.remove()
-    wrapper = SequentialOffloader(model, CUDA, prefetch=2)
+    wrapper = stream_modules(model, CUDA, StreamSpec(ring=RingOptions(prefetch=2)), SequentialOptions())
     wrapper.enable()
     assert torch.equal(forward(model, x, steps=2), reference)
     wrapper.disable()
@@ -111,14 +116,21 @@ def test_copies_hide_behind_compute_when_compute_dominates() -> None:
     resident_ms = time_forward(model, x)
     model.cpu()
     recorder = TimelineRecorder(CUDA)
-    streamer = BlockStreamer(model.blocks, CUDA, range(8), prefetch=1, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CUDA,
+        range(8),
+        StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     model.embed.to(CUDA)
     model.head.to(CUDA)
     streamed_ms = time_forward(model, x)
     step = recorder.latest()
     streamer.disable()
-    sync = BlockStreamer(model.blocks, CUDA, range(8), prefetch=0, root=model)
+    sync = stream_blocks(
+        model.blocks, CUDA, range(8), StreamSpec(ring=RingOptions(prefetch=0), calls=CallOptions(root=model))
+    )
     sync.enable()
     sync_ms = time_forward(model, x)
     sync.disable()
@@ -134,7 +146,9 @@ def test_copies_hide_behind_compute_when_compute_dominates() -> None:
 def test_disable_restores_bitwise_on_cuda() -> None:
     model = transformer_stack()
     before = snapshot(model)
-    streamer = BlockStreamer(model.blocks, CUDA, range(4), prefetch=2, root=model)
+    streamer = stream_blocks(
+        model.blocks, CUDA, range(4), StreamSpec(ring=RingOptions(prefetch=2), calls=CallOptions(root=model))
+    )
     streamer.enable()
     assert all(p.is_pinned() for p in model.blocks[0].parameters())
     model.embed.to(CUDA)
@@ -152,7 +166,9 @@ def test_a_fresh_slot_is_not_written_before_the_compute_stream_is_done_with_its_
     model = transformer_stack(num_blocks=4, dim=512, heads=8)
     nbytes = module_bytes(model.blocks[0])
     model.embed.to(CUDA), model.head.to(CUDA)
-    streamer = BlockStreamer(model.blocks, CUDA, range(4), prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CUDA, range(4), StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
     corrupted = 0
     for _ in range(3):
@@ -173,8 +189,8 @@ def test_one_copy_stream_per_device() -> None:
     """Each engine on a device copies on the same dedicated stream, not on one more pooled stream
     (the pool is round-robin and shared with ComfyUI's offload streams)."""
     model = transformer_stack(num_blocks=2)
-    first = BlockStreamer(model.blocks, CUDA, [0])
-    second = BlockStreamer(model.blocks, CUDA, [1])
+    first = stream_blocks(model.blocks, CUDA, [0], StreamSpec())
+    second = stream_blocks(model.blocks, CUDA, [1], StreamSpec())
     assert first.ring.copy_stream is second.ring.copy_stream is not None
     assert first.ring.copy_stream != torch.cuda.current_stream(CUDA)
 
@@ -185,7 +201,7 @@ def test_each_step_reports_its_own_peak() -> None:
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device=CUDA)
     del big
     recorder = TimelineRecorder(CUDA)
-    streamer = BlockStreamer(model.blocks, CUDA, [1], recorder=recorder, root=model)
+    streamer = stream_blocks(model.blocks, CUDA, [1], StreamSpec(calls=CallOptions(root=model), recorder=recorder))
     streamer.enable()
     forward(model, torch.randn(1, 8, 64, device=CUDA))
     streamer.disable()
@@ -198,7 +214,7 @@ def test_streamed_blocks_pin_exactly_their_bytes_and_give_them_back() -> None:
     allocator would round each up to a power of two and keep it pinned after it is freed)."""
     model = transformer_stack(num_blocks=3, dim=96)
     before = pinned_bytes()
-    streamer = BlockStreamer(model.blocks, CUDA, range(3))
+    streamer = stream_blocks(model.blocks, CUDA, range(3), StreamSpec())
     streamer.enable()
     assert streamer.host_bytes & (streamer.host_bytes - 1), "a power of two would not show the rounding"
     assert pinned_bytes() - before == streamer.host_bytes and not streamer.refused_pinning
@@ -216,7 +232,14 @@ def test_pageable_blocks_still_overlap_their_copies() -> None:
     model.embed.to(CUDA), model.head.to(CUDA)
     timings = {}
     for name, prefetch in (("async", 1), ("sync", 0)):
-        streamer = BlockStreamer(model.blocks, CUDA, range(8), prefetch=prefetch, pin_memory=False, root=model)
+        streamer = stream_blocks(
+            model.blocks,
+            CUDA,
+            range(8),
+            StreamSpec(
+                host=HostOptions(pin_memory=False), ring=RingOptions(prefetch=prefetch), calls=CallOptions(root=model)
+            ),
+        )
         streamer.enable()
         assert streamer.refused_pinning == {} and not any(p.is_pinned() for p in model.blocks.parameters())
         timings[name] = time_forward(model, x)
@@ -237,7 +260,12 @@ def test_the_ring_is_not_overwritten_while_heavy_compute_still_reads_it() -> Non
     model.embed.to(CUDA), model.head.to(CUDA)
     block = module_bytes(model.blocks[0])
     for prefetch, ring in ((1, None), (2, None), (3, None), (6, block * 5 // 2), (6, block * 4)):
-        streamer = BlockStreamer(model.blocks, CUDA, range(6), prefetch=prefetch, root=model, ring_bytes=ring)
+        streamer = stream_blocks(
+            model.blocks,
+            CUDA,
+            range(6),
+            StreamSpec(ring=RingOptions(prefetch=prefetch, ring_bytes=ring), calls=CallOptions(root=model)),
+        )
         streamer.enable()
         assert all(torch.equal(forward(model, x), reference) for _ in range(10)), (prefetch, ring)
         streamer.disable()
@@ -250,7 +278,7 @@ def test_a_storage_dtype_keeps_no_original_on_the_device() -> None:
     expected = snapshot(model)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(CUDA)
-    streamer = BlockStreamer(model.blocks, CUDA, [1], storage_dtype=torch.bfloat16)
+    streamer = stream_blocks(model.blocks, CUDA, [1], StreamSpec(host=HostOptions(storage_dtype=torch.bfloat16)))
     streamer.enable()
     torch.cuda.synchronize()
     assert before - torch.cuda.memory_allocated(CUDA) >= module_bytes(model.blocks[1])
@@ -267,7 +295,12 @@ def test_the_recorder_creates_no_events_after_its_first_step_and_never_waits_ins
     model.embed.to(CUDA), model.head.to(CUDA)
     clock = CountingClock(CUDA)
     recorder = followed(TimelineRecorder(CUDA, clock=clock))
-    streamer = BlockStreamer(model.blocks, CUDA, [1, 2, 4, 5], prefetch=1, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CUDA,
+        [1, 2, 4, 5],
+        StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     x = torch.randn(1, 64, 256, device=CUDA)
     per_step = []
@@ -317,8 +350,13 @@ def test_a_streamed_step_allocates_no_device_memory_of_its_own() -> None:
     resident = per_step_allocations(model.to(CUDA), x)
     model.cpu()
     for streaming in (
-        BlockStreamer(model.blocks, CUDA, range(len(model.blocks)), root=model, prefetch=1),
-        SequentialOffloader(model, CUDA, prefetch=1),
+        stream_blocks(
+            model.blocks,
+            CUDA,
+            range(len(model.blocks)),
+            StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model)),
+        ),
+        stream_modules(model, CUDA, StreamSpec(ring=RingOptions(prefetch=1)), SequentialOptions()),
     ):
         model.embed.to(CUDA)
         model.head.to(CUDA)

@@ -13,6 +13,7 @@ import itertools
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,21 @@ from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import (
     BlockStreamer,
+    CallOptions,
     CudaHostRegistrar,
     FileChangedError,
-    SequentialOffloader,
+    FileOptions,
+    HostOptions,
+    RingOptions,
+    SequentialOptions,
+    StreamSpec,
     TimelineRecorder,
     file_source,
-    reader,
+    stream_blocks,
+    stream_modules,
     use_host_registrar,
 )
+from block_offload.offload.layout import DtypeOf
 
 CPU = torch.device("cpu")
 
@@ -44,17 +52,27 @@ def _mapped_stack(tmp_path: Path, stored: torch.dtype = torch.float32, blocks: i
     return model, MappedFile(twin, tmp_path / "stack.safetensors", stored)
 
 
-def _streamer(mapped: MappedFile, read_each_step, device: torch.device = CPU, **kwargs) -> BlockStreamer:
+def _streamer(
+    mapped: MappedFile,
+    read_each_step,
+    device: torch.device = CPU,
+    host: HostOptions | None = None,
+    ring: RingOptions | None = None,
+    dtype_of: DtypeOf | None = None,
+    recorder: TimelineRecorder | None = None,
+) -> BlockStreamer:
     blocks = list(mapped.module.blocks)
-    return BlockStreamer(
+    return stream_blocks(
         blocks,
         device,
         range(len(blocks)),
-        root=mapped.module,
-        file_slice=mapped.file_slice,
-        read_each_step=read_each_step,
-        parking=lot_of(mapped.module),
-        **kwargs,
+        StreamSpec(
+            host=replace(host or HostOptions(), parking=lot_of(mapped.module)),
+            ring=ring or RingOptions(),
+            files=FileOptions(file_slice=mapped.file_slice, dtype_of=dtype_of, read_each_step=read_each_step),
+            calls=CallOptions(root=mapped.module),
+            recorder=recorder,
+        ),
     )
 
 
@@ -64,7 +82,7 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     x = torch.randn(2, 7, 32)
     reference = forward_steps(model, x, steps=3)
     views = {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()}
-    streamer = _streamer(mapped, read_each_step, prefetch=2)
+    streamer = _streamer(mapped, read_each_step, ring=RingOptions(prefetch=2))
     streamer.enable()
     per_block = streamer.file_tier_bytes
     assert per_block == sum(
@@ -104,7 +122,7 @@ def test_staging_slots_are_faulted_in_before_the_driver_registers_them(
     x = torch.randn(1, 4, 1024)
     use_host_registrar(CudaHostRegistrar())
     try:
-        streamer = _streamer(mapped, range(2), pin_memory=True)
+        streamer = _streamer(mapped, range(2), host=HostOptions(pin_memory=True))
         streamer.enable()
         assert streamer.staging_bytes > 2 * 32 * 2**20 and fake.pinned == streamer.staging_bytes
         assert list(fake.resident_at_registration.values()) == [1.0, 1.0]
@@ -122,7 +140,9 @@ def test_a_file_stored_in_fp32_is_read_as_stored_and_cast_on_the_device(tmp_path
     reference_model = copy.deepcopy(model).to(torch.bfloat16)
     x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
     reference = forward_steps(reference_model, x, steps=2)
-    streamer = _streamer(mapped, range(1, 6, 2), dtype_of=lambda module, name: torch.bfloat16, prefetch=1)
+    streamer = _streamer(
+        mapped, range(1, 6, 2), ring=RingOptions(prefetch=1), dtype_of=lambda module, name: torch.bfloat16
+    )
     streamer.enable()
     assert streamer.file_tier_bytes == sum(
         t.numel() * 4 for i in range(1, 6, 2) for t in mapped.module.blocks[i].state_dict().values()
@@ -178,7 +198,7 @@ def test_a_read_that_fails_once_leaves_no_stale_block_and_the_next_steps_read_it
     model, mapped = _mapped_stack(tmp_path)
     x = torch.randn(2, 7, 32)
     (reference,) = forward_steps(model, x, steps=1)
-    read, reads = reader.SliceReader.read, []
+    read, reads = file_source.SliceReader.read, []
 
     def failing_once(self, parts):
         reads.append(len(parts))
@@ -186,8 +206,8 @@ def test_a_read_that_fails_once_leaves_no_stale_block_and_the_next_steps_read_it
             raise OSError(errno.EIO, "Input/output error")
         return read(self, parts)
 
-    monkeypatch.setattr(reader.SliceReader, "read", failing_once)
-    streamer = _streamer(mapped, range(6), prefetch=1, ring_bytes=ring_bytes)
+    monkeypatch.setattr(file_source.SliceReader, "read", failing_once)
+    streamer = _streamer(mapped, range(6), ring=RingOptions(prefetch=1, ring_bytes=ring_bytes))
     streamer.enable()
     with pytest.raises(OSError, match="Input/output error"):
         forward_steps(mapped.module, x, steps=1)
@@ -352,7 +372,12 @@ def test_the_sequential_wrapper_reads_modules_from_the_file(tmp_path: Path) -> N
     from block_offload.offload import streamed_modules
 
     count = len(streamed_modules(mapped.module))
-    wrapper = SequentialOffloader(mapped.module, CPU, file_slice=mapped.file_slice, read_each_step=range(count))
+    wrapper = stream_modules(
+        mapped.module,
+        CPU,
+        StreamSpec(files=FileOptions(file_slice=mapped.file_slice, read_each_step=range(count))),
+        SequentialOptions(),
+    )
     wrapper.enable()
     for out, expected in zip(forward_steps(mapped.module, x, steps=2), reference, strict=True):
         assert torch.equal(out, expected)
@@ -375,10 +400,15 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
             child.to(cuda, torch.bfloat16)  # the host's part: ComfyUI loads and casts it
     recorder = TimelineRecorder(cuda)
     streamer = _streamer(
-        mapped, range(1, 8, 2), cuda, dtype_of=lambda module, name: torch.bfloat16, prefetch=2, recorder=recorder
+        mapped,
+        range(1, 8, 2),
+        cuda,
+        ring=RingOptions(prefetch=2),
+        dtype_of=lambda module, name: torch.bfloat16,
+        recorder=recorder,
     )
     streamer.enable()
-    assert streamer.staging_bytes > 0 and streamer.staging_pinned
+    assert streamer.staging_bytes > 0 and streamer.files.pinned
     for out in forward_steps(mapped.module, x, steps=4):
         assert torch.equal(out, reference)
     # Each step reads blocks 1, 3, 5, 7. A read counts in the step open when it ends: on a GPU the host ends a step
@@ -411,7 +441,9 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
     written_reference = forward_steps(written, x, steps=2)
 
     def streamer(contents: dict[int, str]) -> BlockStreamer:
-        started = _streamer(mapped, read_each_step=(3,), contents=contents)  # block 3 is read from the file
+        started = _streamer(
+            mapped, read_each_step=(3,), host=HostOptions(contents=contents)
+        )  # block 3 is read from the file
         started.enable()
         return started
 
@@ -447,7 +479,7 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
     into_plain = streamer({0: "plus one"})
     assert into_plain.needs_content == {0} and hosts(into_plain) == kept  # adopted, to be written
     with pytest.raises(ValueError, match="no originals in a file"):
-        into_plain.host.contents[3] = "plus one"
+        into_plain.host.options = replace(into_plain.host.options, contents={0: "plus one", 3: "plus one"})
         into_plain.wrote_content([3])  # read from the file at each step: it has no host buffer to hold content
     into_plain.disable()
     assert all(mapped.mapped(tensor) for tensor in mapped.module.state_dict().values())
@@ -462,7 +494,7 @@ def test_a_parked_buffer_from_the_file_that_is_not_adopted_is_packed_from_the_fi
     first.enable()
     first.disable(park=True)
     assert not any(mapped.mapped(tensor) for tensor in mapped.module.blocks.state_dict().values())  # parked
-    second = _streamer(mapped, read_each_step=(), storage_dtype=torch.bfloat16)
+    second = _streamer(mapped, read_each_step=(), host=HostOptions(storage_dtype=torch.bfloat16))
     second.enable()
     assert all(state.file_backed for state in second.host.blocks.values())
     second.disable()

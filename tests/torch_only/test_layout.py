@@ -17,7 +17,17 @@ from harness.parking import lot_of
 from harness.private_views import plain_torch_function, wrapper_subclass
 from harness.transformer_stack import Stack, forward_steps, transformer_stack
 
-from block_offload.offload import BlockStreamer, SequentialOffloader, layout, module_bytes
+from block_offload.offload import (
+    CallOptions,
+    HostOptions,
+    RingOptions,
+    SequentialOptions,
+    StreamSpec,
+    layout,
+    module_bytes,
+    stream_blocks,
+    stream_modules,
+)
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
 
 CPU = torch.device("cpu")
@@ -134,7 +144,9 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
     before = contents(model)
     block = model.blocks[1]
     plain_weight, scaled_weight = block.plain.weight, block.scaled
-    streamer = BlockStreamer(model.blocks, CPU, range(4), prefetch=1, root=model)
+    streamer = stream_blocks(
+        model.blocks, CPU, range(4), StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model))
+    )
     streamer.enable()
 
     # The host buffer holds each tensor as stored: the wrapper's inner int8 rows and scales, the int8 bytes.
@@ -150,8 +162,8 @@ def test_every_kind_is_packed_as_its_parts_and_streams_bitwise() -> None:
     seen: list[bool] = []
 
     def in_the_slot(module: nn.Module, args: tuple) -> None:
-        start, end = streamer.region_of(1)
-        memory = range(streamer.ring_memory.data_ptr() + start, streamer.ring_memory.data_ptr() + end)
+        start, end = streamer.ring.region_of(1)
+        memory = range(streamer.ring.memory.data_ptr() + start, streamer.ring.memory.data_ptr() + end)
         rows, scaled = module.rows, module.scaled
         seen.append(rows.qdata.data_ptr() in memory and rows.scale.data_ptr() in memory)
         seen.append(scaled.data_ptr() in memory and scaled.scale == 0.002)
@@ -177,7 +189,7 @@ def test_the_sequential_wrapper_streams_every_kind_and_casts_only_plain_weights(
     dtypes = {slot.name: [part.dtype for part in slot.parts] for slot in layout.slots}
     # A storage dtype is for plain weights: a subclass's parts mean something only in their own dtypes.
     assert dtypes == {"rows": [torch.int8, torch.float32], "scaled": [torch.int8], "shift": [torch.float32]}
-    wrapper = SequentialOffloader(model, CPU, prefetch=2)
+    wrapper = stream_modules(model, CPU, StreamSpec(ring=RingOptions(prefetch=2)), SequentialOptions())
     wrapper.enable()
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
     wrapper.disable()
@@ -188,13 +200,17 @@ def test_parked_subclasses_are_adopted_then_given_memory_of_their_own() -> None:
     model = mixed_stack(blocks=3)
     x = torch.randn(2, 4, DIM)
     (reference,) = forward_steps(model, x, steps=1)
-    first = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
+    first = stream_blocks(
+        model.blocks, CPU, [0, 2], StreamSpec(host=HostOptions(parking=lot_of(model)), calls=CallOptions(root=model))
+    )
     first.enable()
     hosts = {i: first.host.blocks[i].host.data_ptr() for i in (0, 2)}
     last = range(hosts[2], hosts[2] + first.host.blocks[2].host.numel())
     first.disable(park=True)
     assert forward_steps(model, x, steps=1)[0].equal(reference)
-    second = BlockStreamer(model.blocks, CPU, [0, 2], root=model, parking=lot_of(model))
+    second = stream_blocks(
+        model.blocks, CPU, [0, 2], StreamSpec(host=HostOptions(parking=lot_of(model)), calls=CallOptions(root=model))
+    )
     second.enable()
     assert {i: second.host.blocks[i].host.data_ptr() for i in (0, 2)} == hosts  # adopted, not packed again
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
@@ -244,7 +260,7 @@ def test_a_streamed_call_makes_its_inference_aliases_once(monkeypatch: pytest.Mo
         return inference_alias(tensor)
 
     monkeypatch.setattr(layout, "_inference_alias", counted)
-    streamer = BlockStreamer(model.blocks, CPU, [0, 1, 2, 3], root=model)
+    streamer = stream_blocks(model.blocks, CPU, [0, 1, 2, 3], StreamSpec(calls=CallOptions(root=model)))
     streamer.enable()  # host buffers made outside inference mode, as by a packing thread (the mode is per thread)
     per_step = []
     for _ in range(4):
@@ -268,7 +284,12 @@ def test_parameters_made_in_inference_mode_stay_usable_after_streaming_stops_out
     x = torch.randn(1, 5, 32)
     (reference,) = forward_steps(model, x, steps=1)
     for park in (True, False):
-        streamer = BlockStreamer(model.blocks, CPU, [1, 2, 3], root=model, parking=lot_of(model))
+        streamer = stream_blocks(
+            model.blocks,
+            CPU,
+            [1, 2, 3],
+            StreamSpec(host=HostOptions(parking=lot_of(model)), calls=CallOptions(root=model)),
+        )
         with torch.inference_mode():
             streamer.enable()
         assert all(torch.equal(out, reference) for out in forward_steps(model, x))

@@ -17,7 +17,16 @@ from harness.host_memory import peak_during
 from harness.parking import lot_of
 from harness.transformer_stack import assert_same_tensors, forward_steps, snapshot, transformer_stack
 
-from block_offload.offload import BlockStreamer, PinnedMemoryBudget
+from block_offload.offload import (
+    BlockStreamer,
+    CallOptions,
+    HostOptions,
+    ParkingLot,
+    PinnedMemoryBudget,
+    RingOptions,
+    StreamSpec,
+    stream_blocks,
+)
 
 CPU = torch.device("cpu")
 BLOCKS = 6
@@ -28,9 +37,14 @@ def _storages(module: torch.nn.Module) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in module.state_dict().values()}
 
 
-def _started(model: torch.nn.Module, budget: PinnedMemoryBudget, **kwargs) -> BlockStreamer:
-    streamer = BlockStreamer(
-        model.blocks, CPU, range(BLOCKS), root=model, pack_in_background=True, pin_budget=budget, **kwargs
+def _started(model: torch.nn.Module, budget: PinnedMemoryBudget, parking: ParkingLot | None = None) -> BlockStreamer:
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(BLOCKS),
+        StreamSpec(
+            host=HostOptions(pack_in_background=True, pin_budget=budget, parking=parking), calls=CallOptions(root=model)
+        ),
     )
     streamer.enable()
     streamer.finish_packing()
@@ -45,8 +59,15 @@ def _pinned_in_place_growth(cudart: FakeCudart) -> tuple[int, int]:
     x = torch.randn(1, 4, 1024)
     reference = forward_steps(model, x, steps=1)[0]
     budget = PinnedMemoryBudget()
-    streamer = BlockStreamer(
-        model.blocks, CPU, range(8), root=model, prefetch=1, pack_in_background=True, pin_budget=budget
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(8),
+        StreamSpec(
+            host=HostOptions(pack_in_background=True, pin_budget=budget),
+            ring=RingOptions(prefetch=1),
+            calls=CallOptions(root=model),
+        ),
     )
     gc.collect()
     with peak_during(os.getpid()) as peak:
@@ -55,7 +76,7 @@ def _pinned_in_place_growth(cudart: FakeCudart) -> tuple[int, int]:
             assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
         streamer.finish_packing()
         assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
-    ring = streamer.capacity
+    ring = streamer.ring.capacity
     assert all(state.pinned_in_place and state.host.numel() == 0 for state in streamer.host.blocks.values())
     assert (
         streamer.host.buffer_bytes == 0

@@ -12,7 +12,7 @@ import torch
 from harness.transformer_stack import transformer_stack
 
 from bench.recorder_overhead import ClockCalls, CountingClock, StepCollector, markers_of, unwatched
-from block_offload.offload import BlockStreamer, TimelineRecorder
+from block_offload.offload import CallOptions, RingOptions, StreamSpec, TimelineRecorder, stream_blocks
 from block_offload.offload.timeline import FIRST_STEPS_RECORDED, always_watched
 
 CPU = torch.device("cpu")
@@ -22,7 +22,12 @@ STREAMED = [1, 2, 4, 5]  # of 6 blocks, through 2 slots (prefetch 1): every stre
 def run_counted(recorder: TimelineRecorder, clock: CountingClock, steps: int, prefetch: int = 1) -> list[ClockCalls]:
     """Streams a 6-block stack for ``steps`` steps; the clock calls each step made, begin to end."""
     model = transformer_stack(num_blocks=6)
-    streamer = BlockStreamer(model.blocks, CPU, STREAMED, prefetch=prefetch, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        STREAMED,
+        StreamSpec(ring=RingOptions(prefetch=prefetch), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     x = torch.randn(1, 5, 32)
     per_step = []
@@ -112,7 +117,12 @@ def test_when_someone_starts_watching_the_step_after_the_next_is_recorded_with_i
     """Whether a step is recorded is decided as the step before it begins, with the copies issued ahead for it."""
     recorder = unwatched(TimelineRecorder(CPU), period_s=3600.0)
     model = transformer_stack(num_blocks=6)
-    streamer = BlockStreamer(model.blocks, CPU, STREAMED, prefetch=1, recorder=recorder, root=model)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        STREAMED,
+        StreamSpec(ring=RingOptions(prefetch=1), calls=CallOptions(root=model), recorder=recorder),
+    )
     streamer.enable()
     x = torch.randn(1, 5, 32)
     with torch.inference_mode():

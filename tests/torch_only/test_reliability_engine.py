@@ -19,11 +19,15 @@ from harness.stack_offloader import BlockOffloader
 from harness.transformer_stack import assert_same_tensors, snapshot, transformer_stack
 
 from block_offload.offload import (
-    BlockStreamer,
+    CallOptions,
+    HostOptions,
     OffloadPlan,
     PinnedMemoryBudget,
     ResidencyPolicy,
+    RingOptions,
+    StreamSpec,
     module_bytes,
+    stream_blocks,
 )
 from block_offload.offload import streamer as streamer_module
 from block_offload.offload.layout import BlockLayout
@@ -124,7 +128,12 @@ def test_a_spent_pin_budget_streams_from_pageable_memory(monkeypatch: pytest.Mon
     x = torch.randn(1, 5, 32)
     reference = forward(model, x)
     budget = PinnedMemoryBudget(0)
-    streamer = BlockStreamer(model.blocks, CPU, range(1, 4), prefetch=1, root=model, pin_budget=budget)
+    streamer = stream_blocks(
+        model.blocks,
+        CPU,
+        range(1, 4),
+        StreamSpec(host=HostOptions(pin_budget=budget), ring=RingOptions(prefetch=1), calls=CallOptions(root=model)),
+    )
     streamer.enable()
     block = BlockLayout.of(model.blocks[1]).nbytes
     assert streamer.refused_pinning == {1: block, 2: block, 3: block}
@@ -182,7 +191,12 @@ def test_pin_budget_on_cuda_pins_what_fits_and_frees_it_all() -> None:
     model, x, reference = on_cuda_with_reference(num_blocks=4, dim=256, heads=4, tokens=16)
     block = BlockLayout.of(model.blocks[0]).nbytes
     budget = PinnedMemoryBudget(2 * block)
-    streamer = BlockStreamer(model.blocks, cuda, range(4), prefetch=1, root=model, pin_budget=budget)
+    streamer = stream_blocks(
+        model.blocks,
+        cuda,
+        range(4),
+        StreamSpec(host=HostOptions(pin_budget=budget), ring=RingOptions(prefetch=1), calls=CallOptions(root=model)),
+    )
     streamer.enable()
     model.embed.to(cuda)
     model.head.to(cuda)

@@ -17,7 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.transformer_stack import Fp8Block, Stack, TransformerBlock, forward_steps
 
-from block_offload.offload import BlockStreamer, OffloadPlan, StackCosts, simulate
+from block_offload.offload import (
+    BlockStreamer,
+    CallOptions,
+    OffloadPlan,
+    RingOptions,
+    StackCosts,
+    StreamSpec,
+    simulate,
+    stream_blocks,
+)
 from block_offload.offload.layout import ALIGNMENT, BlockLayout
 from block_offload.offload.ring import ByteRing, aligned, ring_capacity, ring_granule
 
@@ -82,7 +91,7 @@ class RingLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         out = func(*args, **(kwargs or {}))
-        ring = self.streamer.ring_memory
+        ring = self.streamer.ring.memory
         if func is torch.ops.aten.copy_.default and ring is not None:
             target, source = args[0], args[1]
             if target.untyped_storage().data_ptr() == ring.untyped_storage().data_ptr():
@@ -137,27 +146,27 @@ def replay(events: list[tuple], streamed: set[int]) -> tuple[int, int]:
     return most, misses
 
 
-def record(streamed: set[int], **options: object) -> tuple[list[tuple], int]:
+def record(streamed: set[int], ring: RingOptions) -> tuple[list[tuple], int]:
     """Six steps of the mixed stack streaming ``streamed``, bitwise equal to resident ones: the events
     recorded and the ring's capacity."""
     model = mixed_stack()
     x = torch.randn(1, 5, DIM)
     reference = forward_steps(model, x, steps=6)
-    streamer = BlockStreamer(model.blocks, CPU, streamed, root=model, **options)
+    streamer = stream_blocks(model.blocks, CPU, streamed, StreamSpec(ring=ring, calls=CallOptions(root=model)))
     streamer.enable()
     log = RingLog(streamer)
     log.watch(list(model.blocks))
     with log:
         outputs = forward_steps(model, x, steps=6)
     assert all(torch.equal(out, ref) for out, ref in zip(outputs, reference, strict=True))
-    capacity = streamer.capacity
+    capacity = streamer.ring.capacity
     streamer.disable()
     return log.events, capacity
 
 
-def run_recorded(streamed: set[int], **options: object) -> tuple[int, int, int]:
+def run_recorded(streamed: set[int], ring: RingOptions) -> tuple[int, int, int]:
     """``record``, checked by ``replay``: its two counts and the ring's capacity."""
-    events, capacity = record(streamed, **options)
+    events, capacity = record(streamed, ring)
     return *replay(events, streamed), capacity
 
 
@@ -169,10 +178,10 @@ def test_a_byte_ring_copies_as_far_ahead_as_it_has_room_and_overwrites_nothing_l
     sizes = [BlockLayout.of(block).nbytes for block in mixed_stack().blocks]
     ring = 2 * sizes[2] + 2 * sizes[1]
     streamed = set(range(1, 8))
-    assert run_recorded(streamed, prefetch=8, ring_bytes=ring) == (4, 0, ring)
-    assert run_recorded(streamed, prefetch=1) == (1, 0, 2 * max(sizes))
+    assert run_recorded(streamed, RingOptions(prefetch=8, ring_bytes=ring)) == (4, 0, ring)
+    assert run_recorded(streamed, RingOptions(prefetch=1)) == (1, 0, 2 * max(sizes))
     # The block count stays an upper limit within a ring sized in bytes.
-    assert run_recorded(streamed, prefetch=2, ring_bytes=ring) == (2, 0, ring)
+    assert run_recorded(streamed, RingOptions(prefetch=2, ring_bytes=ring)) == (2, 0, ring)
 
 
 def test_a_ring_of_one_block_copies_each_block_as_it_is_called() -> None:
@@ -180,7 +189,7 @@ def test_a_ring_of_one_block_copies_each_block_as_it_is_called() -> None:
     previous call ended (the replay checks nothing live is overwritten); the first is copied as the step
     begins, with no block running."""
     sizes = [BlockLayout.of(block).nbytes for block in mixed_stack().blocks]
-    assert run_recorded(set(range(8)), prefetch=8, ring_bytes=1) == (1, 4 * 7, max(sizes))
+    assert run_recorded(set(range(8)), RingOptions(prefetch=8, ring_bytes=1)) == (1, 4 * 7, max(sizes))
 
 
 def test_the_planner_replays_the_engines_copies_and_calls_exactly() -> None:
@@ -196,7 +205,7 @@ def test_the_planner_replays_the_engines_copies_and_calls_exactly() -> None:
         (set(range(8)), 8, 1),  # the least ring
     ]
     for streamed, prefetch, ring in placements:
-        events, _ = record(streamed, prefetch=prefetch, ring_bytes=ring or None)
+        events, _ = record(streamed, RingOptions(prefetch=prefetch, ring_bytes=ring or None))
         plan = OffloadPlan(sizes, frozenset(range(8)) - streamed, prefetch, False, None, ring)
         trace: list[tuple] = []
         simulate(costs, plan, inline_copies=True, steps=6, trace=trace)

@@ -1,4 +1,4 @@
-"""The rule by which a node leaves a model to ComfyUI's Dynamic VRAM (``offload/step_aside.py``), on
+"""The rule by which a node leaves a model to ComfyUI's Dynamic VRAM (``offload/plan.py``), on
 injected sizes: the decision depends on nothing else."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Packing a block (a fresh host buffer, the copy of its weights into it, the driver's page-locking) costs about
 as much as copying it, into pages the kernel must first fault in: seconds for a large model, which a first
-prompt used to wait for before its first step. Instead the streamer starts at once, copying each block from
+prompt would wait for before its first step. Instead the streamer starts at once, copying each block from
 wherever its bytes are (the loader's tensors, its checkpoint file's mapping), and this thread packs the blocks
 one by one, in the order the steps call them (``HostBlocks.pack_later`` records a block as waiting). Each
 packed block replaces its sources between two of its calls (``BackgroundPacking.pack_waiting``), so the
@@ -23,10 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .file_source import FileSlice, FileStamp, stamps
-from .host_memory import release_freed_host_memory
-from .page_lock import filled_host_buffer, pin_in_place, whole_storages
-from .pinning import HostMemory
+from .pinning import HostMemory, filled_host_buffer, pin_in_place, whole_storages
 from .streamed_block import StreamedBlock
+from .system_memory import release_freed_host_memory
 
 #: Freed sources returned to the system at least this often (bytes), and once more when the thread ends.
 TRIM_BYTES = 32 * 2**20
