@@ -126,7 +126,7 @@ if [[ $dry == 1 ]]; then
   zoo=("$python" -m harness.zoo_on_device --cpu "Wan 2.1 T2V" "Flux" "MiniMax H3")
 else
   engine_tests=(tests/torch_only/test_engine_cuda.py tests/torch_only/test_reliability_engine.py tests/torch_only/test_file_tier.py
-    tests/test_parking.py -k cuda)
+    tests/torch_only/test_parking.py -k cuda)
   dynamic_tests=(tests/test_dynamic_vram.py -k cuda)
   prompt_tests=(tests/test_every_prompt_streams.py -k "cuda and default")
   zoo=("$python" -m harness.zoo_on_device)

@@ -74,7 +74,7 @@ step() {  # step TITLE COMMAND...: runs it, keeps its output (the figures) in th
 pytest=("$python" -m pytest -p no:cacheprovider -rA -s -v)
 if [[ "$part" == engine || "$part" == all ]]; then
   step "engine CUDA tests" "${pytest[@]}" tests/torch_only/test_engine_cuda.py tests/torch_only/test_reliability_engine.py tests/torch_only/test_file_tier.py \
-    "tests/test_parking.py::test_pinned_buffers_are_adopted_without_a_second_reservation"
+    "tests/torch_only/test_parking.py::test_pinned_buffers_are_adopted_without_a_second_reservation"
   step "engine micro-benchmark" "$python" -m bench.engine_microbench
   step "recorder overhead" "$python" -m bench.recorder_overhead
 fi
