@@ -3,7 +3,7 @@ pack in the background meanwhile), stopped or parked when ComfyUI unloads the mo
 prompt's clone.
 
 ``Engine`` is the pack's main interface between ComfyUI and ``offload/``: the patcher keeps one per
-loaded model, the panel (``nodes/report.py``) and the benchmark read it. The engine imports none of its
+loaded model, the panel (``nodes/panel.py``) and the benchmark read it. The engine imports none of its
 readers: it tells the panel the extension set up (``nodes/extension.py``), an ``EngineWatcher``, as each
 engine starts and stops.
 """
@@ -62,7 +62,7 @@ PACKING_DONE = "background packing done:"
 @dataclass
 class Engine:
     """The streaming state of one loaded model: what was asked, where it was placed, what streams it,
-    and what it recorded. It lives on the model (``nodes/state.py``), which ComfyUI's clones share."""
+    and what it recorded. It lives on the model (``nodes/patcher.py``), which ComfyUI's clones share."""
 
     request: OffloadRequest
     placement: Placement

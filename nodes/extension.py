@@ -1,7 +1,7 @@
 """The one object the extension keeps for the life of the process: its panel (``nodes/panel.py``'s ``Panel``).
 
 ComfyUI hands a node pack no object of its own that the pack's model patchers and engines could reach, so the
-panel is kept in the process's registry (``offload/process_state.py``), set once where ComfyUI sets the pack up
+panel is kept in the process's registry (``offload/device.py``), set once where ComfyUI sets the pack up
 (``comfy_entrypoint``, where the routes are registered; the in-process tests set it up the same way, with no
 server): importing the pack sets up nothing. This module imports no other of the nodes, so the engine
 (``nodes/engine.py``) reaches the panel through it as an ``EngineWatcher`` without importing the panel (data

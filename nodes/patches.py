@@ -13,7 +13,7 @@ so a model merge or a LoRA key on it changes nothing in ComfyUI, and must change
 
 The adapters (the LoRA's up and down matrices, whatever else a patch holds in host memory) travel with their
 block: packed once per set of patches into a host buffer of the block's (those as large as half the block or
-more stay where they lie: ``offload/companions.py``), copied into the ring right after the block's weights on the
+more stay where they lie: ``offload/streamed_block.py``), copied into the ring right after the block's weights on the
 copy stream, and read there by ``LoadedPatch``. ComfyUI's lowvram path instead copies each from pageable memory
 on the compute stream, layer by layer, at every step. ``adapter_bytes`` is the room they take in the ring.
 

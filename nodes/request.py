@@ -12,7 +12,7 @@ from ..offload import ResidencyPolicy
 
 # Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
 ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
-# "0": stream a Dynamic VRAM model even where the rule of ``offload/step_aside.py`` would leave it to ComfyUI
+# "0": stream a Dynamic VRAM model even where the rule of ``offload/plan.py`` would leave it to ComfyUI
 # (the GPU tests' tiny models always fit; a user may want VRAM kept free for other work).
 STEP_ASIDE_ENV = "BLOCK_OFFLOAD_STEP_ASIDE"
 
