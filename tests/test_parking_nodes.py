@@ -24,6 +24,8 @@ from block_offload.offload import (
     stream_blocks,
 )
 
+pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
+
 CPU = torch.device("cpu")
 
 
