@@ -130,7 +130,7 @@ class Units:
         return frozenset(f"diffusion_model.{name}" if name else "diffusion_model" for name in self.names.values())
 
 
-# -- modules whose weights ComfyUI reads from their parent's code, without calling them -----------------
+# -- modules whose weights ComfyUI reads from their parent's code, without calling them
 
 
 #: The names of ComfyUI's functions that read a layer's weights (their first argument) for whoever calls them.

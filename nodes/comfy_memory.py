@@ -141,7 +141,7 @@ if torch.cuda.is_available():
     use_host_registrar(comfyui_registrar())
 
 
-# -- ComfyUI's compiler: the engine's lasting device allocations kept out of its recording -------------------
+# -- ComfyUI's compiler: the engine's lasting device allocations kept out of its recording
 
 
 def outside_the_recording() -> Callable[[], AbstractContextManager]:

@@ -81,7 +81,7 @@ class Panel:
         # in place: a reader iterates the list it got under the lock after letting go of it.
         self._live: list[weakref.ref[_Publisher]] = []
 
-    # -- EngineWatcher: the thread that starts and stops engines ----------------------------
+    # -- EngineWatcher: the thread that starts and stops engines
 
     def engine_started(self, engine: Engine) -> None:
         publisher = _Publisher(engine, self)
@@ -102,7 +102,7 @@ class Panel:
             publisher.finish_run()
         engine.recorder.listener = None
 
-    # -- what happens --------------------------------------------------------------------------
+    # -- what happens
 
     def show(self, publisher: _Publisher) -> None:
         """``publisher``'s run is the one the panel shows."""
@@ -123,7 +123,7 @@ class Panel:
             self._aside = status
         self.outbox.send(status, force=True)
 
-    # -- what the panel reads --------------------------------------------------------------------
+    # -- what the panel reads
 
     def watched(self) -> bool:
         """Whether anyone can follow every step: a client on the server's websocket (every browser tab of
@@ -199,7 +199,7 @@ class _Publisher:
         self.run = RunRecord()
         self._unsent: StepTimeline | None = None  # the last step resolved, until a message carries it
 
-    # -- the run -----------------------------------------------------------------------------
+    # -- the run
 
     def start_run(self, resident_weights: int) -> None:
         engine = self._engine()
@@ -224,7 +224,7 @@ class _Publisher:
         self._unsent = run.last_step  # the final message always carries the run's last step
         self.publish(force=True)
 
-    # -- TimelineListener: the sampling thread ----------------------------------------------
+    # -- TimelineListener: the sampling thread
 
     def block_called(self, step: int, block: int) -> None:
         run = self.run
@@ -249,7 +249,7 @@ class _Publisher:
         if self._outbox.send(status, force):
             self._unsent = None
 
-    # -- what the panel reads ----------------------------------------------------------------
+    # -- what the panel reads
 
     def status(self, last_step: StepTimeline | None) -> dict[str, Any]:
         facts, run = self.facts, self.run
@@ -270,7 +270,7 @@ def _publisher_of(engine: Engine) -> _Publisher | None:
     return listener if isinstance(listener, _Publisher) else None
 
 
-# -- the panel's one way in: set up once, then reached from anywhere ---------------------------------
+# -- the panel's one way in: set up once, then reached from anywhere
 
 
 def install_panel(server: Any | None) -> Panel:
@@ -287,7 +287,7 @@ def installed_panel() -> Panel | None:
     return panel if isinstance(panel, Panel) else None
 
 
-# -- what the patcher and the nodes tell the panel ---------------------------------------------------
+# -- what the patcher and the nodes tell the panel
 
 
 def run_started(engine: Engine, resident_weights: int) -> None:

@@ -85,7 +85,7 @@ FULL_STEP = _message("full_step")
 TIMELINE = _message("timeline")
 
 
-# -- one sampling run as the panel keeps it: where the run is, and the steps it ran, for its timeline ------
+# -- one sampling run as the panel keeps it: where the run is, and the steps it ran, for its timeline
 
 
 # What the downloadable timeline of one run may hold (block calls in all its steps): a bound on its size.
@@ -127,7 +127,7 @@ class RunRecord:
         return True
 
 
-# -- the messages ---------------------------------------------------------------------------------------
+# -- the messages
 
 
 # A step's spans and reads go to the websocket as rows, their values in the schema's order of fields.

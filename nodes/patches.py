@@ -98,7 +98,7 @@ def is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_floating_point()
 
 
-# -- the host tensors a weight's patches hold (its adapters) ------------------------------------------
+# -- the host tensors a weight's patches hold (its adapters)
 
 
 class _WeightAdapter(Protocol):
@@ -175,7 +175,7 @@ def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> 
     return {unit: sum(tensors.values()) for unit, tensors in held.items()}
 
 
-# -- what a patch may not change about a streamed weight ------------------------------------------------
+# -- what a patch may not change about a streamed weight
 
 
 def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
@@ -254,7 +254,7 @@ def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -
     return source if source.is_wrapper and source.context != into.context else None
 
 
-# -- hook LoRAs (Create Hook LoRA, hooks set on a conditioning) ------------------------------------------
+# -- hook LoRAs (Create Hook LoRA, hooks set on a conditioning)
 # ComfyUI writes a hook's patched weight into the parameter (``patch_hooks``: ``copy_to_param``) whenever the
 # conditioning's hooks change. A streamed block computes from its own copy, so it would silently ignore the hook,
 # and on a Dynamic VRAM twin ComfyUI would write into the checkpoint file's read-only mapping (a crash).

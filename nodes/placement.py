@@ -362,7 +362,7 @@ def cost_cache() -> CostCache:
     return CostCache(Path(folder_paths.get_user_directory()) / "block_offload" / "block_costs.json")
 
 
-# -- the plan line: what an engine's start tells the user, besides the placement's own summary ------------
+# -- the plan line: what an engine's start tells the user, besides the placement's own summary
 
 
 def packing_clause(runner: Runner, seconds: float) -> str:
@@ -459,7 +459,7 @@ def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
     return notices
 
 
-# -- a first load's packing, shown the ComfyUI way: a progress bar on the node that loads the model ------
+# -- a first load's packing, shown the ComfyUI way: a progress bar on the node that loads the model
 # Packing copies every streamed weight into host buffers once, and pins them, before ComfyUI's own progress bar
 # starts counting steps. A model whose host buffers are taken over from the last prompt packs nothing and shows
 # no bar.

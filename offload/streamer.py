@@ -96,7 +96,7 @@ class BlockStreamer:
         self._handles: list[Removable] = []
         self.enabled = False
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Moves the streamed blocks into host buffers and installs the hooks; ``progress(done, total)`` hears
@@ -201,7 +201,7 @@ class BlockStreamer:
         """See ``BlockCalls.close_open_step``."""
         self.steps.close_open_step()
 
-    # -- what a host reads (``Runner`` documents each) -----------------------------------------
+    # -- what a host reads (``Runner`` documents each)
 
     @property
     def unit(self) -> str:
