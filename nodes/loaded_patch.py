@@ -1,17 +1,13 @@
 """A streamed weight patched exactly as ComfyUI patches a loaded one (``LoadedPatch``, ``as_loaded``), and plain
 LoRAs computed in the engine's scratch (``patch_plain_loras``).
 
-A ``LoadedPatch`` runs on the compute stream when a fresh copy of its block is first used and repeats
-``ModelPatcher.patch_weight_to_device`` on it: same arithmetic dtype, same seeded rounding (or the format's
-``set_weight``), written over the ring's copy. The layer then has no weight function, so ComfyUI's ops compute from it
-as from a loaded weight without a per-call copy, and the result matches a loaded model bit for bit, where ComfyUI's
-lowvram path would round differently. Wrapper-only patches and formats without ``set_weight`` get weight functions
-instead.
+A ``LoadedPatch`` repeats ``ModelPatcher.patch_weight_to_device`` on a fresh ring copy, on the compute stream, with the
+same dtypes and seeded rounding. The layer then needs no weight function, so it computes as a loaded one, bit for bit,
+where ComfyUI's lowvram path would round differently.
 
 Plain LoRAs run in scratch allocated with the ring, so a streamed step allocates no more than a resident one (the
-compiler replays each block call's allocations). The operations, order and dtypes are ``calculate_weight``'s, with
-``out=`` and in-place ops; a fused ``addmm_`` would round differently. Anything else (LoHa, DoRA, mid weights, offsets,
-a layer's own ``convert_``/``set_``) goes through ComfyUI's code."""
+compiler replays each call's allocations). The operations and dtypes are ``calculate_weight``'s; a fused ``addmm_``
+would round differently. Anything else goes through ComfyUI's own code."""
 
 from __future__ import annotations
 
@@ -86,7 +82,7 @@ class LoadedPatch:
         self._runner, self._unit, self._positions = weakref.ref(runner), unit, positions
 
     def _staged_patches(self) -> list:
-        """The patches rebuilt around the adapters' ring copies, when the engine staged them."""
+        """The patches rebuilt around the adapters' ring copies, once staged."""
         runner = self._runner() if self._runner is not None else None
         views = runner.companions(self._unit) if runner is not None else None
         if views is None:
@@ -100,7 +96,7 @@ class LoadedPatch:
         return staged[1]
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        """As a weight function: ``weight`` (the ops' cast) patched, in its dtype."""
+        """As a weight function: ``weight``, the ops' cast, patched."""
         module = self._live_module()
         stored = getattr(module, self.param)
         patches = self._staged_patches()
@@ -216,12 +212,11 @@ def as_loaded(
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``module``'s ``param`` patched from ``stored`` as ``patch_weight_to_device`` does: cast, ``convert_``,
-    ``calculate_weight``, then ``set_`` or the seeded rounding to the stored dtype.
+    ``calculate_weight``, then ``set_`` or seeded rounding to the stored dtype.
 
-    ``handed``: a copy the caller owns, patched in place when already in the patch dtype, as ComfyUI patches its own
-    copy. ``dynamic_vram``: patch as ``ModelPatcherDynamic``'s ``LowVramPatch`` does, in this compute dtype and without
-    ``convert_``, so the streamed twin computes what the MODEL computes. ``scratch``: where plain LoRAs are computed
-    instead of ``calculate_weight``, when large enough."""
+    ``handed``: a copy the caller owns, patched in place when already in the patch dtype, as ComfyUI does its own.
+    ``dynamic_vram``: patch as ``ModelPatcherDynamic``'s ``LowVramPatch`` does, in this compute dtype, so the twin
+    computes what the MODEL does. ``scratch``: where plain LoRAs are computed, when large enough."""
     set_func = getattr(module, f"set_{param}", None)
     convert_func = getattr(module, f"convert_{param}", None) if dynamic_vram is None else None
     lora_dtype = _lora_dtype(stored.device) if dynamic_vram is None else dynamic_vram
@@ -314,7 +309,6 @@ class ScratchLayout:
         intermediate: torch.dtype,
         in_place: bool,
     ) -> ScratchLayout:
-        """The layout for ``weight`` patched in ``work_dtype`` (``in_place``: in the weight itself)."""
         sizes: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         if not in_place:
             sizes.append(("work", work_dtype, tuple(weight.shape)))
@@ -334,7 +328,6 @@ class ScratchLayout:
         return cls(parts, offset, work_dtype, intermediate)
 
     def view(self, scratch: torch.Tensor, name: str, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Part ``name`` of ``scratch``, at ``shape`` (its full shape if None)."""
         offset, dtype, full = self.parts[name]
         shape = tuple(full if shape is None else shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize

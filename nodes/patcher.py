@@ -77,15 +77,13 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     patched = classic_clone(model, request.node)
     own = own_classic_path(model)
     request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model) and not own, own_classic_path=own)
-    # clone() builds self.__class__, so giving the clone our subclass makes every later clone inherit it.
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)
     return patched
 
 
 class _PatcherKinds:
-    """Our subclass of each patcher class, made once so all clones of a model share one class; and patcher numbers,
-    never reused in the process."""
+    """One subclass per patcher class, so all clones share a class; and patcher numbers, never reused."""
 
     def __init__(self) -> None:
         self.classes: dict[type, type] = {}
@@ -174,9 +172,9 @@ class BlockOffloadPatcher(ModelPatcher):
         return [entry for entry in entries if not inside(LoadEntry.of(entry).name, hidden)]
 
     def _module_list(self) -> list[Any]:
-        """ComfyUI's ``_load_list()``, walked once per ``load`` since each walk visits every module. Nothing outside
-        the streamed blocks changes before ComfyUI's load reads it. Only the call without arguments is cached:
-        with ``default_device`` ComfyUI moves weights as it walks."""
+        """ComfyUI's ``_load_list()``, walked once per ``load``, since each walk visits every module and nothing
+        outside the streamed blocks changes meanwhile. Only the argument-less call is cached: with
+        ``default_device`` ComfyUI moves weights as it walks."""
         entries = self.__dict__.get(_MODULE_LIST)
         if entries is None:
             entries = super()._load_list()
@@ -291,16 +289,16 @@ class BlockOffloadPatcher(ModelPatcher):
             load_resident()
             state.placed(self.patcher_id, None, request)
             return
-        if state.engine is None:  # it packs the streamed blocks while ComfyUI loads the resident ones
+        if state.engine is None:
             engine = start_engine(
                 self, request, placement, device_to, state.parking, load_resident, state.call_order, state.patch_history
             )
             state.placed(self.patcher_id, engine, request)
             self._check_resident_loaded(request, placement, offered)
-        else:  # the engine ``load`` kept: this placement is the one it streams
+        else:
             load_resident()
             state.placed(self.patcher_id, state.engine, request)
-        self.model.model_lowvram = True  # the streamed blocks are not on the device
+        self.model.model_lowvram = True
         self.model.model_offload_buffer_memory += placement.buffer_bytes
 
     def _device_room(self) -> float:
@@ -328,8 +326,8 @@ class BlockOffloadPatcher(ModelPatcher):
             engine.notices.append(notice)
 
     def _undo_placement(self) -> None:
-        """Back to where ``load`` started: no engine, nothing on the device, weight patches undone. ``unpatch_model``
-        also removes object patches, so they go back on as ``partially_load`` puts them on before ``load``."""
+        """Back to where ``load`` started: no engine, nothing on the device, weight patches undone, object patches
+        put back as ``partially_load`` had them."""
         self.unpatch_model(self.offload_device, unpatch_weights=True)
         self.patch_model(load_weights=False)
         if _MODULE_LIST in self.__dict__:
@@ -408,7 +406,7 @@ class BlockOffloadPatcher(ModelPatcher):
             super().cleanup()
 
 
-# -- the load protocol: which of ComfyUI's calls moves a model's weights into which phase
+# -- the load protocol
 
 
 class Phase(Enum):
@@ -478,9 +476,8 @@ class LoadProtocol:
         return self.phase is not Phase.STREAMING and books.weight_memory > 0 and not kept
 
     def unpatching(self, patcher: int, unpatch_weights: bool) -> Unpatch:
-        """``unpatch_model``. The first call inside ``partially_load`` only clears patches that changed; the host
-        buffers hold unpatched weights, so the blocks park for the next engine. Any other call that unpatches weights
-        is an unload. The patcher stops the engine; ``stopped`` and ``unloaded`` change the phase."""
+        """``unpatch_model``. The first call inside ``partially_load`` only clears changed patches; host buffers hold
+        unpatched weights, so the blocks park. Any other call unpatching weights is an unload."""
         repatch = self.repatching == patcher
         if repatch:
             self.repatching = None
@@ -498,13 +495,11 @@ class LoadProtocol:
     # -- load: the pack's placement
 
     def placing(self, streamed: frozenset[str]) -> None:
-        """Hides the blocks ``load`` streams before ComfyUI's loader runs. Parked blocks in the set are adopted; those
-        left out become ordinary weights for ComfyUI."""
+        """Hides the blocks ``load`` streams before ComfyUI's loader runs."""
         self.hidden = streamed
 
     def placed(self, patcher: int, engine: Engine | None, request: object) -> None:
-        """``load`` is done: ``engine`` streams (STREAMING), or with None nothing streams (UNPLACED); ``patcher`` owns
-        it, placed for ``request``."""
+        """``load`` is done: ``engine`` streams, or with None nothing does; ``patcher`` owns it."""
         if self.engine is not None and self.engine is not engine:
             self._unexpected("load", "another engine is streaming; it is left running unseen")
         self.engine = engine
@@ -523,9 +518,8 @@ class LoadProtocol:
         self._enter(Phase.PARKED if park else Phase.UNPLACED, "engine parked" if park else "engine stopped")
 
     def hands_over(self, patcher: int, unpatch_all: bool) -> bool:
-        """Whether ``detach`` hands the weights over. ComfyUI gives each prompt a new clone by detaching the one it
-        loaded with ``unpatch_all=False``; only the owner's detach counts, since any other clone may be detached or
-        deleted at any time. ``unpatch_all=True`` is an unload."""
+        """Whether ``detach`` hands the weights over: only the owner's ``detach(unpatch_all=False)``, since any other
+        clone may be detached or deleted at any time."""
         placed = self.phase is Phase.STREAMING or self.phase is Phase.UNPLACED
         return not unpatch_all and placed and self.owner == patcher
 
@@ -564,7 +558,7 @@ class LoadProtocol:
         )
 
 
-# -- the pack's state on a model: one holder on the nn.Module that all of ComfyUI's clones share
+# -- the pack's state on a model, shared by all of ComfyUI's clones
 
 
 _ATTRIBUTE = "block_offload_state"

@@ -1,10 +1,8 @@
-"""Page-locked (pinned) host memory: registering host buffers with the driver, and the cap on how much the streamers
-pin.
+"""Page-locked (pinned) host memory: registering host buffers with the driver, and the cap on what the streamers pin.
 
-Buffers are registered in place, exactly their bytes, as ComfyUI pins its weights, and unregistered just before their
-memory is freed. Pinned pages cannot be swapped, so pinning too much starves the system: streamers reserve bytes in a
-``PinnedMemoryBudget`` first and fall back to slower pageable memory at the cap. No holder keeps more than an even split
-from another that asks, so a second model gets the first to unpin down to its half."""
+Buffers are registered in place, as ComfyUI pins its weights, and unregistered just before they are freed. Pinned pages
+cannot be swapped, so streamers reserve bytes in a ``PinnedMemoryBudget`` and fall back to pageable memory at the cap; a
+second model gets the first to unpin down to an even split."""
 
 from __future__ import annotations
 
@@ -108,7 +106,7 @@ def pinned_allocation_bytes(nbytes: int) -> int:
 
 
 def pinned_bytes() -> int:
-    """Bytes page-locked by ``filled_host_buffer`` and still alive (torch's host allocator not included)."""
+    """Bytes page-locked by ``filled_host_buffer`` and still alive."""
     return _page_locks().registered_bytes
 
 
@@ -121,12 +119,11 @@ def filled_host_buffer(
     nbytes: int, fill: Callable[[torch.Tensor], None] | None, *, pin: bool
 ) -> tuple[torch.Tensor, bool]:
     """A host buffer of exactly ``nbytes`` filled by ``fill``, page-locked where ``pin`` asks and the driver allows,
-    and whether it is. A refused registration leaves it pageable, already filled.
+    and whether it is; a refused one stays pageable, filled.
 
-    On CUDA, ordinary memory is registered rather than taken from torch's pinned allocator, which rounds to powers of
-    two and keeps freed blocks pinned. It is filled before registering: the first toucher faults pages in, and the
-    fill's copies spread that over torch's threads while ``cudaHostRegister`` uses one. An unfilled buffer is zeroed
-    first for the same reason."""
+    On CUDA, ordinary memory is registered instead of using torch's pinned allocator, which rounds to powers of two and
+    keeps freed blocks pinned. It is filled first, so the fill's copies fault pages in on torch's threads rather than
+    ``cudaHostRegister`` on one."""
     registrar = host_registrar()
     if pin and registrar is None:  # other accelerators
         try:
@@ -140,7 +137,7 @@ def filled_host_buffer(
     if not pin or registrar is None:
         return host, pin
     if fill is None:
-        host.zero_()  # fault the pages in on torch's threads
+        host.zero_()  # fault the pages in on torch's threads too
     return host, _register(registrar, host)
 
 
@@ -306,7 +303,6 @@ class PinnedShare:
         self.nbytes -= nbytes
 
     def give_back(self, nbytes: int) -> int:
-        """Asks the holder to unpin about ``nbytes``; returns what it gave back."""
         give_back = self._give_back() if self._give_back is not None else None
         return give_back(nbytes) if give_back is not None else 0
 
@@ -362,7 +358,7 @@ class HostMemory:
             self.share.release(reserved)
 
     def park(self, reserved: int, storage: object) -> weakref.finalize[..., Any] | None:
-        """Hands a pinned buffer's bytes to its ``storage`` (``PinnedShare.park``); None without a budget."""
+        """Hands a pinned buffer's bytes to its ``storage``; None without a budget."""
         return self.share.park(reserved, storage) if self.share is not None else None
 
     def adopt(self, reservation: weakref.finalize[..., Any] | None, pinned: bool) -> bool:

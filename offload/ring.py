@@ -78,7 +78,6 @@ class ByteRing:
         return [other for other, (a, b) in self.regions.items() if a < end and start < b]
 
     def _free_start(self, size: int, held: Container[int]) -> int | None:
-        """The start nearest after the head where ``size`` overwrites nothing held."""
         head, capacity, granule = self.head, self.capacity, self.granule
         bounds = sorted(region for other, region in self.regions.items() if other in held)
         best, best_after = None, capacity  # the start found nearest after the head, and how far after it
@@ -133,7 +132,6 @@ CachedViews = TypeVar("CachedViews", bound=tuple[torch.Tensor, ...])
 
 
 def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], CachedViews]) -> CachedViews:
-    """The views of a ring region at ``start``, made once per position."""
     views = cache.get(start)
     if views is None:
         if len(cache) == _VIEWS_KEPT:
@@ -176,7 +174,6 @@ class DeviceRing:
         return sum(buffer.numel() for buffer in (self.memory, self._staging, self.scratch) if buffer is not None)
 
     def recount(self) -> None:
-        """Recomputes ``holds_all`` after blocks left the host side."""
         self.holds_all = sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
 
     def allocate(self) -> None:
@@ -241,7 +238,6 @@ class DeviceRing:
         return all(start <= part.data_ptr() < end for part in parts)
 
     def allocated(self) -> tuple[ByteRing, torch.Tensor]:
-        """The ring's books and memory, allocated now if need be."""
         if self.books is None or self.memory is None:
             self.allocate()
         assert self.books is not None and self.memory is not None
