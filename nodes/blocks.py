@@ -88,7 +88,6 @@ class Units:
 
     @classmethod
     def every(cls, diffusion_model: nn.Module, sequential: bool) -> Units:
-        """Every unit the sequential wrapper or a block engine could stream."""
         found = streamed_modules(diffusion_model) if sequential else find_blocks(diffusion_model).blocks
         return cls(
             {i: module for i, (_, module) in enumerate(found)},

@@ -154,7 +154,6 @@ def force_casts(model: ModelPatcher, streamed: frozenset[str]) -> None:
 
 
 def twin_patches_as_cast(model: ModelPatcher, request: OffloadRequest) -> Callable[[str, torch.nn.Module], bool] | None:
-    """For a Dynamic VRAM twin, which modules that model patches as it casts them."""
     return functools.partial(dynamic_vram.patched_as_cast, model.model) if request.dynamic_vram_twin else None
 
 
@@ -219,7 +218,6 @@ def write_patches_to_host(
 
 
 def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]:
-    """The unit index of each module, by id."""
     return {id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))}
 
 

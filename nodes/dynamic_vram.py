@@ -238,7 +238,6 @@ def patch_loaded_as_dynamic_vram(patcher: ModelPatcher, key: str, inplace_update
 
 
 def stored_as_computed(module: torch.nn.Module, recurse: bool = True) -> bool:
-    """Whether every plain tensor is already in its compute dtype."""
     return all(dtype in (None, tensor.dtype) for _, _, tensor, dtype in _recorded_dtypes(module, recurse=recurse))
 
 
@@ -249,7 +248,6 @@ def _plain_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def file_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A twin's weights as views of its file, by name (empty for any other model)."""
     return _twins().file_views.get(model, {})
 
 
@@ -264,7 +262,6 @@ def back_to_file(model: torch.nn.Module) -> None:
 
 
 def recorded_dtype(module: torch.nn.Module, name: str) -> torch.dtype | None:
-    """The dtype ComfyUI computes a module's plain tensor in."""
     return getattr(module, f"{name}_comfy_model_dtype", None)
 
 

@@ -72,7 +72,6 @@ class Engine:
     packing_noted: bool = False
 
     def note(self, notices: list[str]) -> None:
-        """Logs the notices not given yet, and keeps them for the panel."""
         for notice in notices:
             if notice not in self.notices:
                 logging.warning(f"Block Offload ({self.request.node}): {notice}")
@@ -124,7 +123,6 @@ class Engine:
 
     @property
     def read_ms(self) -> float | None:
-        """The least step time while the file tier is read at the measured bandwidth."""
         return least_read_ms(self.runner, self.read_bandwidth)
 
     @property
@@ -157,7 +155,6 @@ class EngineWatcher(Protocol):
 
 
 def _engine_watcher() -> EngineWatcher | None:
-    """The panel, once the extension set one up."""
     watcher = extension.installed()
     return watcher if isinstance(watcher, EngineWatcher) else None
 

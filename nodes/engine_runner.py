@@ -188,7 +188,6 @@ def make_runner(
 
 
 def order_for(last: CallOrder | None, unit: str, units: int) -> tuple[int, ...] | None:
-    """The last engine's call order, when it streamed the same units."""
     return last[2] if last is not None and last[:2] == (unit, units) else None
 
 

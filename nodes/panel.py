@@ -113,7 +113,6 @@ class Panel:
         return getattr(self.server, "last_prompt_id", None)
 
     def models(self) -> list[dict[str, Any]]:
-        """The placement of every model streaming now, one entry per engine, oldest first."""
         with self._lock:
             live = self._live
         return [publisher.placement_entry() for ref in live if (publisher := ref()) is not None]
@@ -122,7 +121,6 @@ class Panel:
         return idle_status(self.memory, self.models(), self.outbox.seq)
 
     def snapshot(self) -> dict[str, Any]:
-        """The latest status, its last step in full, and the process's RSS."""
         with self._lock:
             publisher, aside = self._current, self._aside
         if publisher is None:

@@ -44,7 +44,6 @@ class Message:
 
 
 def _message(name: str) -> Message:
-    """The message ``name``; one that ``extends`` another has that one's fields first."""
 
     def fields_of(name: str) -> dict[str, dict[str, Any]]:
         message = _SCHEMA["messages"][name]
@@ -155,7 +154,6 @@ def compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
 
 
 def full_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
-    """A step as the recorder describes it, numbered from the run's first step."""
     data = step.as_dict()
     data["step"] -= first_step
     return FULL_STEP.build(**data)
@@ -213,8 +211,6 @@ class EngineFacts:
 
 
 class MemoryGauge:
-    """The memory figures of every status: the process and the host's RAM."""
-
     def __init__(self) -> None:
         self._process = psutil.Process()
         self._host_total = host_ram().total  # a container's limit, where it has one
@@ -253,7 +249,6 @@ def _idle_device() -> torch.device:
 
 
 def idle_status(memory: MemoryGauge, models: list[dict[str, Any]], seq: int) -> dict[str, Any]:
-    """The status while no engine has run."""
     device = _idle_device()
     return STATUS.build(
         v=VERSION,

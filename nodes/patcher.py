@@ -511,7 +511,6 @@ class LoadProtocol:
     # -- stopping
 
     def stopped(self, park: bool) -> None:
-        """The engine stopped: blocks parked (PARKED) or given back (UNPLACED)."""
         self.engine = None
         if not park:
             self.hidden = frozenset()
@@ -533,7 +532,6 @@ class LoadProtocol:
         self._enter(Phase.HANDED_OVER, "detach")
 
     def unloaded(self) -> None:
-        """A real unload: UNPLACED, no owner."""
         if self.engine is not None:
             self._unexpected("unpatch_model", "the engine is still streaming")
         self.hidden = frozenset()

@@ -230,7 +230,6 @@ def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -
 
 
 def hook_strengths(model: ModelPatcher, streamed: frozenset[str]) -> dict[str, set[float]]:
-    """Each streamed weight the registered hooks patch, with the strengths."""
     strengths: dict[str, set[float]] = {}
     for patches in model.hook_patches.values():
         for key, entries in patches.items():

@@ -116,7 +116,6 @@ def _over_budget(request: OffloadRequest, placement: Placement, budget: float, n
 
 
 def _room_for_patches(request: OffloadRequest, model: ModelPatcher, placement: Placement) -> int:
-    """Device bytes the streamed units' patches take: adapters in the ring and the LoRA scratch."""
     return _adapters_in_ring(request, model, placement) + patch_scratch_bytes(
         model, placement.streamed, model.load_device, twin_patches_as_cast(model, request)
     )
@@ -267,7 +266,6 @@ def _patch_ms(model: ModelPatcher, untimed: list[str]) -> tuple[float, ...]:
 
 
 def block_names(model: ModelPatcher) -> list[str]:
-    """Each block's module name under ``diffusion_model``, in block order."""
     names = Units.every(model.model.diffusion_model, sequential=False).names
     return [f"diffusion_model.{names[index]}" for index in sorted(names)]
 
@@ -281,7 +279,6 @@ def _prefetch_choices(request: OffloadRequest) -> tuple[int, ...]:
 
 
 def describe(plan: OffloadPlan, model: ModelPatcher, patch_ms: tuple[float, ...] = ()) -> Placement:
-    """The placement of a block plan (``patch_ms``: kept from the placement it replaces)."""
     diffusion_model = model.model.diffusion_model
     streamed = Units.streamed(diffusion_model, plan).qualified
     summary = f"{find_blocks(diffusion_model).describe()}: {plan.describe(model.model_size() - sum(plan.block_bytes))}"
@@ -320,7 +317,6 @@ def _model_class(model: ModelPatcher) -> str:
 
 
 def _costs_key(model: ModelPatcher, block_bytes: Sequence[int]) -> str:
-    """The cache key: one device, one model class, one stack shape."""
     return cache_key(device_name(model.load_device), _model_class(model), block_bytes)
 
 
@@ -360,14 +356,12 @@ def pinning_progress(runner: Runner) -> str | None:
 
 
 def pageable_clause(runner: Runner) -> str:
-    """The plan line's clause on units that wanted pinned memory and got pageable."""
     reasons = {"the pinned-memory cap": runner.refused_pinning, "the driver refused to pin": runner.failed_pinning}
     said = [f"{len(units)} from pageable memory ({reason})" for reason, units in reasons.items() if units]
     return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
 
 
 def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> str:
-    """The plan line's clause on where streamed weights wait: host buffers or the checkpoint file."""
     read = runner.read_each_step
     streamed = len(runner.streamed)
     host = runner.host_bytes / GIB
@@ -402,7 +396,6 @@ def threads_said(threads: int) -> str:
 
 
 def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
-    """The least step time while the file tier is read at ``bandwidth`` bytes/s."""
     return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 

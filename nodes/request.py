@@ -49,7 +49,6 @@ class OffloadRequest:
 
     @property
     def loader(self) -> str:
-        """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
         if self.dynamic_vram_twin:
             return "a Dynamic VRAM model, streamed from its checkpoint file"
         if self.own_classic_path:

@@ -88,7 +88,6 @@ class PackingThread:
 
 
 def _go_on(stopping: threading.Event) -> None:
-    """Raises ``PackingStopped`` once the streamer stops the packing."""
     if stopping.is_set():
         raise PackingStopped
 
@@ -134,7 +133,6 @@ class BackgroundPacking:
         return pinned, pinned + waiting
 
     def start(self, order: Sequence[int], file_slice: Callable[[torch.Tensor], FileSlice | None] | None) -> None:
-        """Packs the waiting blocks on a thread, in ``order``, then the rest."""
         self.stop()
         waiting = [index for index, state in self.blocks.items() if state.waiting]
         self.total_bytes = self.packed_bytes + sum(self.blocks[index].storage.nbytes for index in waiting)
@@ -156,7 +154,6 @@ class BackgroundPacking:
         self._keep_books()
 
     def finish(self) -> None:
-        """Waits until every waiting block is packed, then ``settle``."""
         if self._thread is not None:
             self._thread.join()
         self.settle()

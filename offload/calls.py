@@ -47,7 +47,6 @@ class StepCalls:
         return bool(self.open or self.order)
 
     def running(self, block: int) -> bool:
-        """Whether ``block`` has a call open now."""
         return any(call.block == block for call in self.open)
 
     def held(self) -> set[int]:
@@ -218,7 +217,6 @@ class BlockCalls:
         self._pageable_deferred = False  # some block's copies wait for the post-hook
 
     def hook(self, blocks: Sequence[nn.Module], options: CallOptions) -> list[Removable]:
-        """Hooks the blocks' calls, and the root's forward as the step; returns the handles."""
         handles = hook_calls(
             blocks,
             options.holders,
@@ -272,7 +270,6 @@ class BlockCalls:
         return not (self.files.pinned if state.read is not None else state.pinned)
 
     def begin_step(self) -> None:
-        """Starts one pass through the blocks (the root's forward)."""
         self.finish_active()
         self.files.check_files()
         packing = self.host.background.running

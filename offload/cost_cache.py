@@ -58,7 +58,6 @@ class CostCache:
         self._write(dict(list(entries.items())[-self.limit :]))
 
     def plan(self, key: str, search: str) -> OffloadPlan | None:
-        """The placement kept for ``search`` from the costs of ``key``, if any."""
         entry = self._entries().get(key)
         kept = entry.get("plans", {}).get(search) if isinstance(entry, dict) else None
         if not isinstance(kept, dict):
@@ -69,7 +68,6 @@ class CostCache:
             return None
 
     def keep_plan(self, key: str, search: str, plan: OffloadPlan) -> None:
-        """Keeps ``plan`` as the answer to ``search`` beside the costs of ``key``, if kept."""
         entries = self._entries()
         entry = entries.get(key)
         if not isinstance(entry, dict):

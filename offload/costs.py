@@ -49,7 +49,6 @@ class StackCosts:
 
     @classmethod
     def uniform(cls, num_blocks: int, compute_ms: float, block_bytes: int, bandwidth_gbps: float) -> StackCosts:
-        """``num_blocks`` equal blocks called once each, in order, back to back."""
         return cls(
             (block_bytes,) * num_blocks,
             tuple(range(num_blocks)),
@@ -120,7 +119,6 @@ class StackCosts:
 
     @property
     def resident_step_ms(self) -> float:
-        """The step with every block resident."""
         return sum(self.gap_ms) + sum(self.compute_ms) + self.tail_ms
 
     def as_dict(self) -> dict[str, Any]:
@@ -195,7 +193,6 @@ class StepFloor:
         )
 
     def without(self, costs: StackCosts, block: int) -> StepFloor:
-        """The terms with ``block`` resident too."""
         if block not in self.called:
             return self
         patches = sum(costs.patch_of(block) for call in costs.calls if call == block) if costs.patch_ms else 0.0
@@ -213,7 +210,6 @@ class StepFloor:
 
 
 def slow_copies(costs: StackCosts) -> StackCosts:
-    """``costs`` with copies ``SLOW_COPIES`` as fast as measured."""
     return replace(costs, bandwidth_gbps=costs.bandwidth_gbps * SLOW_COPIES)
 
 

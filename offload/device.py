@@ -217,7 +217,6 @@ class Clock:
         return lambda marker: (cast(list[float], marker)[0] - origin) * 1000.0
 
     def elapsed_ms(self, start: Marker, end: Marker) -> float:
-        """Milliseconds from ``start`` to ``end``, waiting for ``end``."""
         self.wait(end)
         return self.since(start)(end)
 
@@ -255,7 +254,6 @@ class ProcessState:
         self._lock = threading.Lock()
 
     def entry(self, name: str, make: Callable[[], T], why: str) -> T:
-        """The value named ``name``, made by ``make`` on the first call."""
         found = self._entries.get(name)
         if found is None:
             with self._lock:
@@ -265,7 +263,6 @@ class ProcessState:
         return cast(T, found.value)
 
     def made(self, name: str) -> object | None:
-        """The value named ``name``, or None before its first ``entry``."""
         found = self._entries.get(name)
         return found.value if found is not None else None
 

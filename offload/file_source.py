@@ -64,12 +64,10 @@ class FileSlice:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU tensor's bytes."""
     return memoryview((ctypes.c_ubyte * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
 def read_slice(source: FileSlice, destination: torch.Tensor) -> int:
-    """Reads ``source`` into ``destination`` on this thread; returns the bytes read."""
     if POSITIONAL_READ is None:
         destination.copy_(source.mapped.reshape(-1).view(torch.uint8))
         return source.nbytes
@@ -145,7 +143,6 @@ class SliceReader:
         return sum(source.nbytes for source, _ in reads)
 
     def close(self) -> None:
-        """Stops the threads after the chunks under way."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -175,7 +172,6 @@ class FileStamp:
 
 
 def stamps(slices: Iterable[FileSlice]) -> tuple[FileStamp, ...]:
-    """One stamp per file of the slices, where there are descriptors to stamp (POSIX)."""
     if POSITIONAL_READ is None:
         return ()
     return tuple(FileStamp.of(handle) for handle in sorted({source.handle for source in slices}))
@@ -264,7 +260,6 @@ class FileReader:
         return self._holding(block) is not None
 
     def schedule(self, block: int, read: BlockRead) -> bool:
-        """Starts reading ``block`` into a free slot; False when every slot is taken."""
         if self._holding(block) is not None:
             return True
         slot = next((slot for slot in self._slots if slot.block is None), None)

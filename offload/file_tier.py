@@ -54,7 +54,6 @@ class FileTier:
         self._slot_reservation = 0
 
     def check_files(self) -> None:
-        """Raises ``FileChangedError`` if a file changed since streaming began."""
         for stamp in self._stamps:
             stamp.check()
 
@@ -107,11 +106,9 @@ class FileTier:
 
     @property
     def file_bytes(self) -> int:
-        """Bytes one pass through the file tier reads."""
         return sum(state.read.file_bytes for state in self.host.blocks.values() if state.read is not None)
 
     def file_slices(self) -> tuple[FileSlice, ...]:
-        """The file-tier blocks' slices, in block order."""
         blocks = sorted(self.host.blocks.items())
         return tuple(source for _, state in blocks if state.read for source in state.read.slices())
 

@@ -168,7 +168,6 @@ class HostBlocks:
         return freed
 
     def pageable_because(self, reason: str) -> dict[int, int]:
-        """Blocks (index: host bytes) pageable for ``reason`` ("cap" or "driver")."""
         return {i: state.storage.nbytes for i, state in sorted(self.blocks.items()) if state.pageable_because == reason}
 
     @property
@@ -182,7 +181,6 @@ class HostBlocks:
 
     @property
     def companion_bytes(self) -> int:
-        """The companions' host buffers."""
         return sum(state.companions.host.numel() for state in self.blocks.values() if state.companions is not None)
 
     def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
@@ -239,7 +237,6 @@ class HostBlocks:
 
     @property
     def needs_content(self) -> frozenset[int]:
-        """Blocks whose host buffers do not hold their ``contents`` yet."""
         return frozenset(
             index
             for index, content in self.options.contents.items()

@@ -34,7 +34,6 @@ KINDS = (
 
 
 def aligned(nbytes: int, granule: int = ALIGNMENT) -> int:
-    """``nbytes`` rounded up to a multiple of ``granule``."""
     return (nbytes + granule - 1) // granule * granule
 
 
@@ -95,7 +94,6 @@ class TensorForm:
             yield from form.parts_of(getattr(tensor, name))
 
     def assemble(self, parts: Iterator[torch.Tensor]) -> torch.Tensor:
-        """The tensor rebuilt around ``parts`` (consumed in layout order)."""
         if not self.is_wrapper:
             return next(parts)
         inner = {name: form.assemble(parts) for name, form in self.inner}
@@ -105,8 +103,6 @@ class TensorForm:
 
 @dataclass(frozen=True)
 class Part:
-    """Where one plain part lives in the flat buffer."""
-
     offset: int
     shape: torch.Size
     dtype: torch.dtype
@@ -121,8 +117,6 @@ class Part:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """One tensor of a module: where the module holds it, its form, where its parts live."""
-
     owner: nn.Module
     name: str
     is_parameter: bool
@@ -186,7 +180,6 @@ def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Modul
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
-    """The bytes ``tensor`` is stored in: a quantized weight's data and scales."""
     if type(tensor) in (torch.Tensor, nn.Parameter):  # the common case, without making an alias
         return tensor.numel() * tensor.element_size()
     return sum(part.nbytes for part in TensorForm.of(tensor, type(tensor).__name__).parts_of(tensor))
@@ -254,7 +247,6 @@ class BlockLayout:
 
     @property
     def device(self) -> torch.device | None:
-        """Where the module's tensors are now (None when it has none)."""
         first = next(self._current_parts(), None)
         return None if first is None else first.device
 
@@ -262,7 +254,6 @@ class BlockLayout:
         return tuple(part.view(flat) for part in self.parts)
 
     def assemble(self, parts: Iterable[torch.Tensor]) -> Views:
-        """The module's tensors rebuilt around ``parts``, for ``point_at``."""
         remaining = iter(parts)
         tensors = []
         for slot in self.slots:
@@ -289,7 +280,6 @@ class BlockLayout:
             view.copy_(part)
 
     def point_at(self, tensors: Views) -> None:
-        """Makes the module hold ``tensors``; see ``TensorSlot.place``."""
         if len(tensors) != len(self.slots):
             raise ValueError(f"{len(tensors)} tensors for a layout of {len(self.slots)}")
         for index, slot in enumerate(self.slots):

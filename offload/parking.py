@@ -88,12 +88,10 @@ class ParkedInPlace:
     reservation: weakref.finalize[..., Any] | None
 
     def whole(self) -> tuple[torch.Tensor, ...] | None:
-        """Its storages as byte tensors, or None once one is freed."""
         alive = self.alive()
         return alive if len(alive) == len(self.storages) else None
 
     def alive(self) -> tuple[torch.Tensor, ...]:
-        """Its storages not freed yet, as byte tensors."""
         return tuple(byte_view(storage) for storage in (ref() for ref in self.storages) if storage is not None)
 
     def parts_for(self, layout: BlockLayout) -> tuple[torch.Tensor, ...] | None:
@@ -109,8 +107,6 @@ Parked = ParkedBuffer | ParkedInPlace
 
 
 class ParkingLot:
-    """The parked buffers of some blocks, by block module (weakly)."""
-
     def __init__(self) -> None:
         self._parked: weakref.WeakKeyDictionary[nn.Module, Parked] = weakref.WeakKeyDictionary()
 
@@ -122,7 +118,6 @@ class ParkingLot:
         return self._parked.pop(block, None)
 
     def from_file(self, block: nn.Module) -> bool:
-        """Whether ``block`` is parked on a buffer packed from its file."""
         parked = self._parked.get(block)
         return isinstance(parked, ParkedBuffer) and parked.originals is not None and parked.host() is not None
 

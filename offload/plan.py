@@ -110,7 +110,6 @@ class OffloadPlan:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of the ring."""
         if not self.streamed:
             return 0
         return ring_capacity(max(self.block_bytes[i] for i in self.streamed), self.prefetch, ring_bytes=self.ring_bytes)
@@ -156,7 +155,6 @@ class OffloadPlan:
         return None
 
     def describe(self, outside_blocks: int = 0) -> str:
-        """The plan line's placement summary."""
         count = len(self.block_bytes)
         resident = _ranges(sorted(self.resident)) or "none"
         chosen_by = self.policy.value if self.policy else "planned"
@@ -238,6 +236,5 @@ _NO_GAIN = MappingProxyType(
 
 
 def platform_aside(device: torch.device) -> StepAside | None:
-    """Whether streaming gains nothing on this device whatever the model."""
     reason = _NO_GAIN.get(device.type)
     return StepAside(f"on {device.type}, {reason}") if reason is not None else None

@@ -170,7 +170,6 @@ class DeviceRing:
 
     @property
     def device_buffer_bytes(self) -> int:
-        """Device bytes of the ring, staging buffer and scratch (0 when not allocated)."""
         return sum(buffer.numel() for buffer in (self.memory, self._staging, self.scratch) if buffer is not None)
 
     def recount(self) -> None:
@@ -221,11 +220,9 @@ class DeviceRing:
             self.books = self.memory = self._staging = self.scratch = None
 
     def region_of(self, index: int) -> tuple[int, int] | None:
-        """Block ``index``'s region (start, end), or None while it is only on the host."""
         return None if self.books is None else self.books.regions.get(index)
 
     def drop(self, index: int) -> None:
-        """Forgets block ``index``'s region, so its next call copies it afresh."""
         if self.books is not None:
             self.books.drop(index)
 
@@ -262,7 +259,6 @@ class DeviceRing:
         state.fresh = False
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
-        """Block ``index``'s companions as device views while it is in the ring, else None."""
         state = self.host.blocks.get(index)
         region = self.region_of(index)
         if state is None or state.companions is None or region is None or self.memory is None:
@@ -350,5 +346,4 @@ class DeviceRing:
 
 
 def cast_on_device(state: StreamedBlock) -> bool:
-    """Whether the block's host bytes are cast after the copy."""
     return state.storage is not state.layout

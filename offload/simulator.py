@@ -160,5 +160,4 @@ def predict(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False
 
 
 def with_slow_step(found: Prediction, slow_costs: StackCosts, inline_copies: bool) -> Prediction:
-    """``found`` with its step under ``slow_costs``."""
     return replace(found, slow_step_ms=simulate(slow_costs, found.plan, inline_copies=inline_copies).step_ms)

@@ -112,7 +112,6 @@ class StreamedBlock:
 
     @property
     def region_bytes(self) -> int:
-        """The ring bytes the block takes with its companions."""
         extra = self.companions.layout.nbytes if self.companions is not None else 0
         return aligned(self.layout.nbytes) + extra
 
@@ -122,8 +121,6 @@ IN_PLACE_SHARE = 0.5
 
 @dataclass(frozen=True)
 class CompanionLayout:
-    """Where each companion lives in its flat buffer, in the order given."""
-
     parts: tuple[Part, ...]
     nbytes: int
 
@@ -173,7 +170,6 @@ class PackedCompanions:
         return cls(layout, host, reserved, host.is_pinned())
 
     def copy_into(self, target: torch.Tensor) -> None:
-        """Issues the companions' copy into their place in the ring."""
         if self.sources is None:
             target[: self.host.numel()].copy_(self.host, non_blocking=self.pinned)
             return

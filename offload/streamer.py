@@ -94,12 +94,10 @@ class BlockStreamer:
         self._pack_in_call_order()
 
     def _pack_in_call_order(self) -> None:
-        """(Re)starts background packing in the order the steps call the blocks."""
         upcoming = list(self.calls.upcoming(self.host.blocks, len(self.host.blocks)))
         self.host.background.start(upcoming, self.spec.files.file_slice)
 
     def finish_packing(self) -> None:
-        """Waits until every waiting block is packed."""
         self.host.background.finish()
         self.steps.sources_changed()
 
@@ -165,7 +163,6 @@ class BlockStreamer:
         return freed
 
     def wrote_content(self, indices: Iterable[int]) -> None:
-        """The host has written ``contents`` into these blocks' host buffers."""
         self.host.wrote_content(indices)
 
     def allocate_device_buffers(self) -> None:
@@ -209,7 +206,6 @@ class BlockStreamer:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory held: host buffers, companions and staging slots."""
         return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
 
     @property

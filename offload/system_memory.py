@@ -91,7 +91,6 @@ def _unescape(field: str) -> str:
 
 
 def memory_cgroups(files: ProcFiles = ProcFiles()) -> list[MemoryCgroup]:
-    """Each memory cgroup the process is in: v2's, and v1's memory controller's."""
     memberships = []
     for line in (_read(files.cgroup) or "").splitlines():
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
@@ -132,7 +131,6 @@ def cgroup_limits(host_total: int, files: ProcFiles = ProcFiles()) -> list[Cgrou
 
 
 def clamp_to_cgroups(host_total: int, host_available: int, files: ProcFiles = ProcFiles()) -> HostRam:
-    """``host_total`` and ``host_available`` clamped to what the memory cgroups allow."""
     limits = cgroup_limits(host_total, files)
     if not limits:
         return HostRam(host_total, host_available)

@@ -50,8 +50,6 @@ class ReadSpan:
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One forward pass of the model through its blocks."""
-
     step: int
     duration_ms: float
     spans: tuple[BlockSpan, ...]
@@ -161,7 +159,6 @@ UNWATCHED_PERIOD_S = 2.0
 
 
 def always_watched() -> bool:
-    """The default: record every step."""
     return True
 
 
@@ -193,7 +190,6 @@ class TimelineRecorder:
 
     @property
     def steps_ended(self) -> int:
-        """Steps ended while enabled, recorded or not."""
         return self._step_index
 
     @property
