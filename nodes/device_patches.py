@@ -1,10 +1,6 @@
-"""Weight patches (everything ``comfy.lora.calculate_weight`` applies) on streamed blocks, applied on the device as
-each block arrives, so the host buffers keep the weights as ComfyUI loaded them: one copy per loaded model, shared
-by every clone and strength, never re-packed or re-pinned when patches change.
-
-``patch_streamed_weights`` sets each patched weight up by its route (``patches.py``); ``AdapterStaging`` lists the
-adapters the engine stages with each unit. ``patch_ms_per_unit`` times each kind of patch for the planner; it only
-plans, so nothing it does may fail a prompt or change the model."""
+"""Weight patches on streamed blocks, applied on the device as each block arrives, so the host buffers keep the
+weights as ComfyUI loaded them: one copy per model, shared by every clone and strength, never repacked when
+patches change; and what the patches cost per call, for the planner, timed without ever failing a prompt."""
 
 from __future__ import annotations
 
@@ -80,9 +76,9 @@ def patch_streamed_weights(
     bake: frozenset[str] = frozenset(),
     patched_as_cast: Callable[[str, torch.nn.Module], bool] | None = None,
 ) -> DevicePatching:
-    """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them. Plain weights
-    of ``bake`` units are left for ``write_patches_to_host``. ``patched_as_cast``: for a Dynamic VRAM twin, the
-    modules that model patches as it casts them, which their ``LoadedPatch`` must match."""
+    """Sets up the patches of the ``streamed`` modules' weights before the engine packs them; plain weights of
+    ``bake`` units are left for ``write_patches_to_host``. ``patched_as_cast``: for a Dynamic VRAM twin, the
+    modules that model patches as it casts them."""
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
@@ -293,9 +289,8 @@ def patch_ms_per_unit(
     model: ModelPatcher, units: Sequence[str], device: torch.device, untimed: list[str] | None = None
 ) -> tuple[float, ...]:
     """Per unit, what its patches cost on ``device`` at each streamed call, timed once per kind of weight; () when
-    none. GGUF patches and weights baked before packing cost the same streamed or not, so they are left out.
-
-    A weight the probe cannot time is planned without its cost, logged once, and added to ``untimed``."""
+    none. GGUF patches and baked weights cost the same streamed or not, so they are left out. A weight the probe
+    cannot time is planned without its cost and added to ``untimed``."""
     costs = [0.0] * len(units)
     index_of = {unit: index for index, unit in enumerate(units)}
     # Resident modules count as if streamed, so the plan does not change with the placement.

@@ -134,9 +134,8 @@ def _adapters_in_ring(request: OffloadRequest, model: ModelPatcher, placement: P
 
 
 def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:
-    """Device bytes of the staging buffer for casting file-tier units, when a Dynamic VRAM twin's file stores another
-    dtype than the compute one. Counted whenever that is so, since which units the file tier gets is decided only
-    when the engine starts."""
+    """Device bytes of the staging buffer for casting file-tier units of a Dynamic VRAM twin stored in another dtype.
+    Counted whenever that may be needed: the file tier is chosen only when the engine starts."""
     if not request.dynamic_vram_twin:
         return 0
     units = Units.every(model.model.diffusion_model, request.sequential)
@@ -151,10 +150,9 @@ def _cast_staging(request: OffloadRequest, model: ModelPatcher) -> int:
 def _place(
     request: OffloadRequest, model: ModelPatcher, budget: float, loader_need: Callable[[frozenset[str]], int]
 ) -> Placement:
-    """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit).
-
-    It leaves ``loader_need(streamed)`` for ComfyUI's loader, which keeps room for cast buffers as it goes; without it
-    ComfyUI would cast the last resident modules per layer, on its own streams, competing with the engine's copies."""
+    """The placement of ``model`` for ``request`` within ``budget`` device bytes (inf: no limit). It leaves ComfyUI's
+    loader the room ``loader_need`` says, or ComfyUI would cast the last resident modules per layer on its own
+    streams, competing with the engine's copies."""
     diffusion_model = model.model.diffusion_model
     if request.sequential:
         names = Units.every(diffusion_model, sequential=True).qualified

@@ -22,12 +22,10 @@ from .streamed_block import PackedCompanions, StreamedBlock
 class HostBlocks:
     """The host side of a streamer's blocks: ``blocks`` holds each record from ``pack`` to ``take`` or ``let_go``.
 
-    A storage dtype is cast back on the copy stream right after the copy, so both are ordered on one stream; the
-    originals are kept, since a rounded copy must never replace them. File-view weights are never copied into process
-    memory by a file-tier block; host buffers hold the compute dtype, while file-tier bytes are cast on the device.
-
-    A host writes ``contents`` between ``enable`` and the first step (``needs_content``, ``wrote_content``). A parked
-    buffer holding other content is dropped and repacked, so only a block packed from its file may hold content."""
+    A storage dtype is cast back on the copy stream right after the copy, so both are ordered on one stream, and the
+    originals are kept: a rounded copy must never replace them. Host buffers hold compute dtypes; file-tier bytes are
+    cast on the device. Only a block packed from its file may hold ``contents`` (written between ``enable`` and the
+    first step), since it can be repacked from the file."""
 
     def __init__(
         self, device: torch.device, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool
