@@ -53,7 +53,7 @@ from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 
 ATTACHMENT = "block_offload"
-# Set only during ``load``: the cached module list, or None before the first walk.
+# Only during ``load``: the cached module list (None until walked).
 _MODULE_LIST = "_block_offload_module_list"
 
 
@@ -109,8 +109,8 @@ class LoadEntry(NamedTuple):
     """One entry of ComfyUI's ``_load_list``, ``(offload_mem, module_mem, name, module, params)`` in both supported
     hosts. Read only here, so a layout change breaks one place."""
 
-    offload_mem: int  # what casting the module on the fly would take
-    module_mem: int  # the module's weights as ComfyUI counts them
+    offload_mem: int  # what casting the module on the fly takes
+    module_mem: int
     name: str
     module: nn.Module
 
@@ -142,7 +142,7 @@ class BlockOffloadPatcher(ModelPatcher):
     def clone(self, *args, **kwargs):
         cloned = super().clone(*args, **kwargs)
         keep_fast_disk(self, cloned)
-        # A patcher class may set its own class on every clone (GGUFModelPatcher does); a later LoRA must still stream.
+        # GGUFModelPatcher sets its own class on every clone; a later LoRA must still stream.
         if not isinstance(cloned, BlockOffloadPatcher):
             cloned.__class__ = _offload_class(type(cloned))
         return cloned
@@ -185,7 +185,7 @@ class BlockOffloadPatcher(ModelPatcher):
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         state = state_of(self.model)
         if state.begin_load(self.patcher_id, self.loaded_state(), self.offload_request):
-            # Start from the host. ComfyUI's own unpatch, not our unload: parked blocks stay parked for adoption.
+            # Start from the host, through ComfyUI's own unpatch, so parked blocks stay parked.
             super().unpatch_model(self.offload_device, unpatch_weights=True)
         # ComfyUI skips resident modules left loaded (``comfy_patched_weights``): a queue does not recopy them.
         try:
@@ -220,7 +220,7 @@ class BlockOffloadPatcher(ModelPatcher):
         refuse_cudagraphs(self, request.node)  # TorchCompileModel may come after the node
         state = state_of(self.model)
         engine = state.engine
-        if engine is not None:  # so this load plans from the latest costs
+        if engine is not None:
             remember_costs(engine.request, engine.placement, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
         if math.isinf(budget) and request.automatic_budget:
@@ -232,7 +232,7 @@ class BlockOffloadPatcher(ModelPatcher):
             # This plan ran out of memory before: start from the one that fit.
             placement = describe(fallback.placed, self, asked.patch_ms)
         if placement.plan is not None:
-            refuse_reshaping_patches(self, placement.streamed, request.node)  # before anything moves
+            refuse_reshaping_patches(self, placement.streamed, request.node)
         refuse_patches_on_packed_weights(self, placement.streamed, request.node)
         refuse_weight_hooks(self, placement.streamed, request.node)
         if engine is not None and (engine.request, engine.placement) != (request, placement):
@@ -349,8 +349,7 @@ class BlockOffloadPatcher(ModelPatcher):
         return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # A hand-over parks the engine so the next one adopts the host buffers; they are valid CPU tensors, so a
-        # clone that does not stream can use them too.
+        # Parked buffers are valid CPU tensors, so even a clone that does not stream can take them over.
         state = state_of(self.model)
         hands_over = state.hands_over(self.patcher_id, unpatch_all)
         if hands_over:
@@ -371,7 +370,7 @@ class BlockOffloadPatcher(ModelPatcher):
         engine.stop(park)
         state.stopped(park)
 
-    # -- sampling runs, for the live panel
+    # -- sampling runs
 
     def pre_run(self):
         engine = self.offload_engine
@@ -438,7 +437,7 @@ class LoadProtocol:
     """A model's phase and what goes with it; patchers are named by ``patcher_id``."""
 
     phase: Phase = Phase.UNPLACED
-    engine: Engine | None = None  # STREAMING only
+    engine: Engine | None = None
     # The patcher whose load placed the weights; only its detach hands them over, since ``ModelPatcher.__del__``
     # may detach any other clone at any time, even mid-prompt.
     owner: int | None = None
@@ -447,12 +446,12 @@ class LoadProtocol:
     # HANDED_OVER only: ComfyUI's books at the hand-over. The next clone keeps the resident part only if they
     # still hold. Only the owner records them, so another clone's late detach cannot pass a plain load off as ours.
     parked_load: LoadedBooks | None = None
-    # The patcher inside ``partially_load`` whose first ``unpatch_model`` has not come yet.
+    # Inside ``partially_load``, until its first ``unpatch_model``.
     repatching: int | None = None
     # The request the owner placed for: a clone of another request must place anew.
     placed_for: object = None
 
-    # -- partially_load: load_models_gpu, once per prompt, per model
+    # -- partially_load
 
     def begin_load(self, patcher: int, books: LoadedBooks, request: object) -> bool:
         """``partially_load`` begins: takes a hand-over and opens ``patcher``'s re-patch window. True when what
@@ -466,7 +465,7 @@ class LoadProtocol:
         self.repatching = patcher
         if self.phase is Phase.HANDED_OVER:
             self.parked_load = None
-            if not self.hidden:  # a placement that streamed nothing
+            if not self.hidden:
                 kept = kept and request == self.placed_for
                 if kept:
                     self.owner = patcher
@@ -492,7 +491,7 @@ class LoadProtocol:
             self.repatching = None
             self._unexpected("partially_load", "it ended before its first unpatch_model")
 
-    # -- load: the pack's placement
+    # -- load
 
     def placing(self, streamed: frozenset[str]) -> None:
         """Hides the blocks ``load`` streams before ComfyUI's loader runs."""

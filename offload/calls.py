@@ -1,13 +1,11 @@
-"""How the engine sees the model run, and what it does at each call.
+"""How the engine sees the model run, and what it does at each call (the stream rules are in ``streamer.py``).
 
-* ``StepCalls``: the calls open now and the order blocks are called in. The order is learnt: the first step assumes the
-given one (an earlier engine's, else list order), later steps the previous step's, so a block that runs twice, out of
-order or not at all costs one unhidden copy at most once. A step that raised teaches nothing. * The hooks: a pair per
-module called (a block, or the holder that brings blocks in), a wrapper per block method the model calls instead of the
-block, and a pair around the root's forward, which brackets one step. * ``BlockCalls``: a step's start settles
-background packing and issues the first copies. A call waits on the device for its block's copy, points the parameters
-at its ring region, runs the host's transform, and issues the next copies. The call's end records when compute is done
-with the region (later copies into it wait on that) and points the parameters back at the host buffers."""
+* ``StepCalls``: the open calls and the call order. The order is learnt: the first step assumes the given one (an
+earlier engine's, else list order), later steps the previous step's, so a block that runs twice, out of order or not at
+all costs one unhidden copy at most once. A step that raised teaches nothing. * The hooks: a pair per module called (a
+block, or the holder that brings blocks in), a wrapper per block method the model calls instead of the block, and a pair
+around the root's forward, which brackets one step. * ``BlockCalls``: what the hooks do: wait for the copy, point the
+parameters at the ring, transform, copy ahead, record the release and point the parameters back."""
 
 from __future__ import annotations
 
