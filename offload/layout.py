@@ -1,15 +1,10 @@
 """Byte layout of one module's tensors in a single flat buffer, so a block moves with one copy.
 
-Every tensor keeps its stored bytes: a plain tensor as itself, a subclass as the plain tensors it is made of (quantized
-data and scales, never a dequantized copy), each in an aligned range. The module's tensors are rebuilt around typed
-views wherever the buffer is, so the code that owns a subclass (ComfyUI's quantized ops, ComfyUI-GGUF) computes as with
-a resident one.
-
-Kinds are told apart by structure, not class, so the engine imports none of those libraries:
-
-* plain: ``torch.Tensor`` or ``nn.Parameter``; * wrapper: implements ``__tensor_flatten__`` / ``__tensor_unflatten__``
-(ComfyUI's ``QuantizedTensor``), rebuilt around views of its inner tensors; * storage subclass: own memory and no
-``__torch_dispatch__`` of its own (ComfyUI-GGUF's ``GGMLTensor``), one part."""
+Every tensor keeps its stored bytes (a quantized weight's data and scales, never a dequantized copy) and is rebuilt
+around typed views wherever the buffer is, so ComfyUI's quantized ops and ComfyUI-GGUF compute as with a resident
+tensor. Kinds are told apart by structure, not class, so the engine imports none of those libraries: plain tensors;
+wrappers implementing ``__tensor_flatten__`` (ComfyUI's ``QuantizedTensor``); storage subclasses with no
+``__torch_dispatch__`` of their own (ComfyUI-GGUF's ``GGMLTensor``)."""
 
 from __future__ import annotations
 

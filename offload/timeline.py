@@ -1,15 +1,12 @@
 """The recorder: each block call's copy and compute span, timed on the device (``TimelineRecorder``), and a recorded
-step (``StepTimeline``, in ms from the step's start), read by the planner, the report and the panel.
+step (``StepTimeline``, in ms from the step's start).
 
 A call costs two event records on the compute stream and, for a copied block, two on the copy stream; none blocks the
-host. The compute start is not marked: the compute stream waits only on the region's ready event, recorded right after
-the copy, so it started at the later of its arrival and the copy's end. File-tier reads run off any stream, so they are
-timed on the host.
-
-A finished step is read only when asked: by the listener at the next step boundary once the device is done, or by
-``latest()`` and ``steps``, which wait. Records are pooled, so a steady run allocates none. While nobody watches, only
-the first ``FIRST_STEPS_RECORDED`` steps and then one per ``unwatched_period_s`` are recorded; this is decided as the
-previous step begins, so copies issued ahead are recorded with their step."""
+host. The compute start is not marked: compute waits only on the ready event recorded right after the copy, so it
+started at the later of its arrival and the copy's end. File-tier reads run off any stream and are timed on the host.
+Steps are read only when asked, and records are pooled, so a steady run allocates none. While nobody watches, only the
+first steps and then one per ``unwatched_period_s`` are recorded, decided a step ahead so copies issued ahead are
+recorded with their step."""
 
 from __future__ import annotations
 
