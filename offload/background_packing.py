@@ -1,12 +1,10 @@
-"""Packs a streamer's blocks into their host buffers on a thread of its own, while the model already streams.
+"""Packs a streamer's blocks into their host buffers on a thread of its own while the model already streams, so a
+first prompt does not wait for packing.
 
-Packing costs about a copy into fresh pages, which a first prompt would otherwise wait for. So the streamer starts at
-once, copying each block from wherever its bytes are, and this thread packs blocks in call order. Each packed block
-replaces its sources between two of its calls, so the bytes are never held twice (but for the block being packed) and
-every step sees the same weights whatever mix it copies.
-
-Threading: the thread only copies and page-locks, both releasing the GIL. The books (pin budget, ComfyUI's counts) are
-kept by the streamer's thread in ``settle``."""
+Blocks are packed in call order; until then they are copied from wherever their bytes are. Each packed block replaces
+its sources between two of its calls, so bytes are never held twice (but the block being packed) and every step sees the
+same weights. The thread only copies and page-locks, both releasing the GIL; the books are kept by the streamer's thread
+in ``settle``."""
 
 from __future__ import annotations
 
@@ -187,8 +185,7 @@ class BackgroundPacking:
 
     def _kept_in_place(self, state: StreamedBlock, pin: bool) -> bool:
         """Pins a waiting block where its sources lie, when they are process memory holding exactly what it streams:
-        faster than copying and pinning, and nothing held twice. Without pinning a pageable copy would gain
-        nothing either. False, doing nothing, where that does not hold or the driver refuses."""
+        faster than copying, and nothing held twice. False, doing nothing, otherwise or when the driver refuses."""
         assert state.sources is not None
         if state.file_backed:
             return False

@@ -1,14 +1,13 @@
-"""Reading weights that stay in their checkpoint file: where their bytes are (``FileSlice``), how to read them, and
-the reader that fills host staging slots ahead of the copy stream (``FileReader``).
+"""Reading weights that stay in their checkpoint file (``FileSlice``), and the reader that fills host staging slots
+ahead of the copy stream (``FileReader``).
 
-Such weights are views of the host's file mapping, pages the kernel can drop, not process memory. The engine reads their
-bytes with ``os.preadv`` (no shared file position, the GIL released), in chunks several threads read at once unless the
-disk seeks. Without a positional read (Windows) it copies from the mapping.
+Such weights are views of the file's mapping, not process memory. Their bytes are read with ``os.preadv`` (no shared
+position, GIL released), in chunks several threads read at once unless the disk seeks; Windows copies from the mapping.
 
-Stream rules: the reader thread only reads, file -> staging slot. The streamer schedules reads while slots are free,
-copies out of a slot only once its read is done, and waits for a read only when the block is needed now (``take``).
-``release`` is called as soon as the copy out is issued; the reader waits for that copy's event before reusing the slot.
-A block needed before it was scheduled is read at once on the calling thread into a spare pageable buffer."""
+Stream rules: the reader thread only reads. The streamer copies out of a slot only once its read is done, waits for a
+read only when the block is needed now (``take``), and calls ``release`` once the copy out is issued; the reader waits
+for that copy's event before reusing the slot. An unscheduled block is read at once on the calling thread into a spare
+pageable buffer."""
 
 from __future__ import annotations
 

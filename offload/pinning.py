@@ -62,8 +62,8 @@ class CudaHostRegistrar:
 
 
 class PageLocks:
-    """The host memory page-locked by the engine. Process-wide, like the driver's registrations: a buffer registered
-    by one engine may be freed under another's, or on the packing thread."""
+    """Host memory the engine page-locked. Process-wide, like the driver's registrations: a buffer registered by one
+    engine may be freed under another, or on the packing thread."""
 
     def __init__(self) -> None:
         self.registrar: HostRegistrar | None = None
@@ -159,11 +159,9 @@ def whole_storages(tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 def pin_in_place(
     storages: Sequence[torch.Tensor], copies: AbstractContextManager[object], device: torch.device
 ) -> bool:
-    """Page-locks ``storages`` where they lie, as ComfyUI's classic loader pins its weights. All or none; False if
-    any is pinned already, since the driver would refuse and leave a sticky error.
-
-    On a refusal the others are unregistered under ``copies`` once ``device`` is idle, so no copy issued from them is
-    still running asynchronously."""
+    """Page-locks ``storages`` where they lie, as ComfyUI's classic loader does; all or none. False if any is pinned
+    already: the driver would refuse and leave a sticky error. After a refusal the others are unregistered under
+    ``copies`` once ``device`` is idle, so no asynchronous copy still reads them."""
     registrar = host_registrar()
     if registrar is None or any(storage.is_pinned() for storage in storages):
         return False
@@ -217,10 +215,8 @@ Admission = Callable[[int], bool]
 
 
 class PinnedMemoryBudget:
-    """How many bytes all holders together may pin.
-
-    ``limit``: bytes, None for no cap, or a callable asked at each reservation so a host can leave less for us.
-    ``admit`` may refuse too; ``on_change`` hears each change, for a host that counts our pins in its books."""
+    """How many bytes all holders together may pin. ``limit``: bytes, None, or a callable asked at each reservation;
+    ``admit`` may refuse too; ``on_change`` hears each change, for a host that books our pins."""
 
     def __init__(
         self,
@@ -307,8 +303,7 @@ class PinnedShare:
         return give_back(nbytes) if give_back is not None else 0
 
     def park(self, nbytes: int, memory: object) -> weakref.finalize[..., Any]:
-        """Hands ``nbytes`` to ``memory``, a storage that outlives its streamer: counted until it is collected or
-        another share adopts it."""
+        """Hands ``nbytes`` to ``memory``, a storage outliving its streamer, until collected or adopted."""
         self.nbytes -= nbytes
         return weakref.finalize(memory, self.budget.release, nbytes)
 
@@ -328,8 +323,7 @@ class PinnedShare:
 
 
 class HostMemory:
-    """Host buffers for one streamer: pinned where asked and allowed by its ``share`` (None: unbounded) and the
-    driver, pageable otherwise."""
+    """Host buffers for one streamer: pinned where asked and allowed by its ``share`` and the driver."""
 
     def __init__(self, pin_memory: bool, share: PinnedShare | None) -> None:
         self.pin_memory = pin_memory
@@ -339,7 +333,7 @@ class HostMemory:
         self, nbytes: int, fill: Callable[[torch.Tensor], None] | None = None
     ) -> tuple[torch.Tensor, int, str | None]:
         """The buffer filled by ``fill``, the bytes reserved, and why it is pageable despite asking ("cap" or
-        "driver"). It is filled once either way."""
+        "driver"); filled once either way."""
         reserved = pinned_allocation_bytes(nbytes) if self.pin_memory else 0
         pin = self.pin_memory and (self.share is None or self.share.reserve(reserved))
         try:

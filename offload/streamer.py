@@ -81,8 +81,8 @@ class BlockStreamer:
     # -- lifecycle
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Packs the streamed blocks into host buffers and installs the hooks; ``progress(done, total)`` hears each
-        block. With ``pack_in_background`` blocks that can wait are packed by a thread, in call order."""
+        """Packs the streamed blocks and installs the hooks; ``progress(done, total)`` hears each. With
+        ``pack_in_background`` a thread packs the blocks that can wait."""
         if self.enabled:
             return
         blocks = {index: self.blocks[index] for index in self.streamed}
@@ -102,10 +102,9 @@ class BlockStreamer:
         self.steps.sources_changed()
 
     def disable(self, park: bool = False) -> None:
-        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers.
-
-        ``park``: blocks from the CPU keep their host buffer as storage for a later ``enable`` to adopt; a pinned buffer
-        stays counted by the pin budget until adopted or freed."""
+        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers. ``park``:
+        blocks from the CPU keep their host buffer for a later ``enable`` to adopt, its pinned bytes still
+        counted."""
         if not self.enabled:
             return
         self.host.check_can_park(park)
