@@ -144,8 +144,8 @@ class TensorSlot:
 
 class Views(tuple[torch.Tensor, ...]):
     """A module's tensors as ``point_at`` places them, kept by whoever places them repeatedly, so each tensor's
-    inference alias is made once: every streamed call places two sets, and making aliases each time would be about
-    half its host work."""
+    inference alias is made once: every streamed call places two sets, and making the aliases each time would
+    dominate its host work."""
 
     def inference_alias(self, index: int) -> torch.Tensor:
         aliases: dict[int, torch.Tensor] = self.__dict__.setdefault("aliases", {})
