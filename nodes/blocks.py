@@ -1,12 +1,10 @@
-"""The units an engine streams in a ComfyUI diffusion model: its blocks, their names (``Units``, ``inside``), and the
-modules whose weights their parent's code reads (``read_by_parents``).
+"""The units an engine streams in a ComfyUI diffusion model: its blocks and their names (``Units``, ``inside``), and
+the modules whose weights their parent's code reads (``read_by_parents``).
 
-Blocks are found from the module tree at each load, with no table of architectures, from the model as patched for that
-load, so an object patch that swaps a block streams as it is.
-
-Some models read a child layer's weights from the parent's code (``comfy.ops.cast_bias_weight(self.norm_q, ...)`` in
-Wan's feed-forward, Lumina's attention, ...), so the child is never called. An engine that brings modules in as they are
-called must then bring it in with the parent. Such children are found by reading the class's code."""
+Blocks are found from the module tree at each load, as patched for that load, so an object patch that swaps a block
+streams as it is. Some models read a child layer's weights from the parent's code
+(``comfy.ops.cast_bias_weight(self.norm_q, ...)``), so the child is never called and must be brought in with its parent;
+such children are found by reading the class's code."""
 
 from __future__ import annotations
 

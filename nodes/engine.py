@@ -175,12 +175,10 @@ def start_engine(
     last_order: CallOrder | None = None,
     history: PatchHistory | None = None,
 ) -> Engine:
-    """Streams ``placement``'s blocks of ``model``: patches set up, packed into host buffers, device buffers
-    allocated where ComfyUI counted them.
-
-    ``load_resident`` (ComfyUI's load of the rest) runs once the engine is enabled, so the packing thread pins the
-    streamed blocks while ComfyUI copies the resident ones, and the first step does not race the pinning. Whatever it
-    raises stops the engine. ``last_order`` seeds the first step's call order; ``history`` may make baking pay."""
+    """Streams ``placement``'s blocks of ``model``: patches set up, blocks packed, device buffers allocated where
+    ComfyUI counted them. ``load_resident`` runs once the engine is enabled, so the packing thread pins the
+    streamed blocks while ComfyUI loads the rest, and the first step does not race the pinning. Whatever it raises
+    stops the engine."""
     # Unpin through ComfyUI what it pinned: packing frees the originals, and ComfyUI would later unpin memory
     # that is gone, its pinned total never coming down.
     for key in [key for key in model.pinned if inside(key, placement.streamed)]:

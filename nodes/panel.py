@@ -1,15 +1,10 @@
-"""The panel feed: what the pack is doing and last did, for the panel (web/), the demo and anyone asking.
+"""The panel feed: the ``block_offload.status`` websocket message (at most once per ``MIN_INTERVAL_S`` across all
+engines; a run's first and last always go), and the report and timeline routes. Every field is declared in
+``web/status_schema.json``.
 
-* websocket message ``block_offload.status``, pushed while a model streams, at most once per ``MIN_INTERVAL_S`` across
-all engines; a run's first and last messages always go. * ``GET /block_offload/report``: the same status for a panel
-opened mid-run, with the last step in full. * ``GET /block_offload/timeline``: every recorded step of the current or
-last run, to download.
-
-Every field is declared once, in ``web/status_schema.json`` (built in ``panel_messages.py``).
-
-Threads: recorders call their ``_Publisher`` on the sampling thread, where a block call costs a clock read and a
-compare, and a message is built only when due. ``send_sync`` hands it to ComfyUI's event loop, which sends it. The
-routes read from the server's thread; publishers only append and replace, never mutate what they shared."""
+Threads: recorders call their ``_Publisher`` on the sampling thread, where a block call costs a clock read and a compare
+and a message is built only when due; ``send_sync`` hands it to ComfyUI's event loop. The routes read from the server's
+thread; publishers only append and replace, never mutate what they shared."""
 
 from __future__ import annotations
 

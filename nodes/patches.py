@@ -1,13 +1,10 @@
-"""Weight patches on streamed blocks (whatever ``comfy.lora.calculate_weight`` applies): which weights carry them and
-how each is patched (``patched_parameters``), the host tensors they hold, and the patches refused before anything
-loads.
+"""Weight patches on streamed blocks: which weights carry them and how each is patched (``patched_parameters``), the
+host tensors they hold, and the patches refused before anything loads.
 
-Adapters travel with their block: packed beside it, copied into the ring right after its weights on the copy stream, and
-read there. ComfyUI's lowvram path would instead copy each from pageable memory, layer by layer, at every step.
-
-Refused, since the engine streams each weight at its stored shape and form: patches that reshape a weight, patches that
-would reach packed-integer weights through a weight function, and hook LoRAs, which ComfyUI writes into the parameters
-between calls, where a streamed copy never sees them."""
+Adapters travel with their block, copied into the ring right after its weights, where ComfyUI's lowvram path would copy
+each from pageable memory at every step. Refused, since the engine streams each weight at its stored shape and form:
+reshaping patches, patches that would reach packed-integer weights through a weight function, and hook LoRAs, which
+ComfyUI writes into the parameters between calls, where a streamed copy never sees them."""
 
 from __future__ import annotations
 
