@@ -1,7 +1,5 @@
-"""ComfyUI adapters over the offload engine: the nodes, the ModelPatcher integration, the panel's routes; and the
-pack's entry point, which says once in the log which ComfyUI it runs on (a version the whole test suite passes
-on, or one line saying this one is not tested: it streams as usual).
-"""
+"""ComfyUI adapters over the offload engine: the nodes, the ModelPatcher integration, the panel's routes, and the
+pack's entry point, which logs once whether this ComfyUI version is one the suite is tested on."""
 
 from __future__ import annotations
 
@@ -12,12 +10,12 @@ from comfy_api.latest import ComfyExtension, io
 from . import panel
 from .offload_nodes import NODES
 
-#: The ComfyUI versions the test suite runs on, every commit (README, "Supported models and ComfyUI versions").
+#: The ComfyUI versions the test suite runs on.
 TESTED = ("0.3.75", "0.33.0")
 
 
 def running_version() -> str | None:
-    """The version of the ComfyUI this process runs (its ``comfyui_version`` module), None if it has none."""
+    """This ComfyUI's version (its ``comfyui_version`` module), None if it has none."""
     try:
         from comfyui_version import __version__
     except ImportError:
@@ -26,7 +24,6 @@ def running_version() -> str | None:
 
 
 def version_notice(version: str | None) -> tuple[int, str]:
-    """The log level and line for ``version``."""
     if version in TESTED:
         return logging.INFO, f"Block Offload: ComfyUI {version}, a version this pack is tested on"
     which = f"ComfyUI {version}" if version else "this ComfyUI (it has no comfyui_version module)"
@@ -46,9 +43,9 @@ class BlockOffloadExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> BlockOffloadExtension:
-    # ComfyUI's server runs by now; imported here, so that importing the pack needs none (the in-process tests).
+    # Imported here so that importing the pack needs no server (the in-process tests).
     from server import PromptServer
 
-    panel.install_panel(PromptServer.instance).register_routes()  # the panel's one creation
-    log_version_notice()  # once: ComfyUI calls the entry point once, as it loads the pack
+    panel.install_panel(PromptServer.instance).register_routes()
+    log_version_notice()  # ComfyUI calls the entry point once
     return BlockOffloadExtension()

@@ -1,18 +1,6 @@
-"""Weight patches (LoRA and everything ``comfy.lora.calculate_weight`` applies) on streamed blocks, set up for the
-engine and applied on the device as each block arrives, so the blocks' host buffers keep the weights as ComfyUI
-loaded them: one copy per loaded model, shared by every clone, strength and branch of it, never re-packed nor
-re-pinned when the patches change; and what they cost at each call, for the planner.
-
-``patch_streamed_weights`` sets up each patched weight of the streamed modules by its route (``patches.py``):
-a ``LoadedPatch`` (``loaded_patch.py``) run where its block arrives (``ArrivalPatches``, the engine's
-``transforms``) or once into the host buffers of the units chosen to bake (``write_patches_to_host``), weight
-functions at compute time, or a patch once before packing (``_bake``). ``AdapterStaging`` lists each unit's
-patch adapters for the engine to stage with it, and tells each ``LoadedPatch`` where its own are among them.
-
-``patch_ms_per_unit`` times each kind of patched weight once per process, as ``LoadedPatch`` patches it, and the
-planner adds it to a block's compute when it streams (``StackCosts.patch_ms``). It only plans: nothing it does
-may fail a prompt, nor change the model it measures.
-"""
+"""Weight patches on streamed blocks, applied on the device as each block arrives, so the host buffers keep the
+weights as ComfyUI loaded them: one copy per model, shared by every clone and strength, never repacked when
+patches change; and what the patches cost per call, for the planner, timed without ever failing a prompt."""
 
 from __future__ import annotations
 
@@ -53,10 +41,7 @@ class DevicePatching:
     carried: int = 0  # GGUF tensors carrying their patches to compute time
     baked: int = 0  # patched once before packing
     loaded: tuple[LoadedPatch, ...] = field(default=(), compare=False)
-    # Patched once into their host buffers (``write_patches_to_host``), in the units chosen to bake.
-    on_host: tuple[LoadedPatch, ...] = field(default=(), compare=False)
-    # Patched where they arrive on the device, in their stored format (``LoadedPatch.write_in_place``): plain
-    # weights and biases, and the weights of layers with a ``set_`` function (quantized formats).
+    on_host: tuple[LoadedPatch, ...] = field(default=(), compare=False)  # baked into host buffers
     on_arrival: tuple[LoadedPatch, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
@@ -75,8 +60,7 @@ class DevicePatching:
 
 
 class _CastLayer(Protocol):
-    """A layer of ComfyUI's ops (``comfy.ops.CastWeightBiasOp``), with the attributes ComfyUI's lowvram load
-    sets on it: the functions its forward applies to the weight and bias it casts, and whether it casts them."""
+    """A layer of ComfyUI's ops with the attributes ComfyUI's lowvram load sets on it."""
 
     comfy_cast_weights: bool
     comfy_force_cast_weights: bool
@@ -92,10 +76,9 @@ def patch_streamed_weights(
     bake: frozenset[str] = frozenset(),
     patched_as_cast: Callable[[str, torch.nn.Module], bool] | None = None,
 ) -> DevicePatching:
-    """Sets up the patches of every weight of the ``streamed`` modules, before the engine packs them. Those of
-    the ``bake`` units' plain weights are left for ``write_patches_to_host``, once the engine has packed them.
-    ``patched_as_cast``: ``model`` is a Dynamic VRAM model's twin, and these are the modules (by name) that
-    model patches as it casts them, which their ``LoadedPatch`` does too (``as_loaded``)."""
+    """Sets up the patches of the ``streamed`` modules' weights before the engine packs them; plain weights of
+    ``bake`` units are left for ``write_patches_to_host``. ``patched_as_cast``: for a Dynamic VRAM twin, the
+    modules that model patches as it casts them."""
     on_device = carried = baked = counted = 0
     loaded: list[LoadedPatch] = []
     on_host: list[LoadedPatch] = []
@@ -119,7 +102,6 @@ def patch_streamed_weights(
                     arriving.append(patch)
                 functions.setdefault(param, list(model.weight_wrapper_patches.get(key, [])))
             elif route == "device":
-                # The weight's own LoadedPatch; none where it has only wrapper patches.
                 own = [LoadedPatch(key, model.patches, module, param, computed_in)] if key in model.patches else []
                 functions[param] = own + list(model.weight_wrapper_patches.get(key, []))
                 on_device += len(own)
@@ -127,7 +109,6 @@ def patch_streamed_weights(
             else:
                 bake_now.append(key)
         if functions or arriving:
-            # Only a layer of ComfyUI's ops has "arrival" and "device" routes (``patched_parameters``).
             layer = cast(_CastLayer, module)
             layer.weight_function = functions.get("weight", [])
             layer.bias_function = functions.get("bias", [])
@@ -137,28 +118,25 @@ def patch_streamed_weights(
                     isinstance(f, LoadedPatch) for f in (*layer.weight_function, *layer.bias_function)
                 )
             if layer.weight_function or layer.bias_function:
-                layer.comfy_cast_weights = True  # a layer patched only where it arrives computes as loaded
+                layer.comfy_cast_weights = True
             on_arrival += arriving
             loaded += arriving
         for key in bake_now:
             _bake(model, key, device)
         if bake_now:
-            # A clone taking these weights over must not patch them again. (The ignore: torch annotates the value
-            # nn.Module.__setattr__ takes as Tensor | Module; it takes any.)
+            # A clone taking these weights over must not patch them again. (torch types __setattr__'s value as
+            # Tensor | Module; it takes any.)
             module.comfy_patched_weights = True  # type: ignore[assignment]
             baked += len(bake_now)
-    # ComfyUI's count of per-layer patches, as its lowvram load keeps it: once per module it marks (a module it
-    # marked already is not counted again), back to 0 when its unpatch clears the marks.
+    # As ComfyUI's lowvram load counts: once per module it marks; its unpatch resets it.
     model.model.lowvram_patch_counter += counted
     force_casts(model, streamed)
     return DevicePatching(on_device, carried, baked, tuple(loaded), tuple(on_host), tuple(on_arrival))
 
 
 def force_casts(model: ModelPatcher, streamed: frozenset[str]) -> None:
-    """Sets on each layer of the ``streamed`` modules what ComfyUI's load sets on each layer it loads, which it
-    never sees: whether the MODEL forces its layers to cast (``force_cast_weights``: a compute dtype set on it, as
-    ModelComputeDtype sets one). A forced layer casts its weights to the compute dtype at each call (and runs no
-    quantized kernel), as ComfyUI's do; its unpatch gives the layer back its own setting."""
+    """Sets ``comfy_force_cast_weights`` on streamed layers, as ComfyUI's load does on the layers it loads (and never
+    sees these), so a MODEL with a forced compute dtype casts them too. ComfyUI's unpatch restores them."""
     force = bool(getattr(model, "force_cast_weights", False))
     for name, module in model.model.named_modules():
         if not hasattr(module, "comfy_cast_weights") or not inside(name, streamed):
@@ -172,7 +150,6 @@ def force_casts(model: ModelPatcher, streamed: frozenset[str]) -> None:
 
 
 def twin_patches_as_cast(model: ModelPatcher, request: OffloadRequest) -> Callable[[str, torch.nn.Module], bool] | None:
-    """For a Dynamic VRAM model's twin, which of its modules that model patches as it casts them (by name)."""
     return functools.partial(dynamic_vram.patched_as_cast, model.model) if request.dynamic_vram_twin else None
 
 
@@ -182,8 +159,7 @@ def patch_scratch_bytes(
     device: torch.device,
     patched_as_cast: Callable[[str, torch.nn.Module], bool] | None,
 ) -> int:
-    """The engine's scratch for the ``streamed`` modules' patches where they arrive (``LoadedPatch.write_in_place``
-    of plain LoRAs): the largest weight's, as they run one at a time."""
+    """The scratch for arrival patches of plain LoRAs: the largest weight's, as they run one at a time."""
     twin_dtype = compute_dtype(model) if patched_as_cast is not None else None
     largest = 0
     for name, module, routes in patched_parameters(model, streamed):
@@ -196,8 +172,8 @@ def patch_scratch_bytes(
 
 
 class ArrivalPatches:
-    """The engine's ``transforms``: each streamed unit's ``LoadedPatch.write_in_place`` patches, run as a fresh
-    copy of the unit is first used (and the re-quantized weights put back at its later calls)."""
+    """The engine's ``transforms``: each unit's arrival patches, run when a fresh copy is first used; at later calls
+    the re-quantized weights are only put back."""
 
     def __init__(self, patching: DevicePatching, units: dict[int, torch.nn.Module], recurse: bool) -> None:
         unit_of = _unit_of(units, recurse)
@@ -225,9 +201,8 @@ def write_patches_to_host(
     needing: frozenset[int],
     device: torch.device,
 ) -> frozenset[int]:
-    """Writes the patches ``patch_streamed_weights`` left for the host buffers into those of the units
-    ``needing`` them (the engine's ``needs_content``: packed now, or adopted without them), each weight patched
-    on ``device`` as at compute time. Returns the units written."""
+    """Bakes the host-bound patches into the units in ``needing``, each computed on ``device`` as at compute time.
+    Returns the units written."""
     unit_of = _unit_of(units, recurse)
     written = set()
     for patch in patching.on_host:
@@ -239,14 +214,13 @@ def write_patches_to_host(
 
 
 def _unit_of(units: dict[int, torch.nn.Module], recurse: bool) -> dict[int, int]:
-    """The unit index of each module of the ``units`` (with their submodules unless not ``recurse``), by id."""
     return {id(module): index for index, unit in units.items() for module in (unit.modules() if recurse else (unit,))}
 
 
 @dataclass(frozen=True)
 class AdapterStaging:
-    """The engine's companions (each streamed unit's patch adapters, each tensor once) and where each
-    ``LoadedPatch``'s own are among its unit's, told to it once the engine exists (``bind``)."""
+    """The engine's companions (each unit's adapters, each tensor once) and where each ``LoadedPatch``'s own are
+    among them, told to it by ``bind``."""
 
     companions: dict[int, tuple[torch.Tensor, ...]]
     places: tuple[tuple[LoadedPatch, int, tuple[int, ...]], ...]
@@ -279,26 +253,24 @@ class AdapterStaging:
 
 
 def _bake(model: ModelPatcher, key: str, device: torch.device) -> None:
-    """Patches one weight once, on the device as ComfyUI patches a loaded weight, and brings it back."""
+    """Patches one weight once on the device, as ComfyUI patches a loaded weight, and brings it back."""
     weight = comfy.utils.get_attr(model.model, key)
     if weight.untyped_storage().nbytes() > weight.nbytes:
-        # A view of a parked host buffer: the backup ComfyUI keeps of it must not hold the whole block's
-        # (pinned) buffer alive for as long as the patch is on.
+        # A view of a parked host buffer: ComfyUI's backup must not keep the whole pinned buffer alive.
         weight.data = weight.data.clone()
     model.patch_weight_to_device(key, device_to=device)
     weight = comfy.utils.get_attr(model.model, key)
     weight.data = weight.data.to(model.offload_device)
 
 
-# -- what the patches cost at each call of a streamed block, timed on the device as a placement is planned --
+# -- what patches cost at each call of a streamed block, for the planner
 
 
 _PATCH_KINDS_KEPT = 256
 
 
 class PatchTimings:
-    """Measured patch costs (ms) by device and kind of patched weight (``_patch_kind``), and the kinds the probe
-    failed on (logged once, not timed again)."""
+    """Measured patch costs (ms) by device and patch kind, and the kinds that failed (logged once)."""
 
     def __init__(self) -> None:
         self.ms: dict[tuple, float] = {}
@@ -316,21 +288,15 @@ def patch_timings() -> PatchTimings:
 def patch_ms_per_unit(
     model: ModelPatcher, units: Sequence[str], device: torch.device, untimed: list[str] | None = None
 ) -> tuple[float, ...]:
-    """Per unit (a module with its submodules, by name), what its patches cost on ``device`` at each call when
-    it streams: each weight ``patch_streamed_weights`` would patch on the device, timed as ``LoadedPatch``
-    patches it from a copy on the device (one weight at a time), once per kind of weight. () when no unit has
-    such patches. Not counted: GGUF patches, applied at compute time whether the block streams or not, and
-    the weights baked once before packing.
-
-    Only a plan needs the figure, so no failure of the probe fails a prompt: a weight it cannot time (an
-    adapter type of another custom node, a format it does not know) is placed without its cost, logged once,
-    and its key added to ``untimed`` for the plan line."""
+    """Per unit, what its patches cost on ``device`` at each streamed call, timed once per kind of weight; () when
+    none. GGUF patches and baked weights cost the same streamed or not, so they are left out. A weight the probe
+    cannot time is planned without its cost and added to ``untimed``."""
     costs = [0.0] * len(units)
     index_of = {unit: index for index, unit in enumerate(units)}
-    # Modules resident now count as if they streamed: the costs, so the plan, stay what they were.
+    # Resident modules count as if streamed, so the plan does not change with the placement.
     for name, module, routes in patched_parameters(model, frozenset(units), patched_too=True):
         unit_name = unit_named(name, index_of)
-        assert unit_name is not None, f"{name} lies in no unit"  # patched_parameters yields the units' modules only
+        assert unit_name is not None, f"{name} lies in no unit"
         unit = index_of[unit_name]
         for param, tensor, route in routes:
             key = f"{name}.{param}"
@@ -348,7 +314,7 @@ def patch_ms_per_unit(
 def _cost(
     model: ModelPatcher, module: torch.nn.Module, param: str, tensor: torch.Tensor, key: str, device: torch.device
 ) -> float | None:
-    """The patch cost of ``key``'s kind of weight, timed the first time; None where it cannot be timed."""
+    """The patch cost of ``key``'s kind, timed the first time; None where it cannot be timed."""
     try:
         kind = (str(device), _patch_kind(module, param, tensor, model.patches[key]), compute_dtype(model))
     except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
@@ -363,8 +329,7 @@ def _cost(
         try:
             timings.ms[kind] = _time_patch(model, module, param, key, device)
         except torch.OutOfMemoryError:
-            # The device is full as the model is placed: the plan goes without this cost (counted as none, as
-            # before the planner knew it), and the next placement times it again.
+            # Planned without this cost; the next placement times it again.
             logging.info(f"Block Offload: no device memory to time the patches of {key}; not counted")
             return None
         except Exception as error:  # noqa: BLE001 - any failure of a planning probe: planned without it
@@ -384,15 +349,14 @@ def _warn_untimable(key: str, error: Exception) -> None:
 
 
 def _streamed_dtype(module: torch.nn.Module, param: str, tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a weight streams in, wherever it is now: a Dynamic VRAM twin's plain weight in the one ComfyUI
-    recorded for it (its file may store another, a resident one was cast), any other weight in its own."""
+    """The dtype a weight streams in: for a plain weight the recorded one, since its file or a resident cast may hold
+    another."""
     return (recorded_dtype(module, param) if is_plain(tensor) else None) or tensor.dtype
 
 
 def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patches: list) -> tuple:
-    """What a patch's cost depends on: the weight's shape and the dtype it streams in, its class (a quantized
-    format's), and each patch's kind, adapter shapes and dtypes (not its strengths nor its values, nor where the
-    weight is now: a block kept resident by one placement must cost what it did for the next one to plan)."""
+    """What a patch's cost depends on. Not strengths, values, or where the weight is now: a block kept resident by
+    one placement must cost the same for the next to plan."""
     adapters = tuple((tuple(t.shape), t.dtype) for t in host_tensors(patches))
     kinds = tuple(type(patch[1]).__name__ for patch in patches)
     stored = (type(tensor).__name__, getattr(tensor, "_layout_cls", None))
@@ -400,25 +364,23 @@ def _patch_kind(module: torch.nn.Module, param: str, tensor: torch.Tensor, patch
 
 
 def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: str, device: torch.device) -> float:
-    """The device time of patching one weight at a call: from a copy of it on ``device`` as it streams (a
-    quantized one as stored: no arithmetic on its bytes but ComfyUI's own), the adapters copied there too (the
-    engine stages them). A weight function also pays for the weight ComfyUI's ops cast to the compute dtype and
-    copy for it; a weight patched where it arrives, for the copy of its new form over the old."""
+    """The device time of patching one weight at a call, from a device copy as it streams, with staged adapters.
+    Includes the ops' copy for a weight function, or the overwrite for an arrival patch."""
     tensor = getattr(module, param)
     if is_plain(tensor):
         stored = tensor.to(device, _streamed_dtype(module, param, tensor), copy=True)
-    else:  # part by part: a quantized tensor's own ``to`` may hand back its memory even when asked to copy
+    else:  # part by part: a quantized tensor's ``to`` may share memory even when asked to copy
         form = TensorForm.of(tensor, key)
         stored = form.assemble(part.to(device, copy=True) for part in form.parts_of(tensor))
     patches = model.patches[key]
     staged = with_host_tensors(patches, iter([t.to(device) for t in host_tensors(patches)]))
     seed = string_to_seed(key)
     if stored_by_layer(module) or is_plain(tensor):
-        # The layer's set_ function re-stores from the layer's own weight: a stand-in holds the device copy.
+        # set_ re-stores from the layer's own weight, so a stand-in layer holds the device copy.
         layer = copy.copy(module)
         layer._parameters = {**module._parameters, param: stored}
 
-        work = stored if is_plain(stored) and not stored_by_layer(module) else None  # as ``write_in_place``
+        work = stored if is_plain(stored) and not stored_by_layer(module) else None
 
         def at_a_call() -> torch.Tensor:
             patched = as_loaded(layer, param, stored, key, staged, seed, work)
@@ -429,7 +391,7 @@ def _time_patch(model: ModelPatcher, module: torch.nn.Module, param: str, key: s
         weight = stored.to(compute_dtype(model), copy=True)
 
         def at_a_call() -> torch.Tensor:
-            stored.clone()  # ComfyUI's ops copy a weight that has weight functions before calling them
+            stored.clone()  # ComfyUI's ops copy a weight before calling its weight functions
             return as_loaded(module, param, stored, key, staged, seed, weight).to(weight.dtype)
 
     return device_ms(at_a_call, device)

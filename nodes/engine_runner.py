@@ -1,7 +1,5 @@
-"""The runner an engine starts on a loaded model (``nodes/engine.py``): the block streamer of a placement, or the
-sequential wrapper, with its file tier (a Dynamic VRAM twin's blocks read from their checkpoint at each step)
-and the decision to bake its patches into host buffers.
-"""
+"""The runner an engine starts on a loaded model: a block streamer or the sequential wrapper, with its file tier and
+the decision to bake its patches into host buffers."""
 
 from __future__ import annotations
 
@@ -45,32 +43,29 @@ from .dynamic_vram import file_slice, recorded_dtype
 from .placement import Placement, bake
 from .request import OffloadRequest
 
-#: An engine's call order, with what it counts: its unit ("block", "module"), how many units, the order.
+#: Unit ("block", "module"), unit count, order.
 CallOrder = tuple[str, int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class PatchHistory:
-    """How long the model's streamed blocks have run one set of patches (ComfyUI's ``patches_uuid``), through
-    the engines that ran it in a row: what decides whether baking them once pays (``offload.bake_decision``)."""
+    """How many steps the model's streamed blocks have run one set of patches, across consecutive engines: what
+    decides whether baking pays."""
 
     patches: Hashable
     steps: int
-    read_bandwidth: float | None = None  # the last engine's file-tier read bandwidth (bytes/s)
+    read_bandwidth: float | None = None  # the last engine's file-tier reads, bytes/s
 
 
 def file_tier_options(
     request: OffloadRequest, units: dict[int, nn.Module], recurse: bool, fast_disk: bool, held: int
 ) -> tuple[FileOptions, frozenset[int]]:
-    """The engine's file options for a Dynamic VRAM twin, whose weights are views of their checkpoint file:
-    where each weight's bytes are, the dtypes ComfyUI computes in, and the streamed units read from the file
-    at each step, those that get no host buffer within ``host_buffer_room``; and the units in the file that
-    get one. Nothing for other models.
+    """The file options for a Dynamic VRAM twin, and the file-backed units that get a host buffer. Units that do not
+    fit ``host_buffer_room`` are read from the file each step. Nothing for other models.
 
-    ``fast_disk``: ComfyUI chose to read this model's offloaded weights from its file at each step rather than
-    hold them in RAM (``on_fast_disk``), so the twin holds no host buffer for a weight in the file either (it
-    would take more RAM than ComfyUI alone), unless ``BLOCK_OFFLOAD_MAX_PINNED_GB`` asks for some. ``held``: the host
-    bytes the other engines' runners hold now."""
+    ``fast_disk``: ComfyUI reads this model from its file each step, so the twin keeps no host buffers either (it would
+    take more RAM than ComfyUI alone) unless ``BLOCK_OFFLOAD_MAX_PINNED_GB`` asks. ``held``: host bytes other engines
+    hold now."""
     if not request.dynamic_vram_twin:
         return FileOptions(), frozenset()
     in_file, elsewhere = [], 0
@@ -79,7 +74,7 @@ def file_tier_options(
         if any(file_slice(part) is not None for part in BlockLayout.of(unit, recurse=recurse).current()):
             in_file.append((index, nbytes))
         else:
-            elsewhere += nbytes  # converted by ComfyUI's loader: only a host buffer can hold it
+            elsewhere += nbytes  # converted by ComfyUI's loader, so it needs a host buffer
     room = 0 if fast_disk and not os.environ.get(PINNED_LIMIT_ENV) else host_buffer_room(held) - elsewhere
     kept = host_tier(in_file, room)
     read_each_step = frozenset(index for index, _ in in_file) - kept
@@ -96,10 +91,9 @@ def decide_baking(
     history: PatchHistory | None,
     parking: ParkingLot,
 ) -> BakeDecision | None:
-    """Whether this engine bakes its streamed blocks' patches into their host buffers (``placement.bake``). Only
-    a Dynamic VRAM twin's blocks held in host memory can: their originals are views of the checkpoint file, to
-    pack from again when the patches change; any other block would need a second host copy of its weights. The
-    file tier's reads bound the step as the last engine measured them."""
+    """Whether this engine bakes its streamed blocks' patches into their host buffers. Only a Dynamic VRAM twin's
+    blocks can: their originals are file views to repack from when patches change; any other block would need a
+    second host copy."""
     if not request.dynamic_vram_twin or placement.plan is None:
         return None
     candidates = in_host | frozenset(index for index, unit in units.items() if parking.from_file(unit))
@@ -119,9 +113,8 @@ def host_options(
     companions: Mapping[int, Sequence[torch.Tensor]],
     contents: Mapping[int, Hashable],
 ) -> HostOptions:
-    """How the engine keeps the units on the host: pinned as the plan (or, for the sequential wrapper, the
-    request) asks within the pack's pin budget, packed in the background, parked into the model's ``parking``,
-    with the patches' ``companions`` and the ``contents`` baked into host buffers (blocks only)."""
+    """How the engine keeps the units on the host: pinned within the pack's budget, packed in the background, parked
+    into the model's ``parking``."""
     if plan is None:
         return HostOptions(
             pin_memory=request.pin_memory and pinning_enabled(),
@@ -154,9 +147,7 @@ def make_runner(
     transforms: Mapping[int, Transform],
     scratch_bytes: int,
 ) -> Runner:
-    """The engine of ``units`` (``Units.streamed``: modules for the sequential wrapper, else the plan's
-    streamed blocks), from one ``StreamSpec``: ``host_options``' host part, ``file_tier_options``' file part,
-    and the patches' ``transforms`` with the ``scratch_bytes`` they work in."""
+    """The engine of ``units`` from one ``StreamSpec``: the sequential wrapper without a plan, else a block streamer."""
     diffusion_model = model.model.diffusion_model
     persistent = outside_the_recording()
     if plan is None:
@@ -197,14 +188,12 @@ def make_runner(
 
 
 def order_for(last: CallOrder | None, unit: str, units: int) -> tuple[int, ...] | None:
-    """The last engine's call order, when it streamed the same units."""
     return last[2] if last is not None and last[:2] == (unit, units) else None
 
 
 def _count_promoted(model: torch.nn.Module, nbytes: int) -> None:
-    """ComfyUI counts the modules the sequential wrapper keeps on the device. A function of the model,
-    not a method of the patcher: the engine lives on the model, and a patcher it referred to could not
-    be freed (nor stop the engine as it goes) until Python's cycle collector came by."""
-    # A plain int attribute of ComfyUI's BaseModel (in the module's __dict__, where nn.Module keeps attributes
-    # that are no parameter, buffer or submodule); its annotations would read it as a tensor or module.
+    """Counts modules the sequential wrapper keeps on the device in ComfyUI's books. A function of the model, not a
+    patcher method: the engine lives on the model, and a reference to the patcher would keep it alive until the
+    cycle collector ran."""
+    # Through __dict__: nn.Module's annotations would type this plain int as a tensor or module.
     model.__dict__["model_loaded_weight_memory"] += nbytes

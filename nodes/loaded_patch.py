@@ -1,26 +1,13 @@
-"""A streamed weight patched as ComfyUI patches a loaded one (``LoadedPatch``, ``as_loaded``), and a plain LoRA
-patched in the engine's scratch (``patch_plain_loras``).
+"""A streamed weight patched exactly as ComfyUI patches a loaded one (``LoadedPatch``, ``as_loaded``), and plain
+LoRAs computed in the engine's scratch (``patch_plain_loras``).
 
-A patched weight of a streamed ComfyUI op gets a ``LoadedPatch``, run on the compute stream when a fresh copy
-of its block is first used, which repeats ComfyUI's patch of a loaded weight
-(``ModelPatcher.patch_weight_to_device``) on the streamed weight: the same dtype for the arithmetic, the same
-seeded stochastic rounding to the stored dtype (or the quantized format's own ``set_weight``), written over
-the copy in the ring. The layer then has no weight function: ComfyUI's ops compute from it as from a loaded
-weight (a weight function would make them copy the weight at every call, an allocation the resident model
-never makes), and a block that stays in the ring is patched once. A streamed block so computes exactly what a
-loaded one does, in every stored dtype, where ComfyUI's lowvram path would round differently. A weight with
-only wrapper patches, or of a format with no ``set_weight``, gets weight functions instead.
+A ``LoadedPatch`` repeats ``ModelPatcher.patch_weight_to_device`` on a fresh ring copy, on the compute stream, with the
+same dtypes and seeded rounding. The layer then needs no weight function, so it computes as a loaded one, bit for bit,
+where ComfyUI's lowvram path would round differently.
 
-A plain LoRA is patched in scratch memory allocated with the ring, so a streamed step allocates what the
-resident one does, nothing more (ComfyUI's compiler records and replays each block call's allocations).
-``comfy.lora.calculate_weight`` allocates at each weight: the cast of the weight to the dtype the patch is
-computed in, the product of up and down, its scaling (and a cast of it, where that dtype differs from the
-weight's). Here the same operations, in the same order and dtypes, write into views of one scratch buffer the
-engine keeps (``BlockStreamer``'s ``scratch_bytes``): ``mm(out=)``, in-place scaling, ``copy_`` for each cast,
-then the add into the weight's copy, bit for bit what ComfyUI computes (a fused ``addmm_`` would round
-differently). Anything else (a LoHa, DoRA, a LoRA with a mid weight or an offset, a layer's own ``convert_``
-or ``set_`` function) is patched by ComfyUI's own code.
-"""
+Plain LoRAs run in scratch allocated with the ring, so a streamed step allocates no more than a resident one (the
+compiler replays each call's allocations). The operations and dtypes are ``calculate_weight``'s; a fused ``addmm_``
+would round differently. Anything else goes through ComfyUI's own code."""
 
 from __future__ import annotations
 
@@ -40,12 +27,11 @@ from comfy.model_patcher import ModelPatcher
 from ..offload.layout import TensorForm
 from .patches import host_tensors, is_plain, overwrite_in_place, stored_by_layer, with_host_tensors
 
-# The seed of a weight's stochastic rounding: in comfy.utils since 0.33 (where comfy.model_patcher's name
-# warns at each call), only in comfy.model_patcher before.
+# comfy.model_patcher's name warns at each call on 0.33; 0.3.75 has only that one.
 string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
 
 
-#: Ring positions a LoadedPatch keeps its patches rebuilt for (they repeat from step to step).
+#: Ring positions whose rebuilt patches are kept; they repeat from step to step.
 _POSITIONS_KEPT = 16
 
 
@@ -56,31 +42,25 @@ def _lora_dtype(device: torch.device) -> torch.dtype:
 
 
 class LoadedPatch:
-    """A module's weight patched as ComfyUI patches a loaded weight, computed where the weight is streamed to.
+    """A module's weight patched as ComfyUI patches a loaded weight, computed where it is streamed to.
 
-    ComfyUI's ops call it with their cast of the weight to the compute dtype, which may already have rounded
-    it: it patches the module's own tensor (the stored dtype, on the device) instead. The module is held
-    weakly: it holds this function, and a cycle would keep a dropped model alive until the cycle collector
-    came by."""
+    It patches the module's own stored tensor, not the ops' cast, which may already have rounded. The module is held
+    weakly because it holds this function: a cycle would keep a dropped model alive until the collector ran."""
 
     def __init__(
         self, key: str, patches: dict, module: torch.nn.Module, param: str, dynamic_vram: torch.dtype | None = None
     ) -> None:
         self.key, self.patches, self.param = key, patches, param
-        # A Dynamic VRAM twin's weight: patched as Dynamic VRAM patches it, in this compute dtype (``as_loaded``).
         self.dynamic_vram = dynamic_vram
         self._module = weakref.ref(module)
-        # A CRC, once, not at every step: of the key, as a loaded weight's rounding; of the layer's name (its
-        # ``seed_key``), as Dynamic VRAM's.
+        # Seeded from the key as a loaded weight is, from the layer's name as Dynamic VRAM's.
         self._seed = string_to_seed(key if dynamic_vram is None else key.rpartition(".")[0])
-        # Where the adapters are staged (``stage``, from ``AdapterStaging.bind``): the engine (weakly), the unit and
-        # the positions of this weight's tensors among the unit's companions; the patches last rebuilt around them.
+        # Where the adapters are staged (``stage``); the engine is held weakly.
         self._runner: weakref.ref | None = None
         self._unit = 0
         self._positions: tuple[int, ...] = ()
-        # By the views' identity (the engine keeps one tuple per ring position): the views, the patches.
+        # Keyed by the views' identity: the engine keeps one tuple per ring position.
         self._staged: dict[int, tuple[tuple[torch.Tensor, ...], list]] = {}
-        # How ``write_in_place`` left the weight described, where that differs from how it is stored.
         self._form: TensorForm | None = None
 
     @property
@@ -88,28 +68,27 @@ class LoadedPatch:
         return self._module()
 
     def _live_module(self) -> torch.nn.Module:
-        """The module, when this patch runs: the module that holds it (as a weight function) or the unit it is
-        patched into is in use, so alive."""
+        """The module; raises ``ReferenceError`` if it was freed before its patch ran."""
         module = self._module()
         if module is None:
             raise ReferenceError(f"Block Offload: the layer of {self.key} was freed before its patch ran")
         return module
 
     def adapters(self) -> list[torch.Tensor]:
-        """The host tensors this weight's patches hold, in the order ``_staged_patches`` replaces them."""
+        """The host tensors of this weight's patches, in the order ``_staged_patches`` replaces them."""
         return list(host_tensors(self.patches[self.key]))
 
     def stage(self, runner: object, unit: int, positions: tuple[int, ...]) -> None:
         self._runner, self._unit, self._positions = weakref.ref(runner), unit, positions
 
     def _staged_patches(self) -> list:
-        """The weight's patches around its adapters' copies in the ring, when the engine staged them."""
+        """The patches rebuilt around the adapters' ring copies, once staged."""
         runner = self._runner() if self._runner is not None else None
         views = runner.companions(self._unit) if runner is not None else None
         if views is None:
             return self.patches[self.key]
         staged = self._staged.get(id(views))
-        if staged is None or staged[0] is not views:  # a ring position not seen yet: rebuilt around its views
+        if staged is None or staged[0] is not views:
             if len(self._staged) >= _POSITIONS_KEPT:
                 self._staged.clear()
             replaced = iter([views[position] for position in self._positions])
@@ -117,7 +96,7 @@ class LoadedPatch:
         return staged[1]
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        """As a weight function: ``weight`` (ComfyUI's ops' cast of the module's tensor) patched, in its dtype."""
+        """As a weight function: ``weight``, the ops' cast, patched."""
         module = self._live_module()
         stored = getattr(module, self.param)
         patches = self._staged_patches()
@@ -126,12 +105,8 @@ class LoadedPatch:
         return patched.to(weight.dtype)
 
     def write_in_place(self) -> None:
-        """Writes the patched weight over the module's own tensor where it is now (a streamed block's region of
-        the ring, as it arrives), in the form ComfyUI's load leaves it: re-quantized in the module's format by
-        its ``set_`` function, or rounded to its dtype. The layer then computes as a loaded one, with its
-        format's own kernel, and no weight function. A plain LoRA is computed in the engine's scratch
-        (``patch_plain_loras``): on a plain weight allocating nothing, on a quantized one only what the format's own
-        code allocates (its dequantized copy, its re-quantization)."""
+        """Writes the patched weight over the module's tensor in the ring, as ComfyUI's load leaves it (re-quantized
+        by ``set_``, or rounded), so the layer computes as a loaded one with no weight function."""
         module = self._live_module()
         current = getattr(module, self.param)
         patches = self._staged_patches()
@@ -139,8 +114,7 @@ class LoadedPatch:
         scratch = runner.scratch if runner is not None else None
         if scratch is not None and self._patched_in_scratch(module, current, patches, scratch):
             return
-        # A plain weight is patched where it lies when it is in the dtype its patches are computed in (``as_loaded``
-        # takes it as its working copy): the copy in the ring is the engine's own, to be copied afresh anyway.
+        # The ring's copy is ours and recopied anyway, so a plain weight is patched where it lies.
         work = current if is_plain(current) and not stored_by_layer(module) else None
         patched = as_loaded(
             module, self.param, current, self.key, patches, self._seed, work, self.dynamic_vram, scratch
@@ -151,14 +125,14 @@ class LoadedPatch:
     def _patched_in_scratch(
         self, module: torch.nn.Module, current: torch.Tensor, patches: list, scratch: torch.Tensor
     ) -> bool:
-        """A plain weight's plain LoRAs, patched and rounded in ``scratch``; False where ``as_loaded`` patches."""
+        """Patches plain LoRAs of a plain weight in ``scratch``; False where ``as_loaded`` must do it."""
         plan = in_scratch(module, self.param, current, patches, self.dynamic_vram)
         if plan is None:
             return False
         loras, work_dtype, intermediate = plan
         layout = layout_in(scratch, current, loras, work_dtype, intermediate)
         if layout is None:
-            return False  # counted for another dtype than it arrived in, or unstaged adapters: ComfyUI's code
+            return False
         patched = patch_plain_loras(current, loras, layout, scratch)
         if not round_into(current, patched):  # fp8: ComfyUI's seeded stochastic rounding
             rounded = comfy.float.stochastic_rounding(patched, current.dtype, seed=self._seed)
@@ -167,17 +141,16 @@ class LoadedPatch:
         return True
 
     def put_back(self) -> None:
-        """Where the re-quantized weight's own description differs from the stored one's (0.3.75 records the
-        dtype it was quantized from), the module holds the weight under it again: the engine points the module
-        at its bytes under the stored description at each call."""
+        """Restores the stored description where re-quantizing changed it (0.3.75 records the source dtype), since
+        the engine points the module at its bytes under the stored one."""
         if self._form is not None:
             module = self._live_module()
             current = getattr(module, self.param)
             module._parameters[self.param] = self._form.assemble(TensorForm.of(current, self.key).parts_of(current))
 
     def write_to_host(self, device: torch.device) -> None:
-        """Writes the patched weight over the module's own tensor (a view of its host buffer), computed on
-        ``device`` as at each call: the block computes with the same weight, bit for bit, without patching."""
+        """Bakes the patch into the host buffer, computed on ``device`` as at each call, so the block computes the
+        same bits without patching."""
         module = self._live_module()
         host = getattr(module, self.param)
         on_device = host.to(device, copy=True)
@@ -188,10 +161,8 @@ class LoadedPatch:
 def in_scratch(
     module: torch.nn.Module, param: str, current: torch.Tensor, patches: list, dynamic_vram: torch.dtype | None
 ) -> tuple[list[PlainLora], torch.dtype, torch.dtype] | None:
-    """How ``write_in_place`` patches ``module``'s ``param`` (``current``, stored as it streams) in the engine's
-    scratch: its plain LoRAs, the dtype the weight is patched in and the one the products are computed in, as
-    ``as_loaded`` would compute them; None where ``as_loaded`` does it (not plain LoRAs only, a layer's own
-    ``convert_``/``set_`` function, a weight that is not plain)."""
+    """The plain LoRAs, work dtype and product dtype for patching in scratch, as ``as_loaded`` would; None where
+    ``as_loaded`` must do it."""
     if not is_plain(current) or stored_by_layer(module) or hasattr(module, f"set_{param}"):
         return None
     if dynamic_vram is None and hasattr(module, f"convert_{param}"):
@@ -201,8 +172,8 @@ def in_scratch(
 
 
 def _patch_dtypes(device: torch.device, dynamic_vram: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
-    """The dtype ``as_loaded`` patches a weight on ``device`` in, and the one its LoRA products are computed in
-    (``calculate_weight``'s own, fp32, for a loaded weight; Dynamic VRAM's compute dtype for both)."""
+    """The work dtype and the LoRA product dtype (fp32 as in ``calculate_weight``; under Dynamic VRAM its compute
+    dtype for both)."""
     if dynamic_vram is None:
         return _lora_dtype(device), torch.float32
     return dynamic_vram, dynamic_vram
@@ -213,19 +184,19 @@ def scratch_bytes(
 ) -> int:
     """The scratch ``write_in_place`` needs for ``module``'s ``param`` on ``device`` (0: none)."""
     weight = getattr(module, param)
-    work_dtype, intermediate = _patch_dtypes(device, dynamic_vram)  # for the device it streams to, not the host
+    work_dtype, intermediate = _patch_dtypes(device, dynamic_vram)  # for the target device, not the host
     plan = in_scratch(module, param, weight, patches[key], dynamic_vram)
-    if plan is None:  # patched by ``as_loaded`` in its own working copy (a quantized format's dequantized one)
+    if plan is None:  # ``as_loaded`` patches a working copy
         loras = plain_loras(patches[key], weight.shape)
         return ScratchLayout.of(weight, loras, work_dtype, intermediate, True).nbytes if loras else 0
     loras = plan[0]
-    # A Dynamic VRAM twin's weight may arrive cast from its file's dtype: room for a working copy all the same.
+    # A Dynamic VRAM twin's weight may arrive in another dtype: room for a working copy.
     in_place = weight.dtype == work_dtype and dynamic_vram is None
     return ScratchLayout.of(weight, loras, work_dtype, intermediate, in_place).nbytes
 
 
 def compute_dtype(model: ModelPatcher) -> torch.dtype:
-    """The dtype ComfyUI's ops cast a weight to for the compute, which ``LoadedPatch`` receives."""
+    """The dtype ComfyUI's ops cast a weight to for compute, which ``LoadedPatch`` receives."""
     return model.model.manual_cast_dtype or model.model_dtype()
 
 
@@ -240,21 +211,12 @@ def as_loaded(
     dynamic_vram: torch.dtype | None = None,
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``module``'s ``param`` patched from ``stored`` (its own tensor on the device) as ComfyUI's
-    ``ModelPatcher.patch_weight_to_device`` patches a loaded weight: cast to the dtype patches are computed in,
-    the module's ``convert_`` function, ``calculate_weight``, then its ``set_`` function (a quantized format
-    re-quantizes) or the seeded rounding to the stored dtype. ``handed``: a copy of the weight the caller owns
-    (ComfyUI's ops' cast for a weight function, the ring's copy where it arrives), patched where it lies when it
-    is in the dtype the patch is computed in, as ComfyUI patches its own copy; a weight function gets a
-    quantized result dequantized, and ComfyUI's ops then compute with it as with a loaded weight.
+    """``module``'s ``param`` patched from ``stored`` as ``patch_weight_to_device`` does: cast, ``convert_``,
+    ``calculate_weight``, then ``set_`` or seeded rounding to the stored dtype.
 
-    ``dynamic_vram``: the weight's model runs under Dynamic VRAM, which patches as it casts
-    (``ModelPatcherDynamic``'s ``LowVramPatch``): in this compute dtype (``handed``'s at a call), the
-    arithmetic included, no ``convert_`` function; then the same rounding to the stored dtype, which is what
-    the weight resident in its VRAM holds. The twin the nodes stream computes what the MODEL computes.
-
-    ``scratch``: the engine's scratch, where plain LoRAs are computed (``patch_plain_loras``) in place of
-    ``calculate_weight``, the same operations in the same dtypes, when it is large enough."""
+    ``handed``: a copy the caller owns, patched in place when already in the patch dtype, as ComfyUI does its own.
+    ``dynamic_vram``: patch as ``ModelPatcherDynamic``'s ``LowVramPatch`` does, in this compute dtype, so the twin
+    computes what the MODEL does. ``scratch``: where plain LoRAs are computed, when large enough."""
     set_func = getattr(module, f"set_{param}", None)
     convert_func = getattr(module, f"convert_{param}", None) if dynamic_vram is None else None
     lora_dtype = _lora_dtype(stored.device) if dynamic_vram is None else dynamic_vram
@@ -264,7 +226,7 @@ def as_loaded(
         and convert_func is None
         and (dynamic_vram is not None or handed.dtype == stored.dtype)
     ):
-        temp = handed  # a copy the caller owns (ComfyUI's ops' cast, the ring's), in the dtype the patch needs
+        temp = handed
     else:
         temp = comfy.model_management.cast_to_device(stored, stored.device, lora_dtype, copy=True)
     if convert_func is not None:
@@ -275,32 +237,29 @@ def as_loaded(
     loras = plain_loras(patches, temp.shape) if scratch is not None and is_plain(temp) else None
     layout = layout_in(scratch, temp, loras, temp.dtype, intermediate) if scratch is not None and loras else None
     if scratch is not None and loras and layout is not None:
-        # The LoRA's arithmetic in the engine's scratch (the format's own casts stay as they are).
         patched = patch_plain_loras(temp, loras, layout, scratch)
     else:
         patched = comfy.lora.calculate_weight(patches, temp, key, intermediate_dtype=intermediate)
     if set_func is None:
         return comfy.float.stochastic_rounding(patched, stored.dtype, seed=seed)
     patched = set_func(patched, seed=seed, return_weight=True)
-    if handed is not None and hasattr(patched, "dequantize"):  # a quantized format's own tensor
+    if handed is not None and hasattr(patched, "dequantize"):
         patched = patched.dequantize()
     return patched
 
 
-# -- a plain LoRA in the engine's scratch ---------------------------------------------------------------
+# -- a plain LoRA in the engine's scratch
 
 
-_ALIGN = 256  # each view's offset in the scratch: what the caching allocator gives a tensor, at the least
+_ALIGN = 256  # the caching allocator's smallest alignment
 
-# The stored dtypes ComfyUI's rounding (``comfy.float.stochastic_rounding``) rounds to nearest, as ``copy_``
-# does; it rounds the others (fp8) stochastically, by its own code.
+# Dtypes ``comfy.float.stochastic_rounding`` rounds to nearest, as ``copy_`` does; fp8 it rounds stochastically.
 _ROUNDED_TO_NEAREST = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 @dataclass(frozen=True)
 class PlainLora:
-    """One patch of a weight that is a plain LoRA: ``strength * alpha / rank * up @ down``, after the weight is
-    scaled by ``strength_model``."""
+    """A plain LoRA patch: ``strength * alpha / rank * up @ down``, added after scaling by ``strength_model``."""
 
     strength: float
     strength_model: float
@@ -310,15 +269,13 @@ class PlainLora:
 
     @property
     def scale(self) -> float:
-        """``strength * alpha``, computed as ``LoRAAdapter.calculate_weight`` computes it."""
+        """Computed as ``LoRAAdapter.calculate_weight`` computes it, for the same rounding."""
         alpha = self.alpha / self.down.shape[0] if self.alpha is not None else 1.0
         return self.strength * alpha
 
 
 def plain_loras(patches: Sequence, weight_shape: torch.Size) -> list[PlainLora] | None:
-    """The weight's patches as plain LoRAs, or None if any is something else, or a LoRA that
-    ``calculate_weight`` would not add as it is (a mid weight, DoRA, a reshape, an offset, a function, a shape
-    that does not match the weight's)."""
+    """The patches as plain LoRAs, or None if any is something ``calculate_weight`` would not add as is."""
     loras = []
     for patch in patches:
         strength, adapter, strength_model, offset, function = patch[:5]
@@ -336,8 +293,7 @@ def plain_loras(patches: Sequence, weight_shape: torch.Size) -> list[PlainLora] 
 
 @dataclass(frozen=True)
 class ScratchLayout:
-    """Where each intermediate of one weight's patch lies in the scratch, by (offset, dtype, shape); the dtype the
-    weight is patched in and the one the products are computed in."""
+    """(offset, dtype, shape) of each intermediate of one weight's patch in the scratch."""
 
     parts: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
     nbytes: int
@@ -353,8 +309,6 @@ class ScratchLayout:
         intermediate: torch.dtype,
         in_place: bool,
     ) -> ScratchLayout:
-        """The layout for ``weight`` patched in ``work_dtype`` (``in_place``: in the weight itself), the
-        products computed in ``intermediate``."""
         sizes: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         if not in_place:
             sizes.append(("work", work_dtype, tuple(weight.shape)))
@@ -374,7 +328,6 @@ class ScratchLayout:
         return cls(parts, offset, work_dtype, intermediate)
 
     def view(self, scratch: torch.Tensor, name: str, shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Part ``name`` of ``scratch``, at ``shape`` (its full shape if None)."""
         offset, dtype, full = self.parts[name]
         shape = tuple(full if shape is None else shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -388,9 +341,8 @@ def layout_in(
     work_dtype: torch.dtype,
     intermediate: torch.dtype,
 ) -> ScratchLayout | None:
-    """The layout ``patch_plain_loras`` patches ``weight`` by (in place where it is in ``work_dtype``), or None
-    where ``scratch`` cannot take it: too small, or the adapters not where it is (staged with their block; a
-    host copy is ComfyUI's code's to cast)."""
+    """The layout for ``weight``, or None where ``scratch`` is too small or the adapters are not on its device (host
+    adapters are ComfyUI's code's to cast)."""
     layout = ScratchLayout.of(weight, loras, work_dtype, intermediate, weight.dtype == work_dtype)
     on_device = all(t.device == scratch.device for lora in loras for t in (lora.up, lora.down))
     return layout if on_device and layout.nbytes <= scratch.numel() else None
@@ -399,8 +351,7 @@ def layout_in(
 def _as(
     tensor: torch.Tensor, dtype: torch.dtype, layout: ScratchLayout, scratch: torch.Tensor, name: str
 ) -> torch.Tensor:
-    """``tensor`` flattened to two dimensions in ``dtype``: itself, or its cast into the scratch (as
-    ``cast_to_device`` casts the adapters)."""
+    """``tensor`` as 2-D in ``dtype``: itself, or its cast into the scratch."""
     flat = tensor.flatten(1)
     if flat.dtype == dtype:
         return flat
@@ -410,9 +361,8 @@ def _as(
 def patch_plain_loras(
     current: torch.Tensor, loras: Sequence[PlainLora], layout: ScratchLayout, scratch: torch.Tensor
 ) -> torch.Tensor:
-    """``current`` (a weight's copy where it arrived) patched by ``loras`` as ``calculate_weight`` patches it,
-    all in ``scratch`` as ``layout`` (``layout_in``) lays it out. Returns the patched weight in the layout's work
-    dtype: ``current`` itself, or a view of the scratch for the caller to round into it."""
+    """``current`` patched by ``loras`` as ``calculate_weight`` would, in ``scratch``. Returns ``current`` itself or
+    a scratch view for the caller to round."""
     work_dtype, intermediate = layout.work_dtype, layout.intermediate
     work = layout.view(scratch, "work").copy_(current) if "work" in layout.parts else current
     for lora in loras:
@@ -433,9 +383,8 @@ def patch_plain_loras(
 
 
 def round_into(current: torch.Tensor, patched: torch.Tensor) -> bool:
-    """Writes ``patched`` into ``current`` as ComfyUI's rounding to the stored dtype would (to nearest), where it
-    is one of those dtypes; False for a dtype ComfyUI rounds stochastically (the caller rounds it as ComfyUI
-    does)."""
+    """Writes ``patched`` into ``current`` with round-to-nearest where ComfyUI does; False for fp8, which ComfyUI
+    rounds stochastically."""
     if current.dtype not in _ROUNDED_TO_NEAREST:
         return False
     if patched is not current:

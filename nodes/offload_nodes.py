@@ -30,7 +30,7 @@ from .dynamic_vram import room_for_weights, uses_dynamic_vram, weight_bytes
 from .patcher import refuse_cudagraphs, with_offload
 from .request import ALLOW_CPU_ENV, OffloadRequest, may_step_aside, streaming_allowed
 
-# -- the nodes' inputs -----------------------------------------------------------------------------------
+# -- the nodes' inputs
 
 
 # The placing nodes' default policy: the planner picks the resident blocks and the prefetch depth.
@@ -148,7 +148,7 @@ def policy_fields(name: str) -> PolicyFields:
     return {"policy": ResidencyPolicy.STRIDED if auto else ResidencyPolicy(name), "auto_placement": auto}
 
 
-# -- the nodes --------------------------------------------------------------------------------------------
+# -- the nodes
 
 
 CATEGORY = "offload"

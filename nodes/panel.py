@@ -1,29 +1,10 @@
-"""The panel feed: what the pack is doing and last did, for the panel (web/), the demo, and anyone asking.
+"""The panel feed: the ``block_offload.status`` websocket message (at most once per ``MIN_INTERVAL_S`` across all
+engines; a run's first and last always go), and the report and timeline routes. Every field is declared in
+``web/status_schema.json``.
 
-* websocket message ``block_offload.status`` (``STATUS_EVENT``), pushed to every client while a
-  model streams, never more often than once per ``MIN_INTERVAL_S`` (``Outbox``), whichever
-  engine sends it: the run (node, prompt, plan, which blocks are resident), the step and block running now,
-  device and process memory, the engine's notices and, when a step finished since the last
-  message, that step's per-block copy and compute spans (``last_step``, see ``panel_messages.compact_step``).
-  A run's first message and its last (``running`` false, with the run's last step) always go,
-  delayed when one went less than an interval before.
-* ``GET /block_offload/report``: the same status for a panel opened mid-run, with the last step
-  in full (``timeline``) and the process RSS (``process_rss_bytes``).
-* ``GET /block_offload/timeline``: every step of the current or last sampling run, to download; while no
-  client is connected to the websocket, the steps the recorder sampled (its first three, then one every 2 s).
-
-Every field of these messages is declared once, in ``web/status_schema.json``, and each message is built
-through it (``nodes/panel_messages.py``).
-
-All the panel's state is one ``Panel``, created where ComfyUI sets the pack up (``install_panel``, from
-``comfy_entrypoint``), never as this module is imported. Every engine that starts gets a ``_Publisher``
-from it (the engine tells the panel, an ``EngineWatcher``, without importing it). Its recorder calls the
-publisher (a ``TimelineListener``) on the sampling thread: a block call costs it one clock read and one
-compare; building and queueing a message happens only when one is due (bench/recorder_overhead.py measures
-both). ``send_sync`` hands the message to ComfyUI's event loop, which serialises and sends it off the sampling
-thread. The routes read the publisher from the server's thread; it only appends and replaces, never mutates
-what it shared.
-"""
+Threads: recorders call their ``_Publisher`` on the sampling thread, where a block call costs a clock read and a compare
+and a message is built only when due; ``send_sync`` hands it to ComfyUI's event loop. The routes read from the server's
+thread; publishers only append and replace, never mutate what they shared."""
 
 from __future__ import annotations
 
@@ -56,32 +37,25 @@ from .placement import pinning_progress
 
 
 class Panel:
-    """Everything the panel shows, for the life of the process: created once, where ComfyUI sets the pack up
-    (``install_panel``); told of every engine as it starts and stops (the engine's ``EngineWatcher``); read by
-    the routes and the tests.
+    """Everything the panel shows, for the life of the process; created by ``install_panel``, never at import.
 
-    Two threads touch it. The thread that samples (the engines' recorders call their publishers on it) and the
-    one that starts and stops engines write which publisher is current, the aside status and the live
-    publishers; the server's thread reads them for the routes. ``_lock`` guards those three, held only to read
-    or replace them, never while a message is built or sent: the outbox has its own lock, and a publisher takes
-    this one to make itself current.
-    """
+    The sampling thread and the thread that starts and stops engines write the current publisher, the aside status and
+    the live list; the server's thread reads them. ``_lock`` guards those three only to read or replace them, never
+    while a message is built or sent (the outbox has its own lock)."""
 
     def __init__(self, server: Any | None) -> None:
         self.server = server  # ComfyUI's PromptServer; None in-process (tests, benchmarks)
         self.outbox = Outbox(server)
         self.memory = MemoryGauge()
         self._lock = threading.Lock()
-        # The publisher whose run the panel shows: the last one that started, ran a run or sent a message.
+        # The last publisher that started, ran or sent a message.
         self._current: _Publisher | None = None
-        # The status of the last node that ran without streaming (stepped aside), shown while no engine has run
-        # since; sent, then only read (copied by the routes).
+        # The last node that ran without streaming, shown until an engine runs; only read once sent.
         self._aside: dict[str, Any] | None = None
-        # Every engine streaming now, oldest first, for the panel's per-node placement. Replaced, never changed
-        # in place: a reader iterates the list it got under the lock after letting go of it.
+        # Replaced, never changed in place: readers iterate it after releasing the lock.
         self._live: list[weakref.ref[_Publisher]] = []
 
-    # -- EngineWatcher: the thread that starts and stops engines ----------------------------
+    # -- EngineWatcher: the thread that starts and stops engines
 
     def engine_started(self, engine: Engine) -> None:
         publisher = _Publisher(engine, self)
@@ -102,10 +76,9 @@ class Panel:
             publisher.finish_run()
         engine.recorder.listener = None
 
-    # -- what happens --------------------------------------------------------------------------
+    # -- what happens
 
     def show(self, publisher: _Publisher) -> None:
-        """``publisher``'s run is the one the panel shows."""
         with self._lock:
             self._current = publisher
 
@@ -114,8 +87,7 @@ class Panel:
         self.node_not_streaming(node, f"{node} stepped aside; ComfyUI runs the model itself: {reason}.")
 
     def node_not_streaming(self, node: str, notice: str) -> None:
-        """A node's model runs without an engine: the panel says why instead of showing an earlier run as if
-        it were this prompt's."""
+        """A model runs without an engine: say why, rather than show an earlier run as this prompt's."""
         status = self.empty_status()
         status.update(node=node, prompt_id=self.prompt_id(), notices=[notice])
         with self._lock:
@@ -123,12 +95,11 @@ class Panel:
             self._aside = status
         self.outbox.send(status, force=True)
 
-    # -- what the panel reads --------------------------------------------------------------------
+    # -- what the panel reads
 
     def watched(self) -> bool:
-        """Whether anyone can follow every step: a client on the server's websocket (every browser tab of
-        ComfyUI's frontend runs the panel, which hears each message). In-process (no server) the caller reads
-        the recorder itself. While nobody watches, the engines' recorders sample steps (``offload/timeline.py``)."""
+        """Whether a websocket client can follow every step; while nobody watches, recorders only sample steps.
+        In-process (no server) the caller reads the recorder itself."""
         if self.server is None:
             return True
         return bool(getattr(self.server, "sockets", True))
@@ -137,7 +108,6 @@ class Panel:
         return getattr(self.server, "last_prompt_id", None)
 
     def models(self) -> list[dict[str, Any]]:
-        """The placement of every model streaming now, one entry per engine (so per node), oldest first."""
         with self._lock:
             live = self._live
         return [publisher.placement_entry() for ref in live if (publisher := ref()) is not None]
@@ -146,7 +116,6 @@ class Panel:
         return idle_status(self.memory, self.models(), self.outbox.seq)
 
     def snapshot(self) -> dict[str, Any]:
-        """The latest status, its last step in full, and the process's RSS."""
         with self._lock:
             publisher, aside = self._current, self._aside
         if publisher is None:
@@ -157,11 +126,11 @@ class Panel:
             last = run.last_step
             status = publisher.status(last)
             timeline = full_step(last, run.first_step or 0) if last is not None else None
-        status.update(seq=self.outbox.seq, time=time.time())  # an aside status has those of when it was sent
+        status.update(seq=self.outbox.seq, time=time.time())
         return report_message(status, timeline)
 
     def run_timeline(self) -> dict[str, Any]:
-        """Every step of the current or last sampling run (``steps`` is empty before any)."""
+        """Every step of the current or last sampling run (``steps`` empty before any)."""
         with self._lock:
             publisher = self._current
         if publisher is None:
@@ -169,7 +138,6 @@ class Panel:
         return publisher.run_timeline()
 
     def register_routes(self) -> None:
-        """The report and the timeline, on ComfyUI's server (one the panel was set up with)."""
         from aiohttp import web
 
         assert self.server is not None, "an in-process panel has no server to serve from"
@@ -188,22 +156,21 @@ class Panel:
 
 
 class _Publisher:
-    """Follows one engine's recorder (a ``TimelineListener``): keeps its current or last sampling run (``run``)
-    and publishes it, with what the panel shows of the engine (``facts``)."""
+    """Follows one engine's recorder (a ``TimelineListener``) and publishes its current or last run."""
 
     def __init__(self, engine: Engine, panel: Panel) -> None:
         self._engine = weakref.ref(engine)  # the engine holds the recorder that holds us: no cycle
         self._panel = panel
-        self._outbox = panel.outbox  # read at every block call: one attribute away
+        self._outbox = panel.outbox  # read at every block call
         self.facts = EngineFacts.of(engine)
         self.run = RunRecord()
         self._unsent: StepTimeline | None = None  # the last step resolved, until a message carries it
 
-    # -- the run -----------------------------------------------------------------------------
+    # -- the run
 
     def start_run(self, resident_weights: int) -> None:
         engine = self._engine()
-        first_step = engine.recorder.steps_ended if engine is not None else None  # the index the run begins at
+        first_step = engine.recorder.steps_ended if engine is not None else None
         self.run = RunRecord(
             prompt_id=self._panel.prompt_id(), resident_weights=resident_weights, running=True, first_step=first_step
         )
@@ -214,17 +181,17 @@ class _Publisher:
         engine = self._engine()
         run = self.run
         if engine is not None:
-            engine.recorder.latest()  # resolves the steps still pending on the device (calls step_resolved)
+            engine.recorder.latest()  # resolves pending steps (calls step_resolved)
             # The sequential wrapper promotes modules after a pass.
             self.facts = dataclasses.replace(self.facts, placement=placement_letters(engine))
-            if run.first_step is not None:  # every step run counts, recorded or not (the recorder may sample)
+            if run.first_step is not None:  # counts unrecorded steps too: the recorder may sample
                 run.steps_done = engine.recorder.steps_ended - run.first_step
         run.running = False
         run.block = None
-        self._unsent = run.last_step  # the final message always carries the run's last step
+        self._unsent = run.last_step
         self.publish(force=True)
 
-    # -- TimelineListener: the sampling thread ----------------------------------------------
+    # -- TimelineListener: the sampling thread
 
     def block_called(self, step: int, block: int) -> None:
         run = self.run
@@ -249,7 +216,7 @@ class _Publisher:
         if self._outbox.send(status, force):
             self._unsent = None
 
-    # -- what the panel reads ----------------------------------------------------------------
+    # -- what the panel reads
 
     def status(self, last_step: StepTimeline | None) -> dict[str, Any]:
         facts, run = self.facts, self.run
@@ -270,28 +237,27 @@ def _publisher_of(engine: Engine) -> _Publisher | None:
     return listener if isinstance(listener, _Publisher) else None
 
 
-# -- the panel's one way in: set up once, then reached from anywhere ---------------------------------
+# -- the panel's one way in: set up once, then reached from anywhere
 
 
 def install_panel(server: Any | None) -> Panel:
-    """The panel, created on the first call (where ComfyUI sets the pack up, with its ``PromptServer``; in-process,
-    with None) and kept by the extension (``nodes/extension.py``); every later call returns the same one."""
+    """The panel, created on the first call and kept by the extension; later calls return it."""
     panel = extension.install_once(lambda: Panel(server))
-    assert isinstance(panel, Panel), panel  # the extension keeps nothing else
+    assert isinstance(panel, Panel), panel
     return panel
 
 
 def installed_panel() -> Panel | None:
-    """The panel, once set up (``install_panel``); None before, and in a process that never sets the pack up."""
+    """The panel once set up; None before, and in a process that never sets the pack up."""
     panel = extension.installed()
     return panel if isinstance(panel, Panel) else None
 
 
-# -- what the patcher and the nodes tell the panel ---------------------------------------------------
+# -- what the patcher and the nodes tell the panel
 
 
 def run_started(engine: Engine, resident_weights: int) -> None:
-    """A sampling run begins on ``engine``; ``resident_weights``: the bytes ComfyUI loaded of the model."""
+    """A sampling run begins; ``resident_weights``: the bytes ComfyUI loaded of the model."""
     publisher = _publisher_of(engine)
     if publisher is not None:
         publisher.start_run(resident_weights)
@@ -304,35 +270,31 @@ def run_finished(engine: Engine) -> None:
 
 
 def node_stepped_aside(node: str, reason: str) -> None:
-    """A node returned its model unchanged (``offload.step_aside``)."""
     panel = installed_panel()
     if panel is not None:
         panel.node_stepped_aside(node, reason)
 
 
 def node_not_streaming(node: str, notice: str) -> None:
-    """A node's model runs without an engine (see ``Panel.node_not_streaming``)."""
     panel = installed_panel()
     if panel is not None:
         panel.node_not_streaming(node, notice)
 
 
-# -- the panel's one way out: every status message goes through one Outbox, at most once per MIN_INTERVAL_S --
+# -- the panel's one way out
 
 
-MIN_INTERVAL_S = 0.25  # at most four messages a second
+MIN_INTERVAL_S = 0.25
 
 
 class Outbox:
-    """The one rate limit every message obeys: the panel sees a single stream.
+    """The one rate limit every message obeys, so the panel sees a single stream.
 
-    A message that must go (a run's first and last) but comes inside the interval waits for its end;
-    statuses are snapshots, so a newer one waiting replaces an older one instead of queueing behind
-    it, and a burst of short runs never builds a backlog that would hold back the next run's updates.
-    """
+    A message that must go but comes inside the interval waits for its end. Statuses are snapshots, so a newer waiting
+    one replaces the older instead of queueing, and bursts of short runs never build a backlog."""
 
     def __init__(self, server: Any | None) -> None:
-        self._server = server  # ComfyUI's PromptServer; None in-process (tests, benchmarks): nobody to tell
+        self._server = server  # None in-process (tests, benchmarks)
         self.next_at = 0.0  # perf_counter time from which a message may go
         self.seq = 0
         self._waiting: dict[str, Any] | None = None
@@ -343,7 +305,7 @@ class Outbox:
         with self._lock:
             delay = self.next_at - time.perf_counter()
             if delay <= 0:
-                # A status waiting for its turn is older than this one: sent after it, it would go back in time.
+                # A waiting status is older; sent after this one it would go back in time.
                 self._waiting = None
                 self._emit(status)
                 return True
@@ -356,8 +318,7 @@ class Outbox:
         return True
 
     def _send_waiting(self) -> None:
-        """On the server's loop, when a waiting status's interval has ended (a message sent directly since
-        may have started another: then it waits for that one's end)."""
+        """On the server's loop when the interval ends; if a direct send started a new one, waits again."""
         with self._lock:
             if self._waiting is None:
                 return

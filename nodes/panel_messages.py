@@ -1,16 +1,8 @@
-"""The panel's messages, the one place their fields are named: as ``web/status_schema.json`` declares them, built
-from an engine, its run (``RunRecord``) and the recorder's steps.
+"""The panel's messages, the one place their fields are named, as ``web/status_schema.json`` declares them.
 
-Every message is built through ``Message.build``, which refuses a field the schema lacks and a declared one left
-out (unless the schema says when it may be): a renamed or forgotten field fails where the message is built, not
-in a browser. The panel (``web/block_offload_panel.js``) reads the same fields by name;
-``tests/test_panel_schema.py`` checks that both sides agree with the file, which lives in ``web/`` beside the
-panel that reads it, and is served with it.
-
-The panel feed (``nodes/panel.py``) decides when a message goes and to whom; this module only says what it
-holds. A step goes to the websocket compact (``compact_step``: one row per block call) and to the routes in full
-(``full_step``); both number it from the run's first step.
-"""
+Every message goes through ``Message.build``, which refuses an undeclared field and a missing required one, so a renamed
+or forgotten field fails where it is built, not in a browser. ``panel.py`` decides when a message goes; this module only
+says what it holds."""
 
 from __future__ import annotations
 
@@ -34,7 +26,7 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "web" / "status_schema.json"
 
 @dataclass(frozen=True)
 class Message:
-    """One message (or part of one) of the schema: its fields in their declared order, and those always there."""
+    """One message (or part) of the schema: its fields in declared order, and the required ones."""
 
     name: str
     fields: tuple[str, ...]
@@ -42,7 +34,8 @@ class Message:
     declared: frozenset[str]
 
     def build(self, **values: Any) -> dict[str, Any]:
-        """``values`` as the message, once they are exactly its fields (the optional ones may be left out)."""
+        """``values`` as the message; raises ``ValueError`` unless they are exactly its fields (optional ones may be
+        left out)."""
         given = values.keys()
         if given != self.declared and (self.required - given or given - self.declared):
             missing, unknown = sorted(self.required - given), sorted(given - self.declared)
@@ -51,7 +44,6 @@ class Message:
 
 
 def _message(name: str) -> Message:
-    """The message ``name``; one that ``extends`` another has that one's fields first."""
 
     def fields_of(name: str) -> dict[str, dict[str, Any]]:
         message = _SCHEMA["messages"][name]
@@ -69,7 +61,6 @@ VERSION: int = _SCHEMA["version"]
 STATUS_EVENT: str = _SCHEMA["messages"]["status"]["event"]
 REPORT_ROUTE: str = _SCHEMA["messages"]["report"]["route"]
 TIMELINE_ROUTE: str = _SCHEMA["messages"]["timeline"]["route"]
-# A unit's place in the placement string: on the device, streamed from a host buffer, or from its checkpoint file.
 RESIDENT: str = _SCHEMA["placement_letters"]["resident"]
 STREAMED: str = _SCHEMA["placement_letters"]["streamed"]
 FROM_FILE: str = _SCHEMA["placement_letters"]["from_file"]
@@ -85,39 +76,38 @@ FULL_STEP = _message("full_step")
 TIMELINE = _message("timeline")
 
 
-# -- one sampling run as the panel keeps it: where the run is, and the steps it ran, for its timeline ------
+# -- one sampling run as the panel keeps it
 
 
-# What the downloadable timeline of one run may hold (block calls in all its steps): a bound on its size.
+# Block calls a run's downloadable timeline keeps, to bound its size.
 MAX_RUN_SPANS = 200_000
 
 
 @dataclass
 class RunRecord:
-    """One run of an engine: one sampling call (``run_started`` .. ``run_finished``), or, when a sampler calls
-    the model without ComfyUI's ``pre_run``, everything since the engine started.
+    """One run of an engine: one sampling call, or, when a sampler skips ComfyUI's ``pre_run``, everything since the
+    engine started.
 
-    Written on the sampling thread; the routes read it from the server's thread. A new run gets a new record,
-    and ``steps`` is only appended to: a route may still be reading the last run's list.
-    """
+    Written on the sampling thread, read by the routes on the server's thread: a new run gets a new record, and
+    ``steps`` is only appended to, since a route may still be reading it."""
 
     prompt_id: str | None = None
-    resident_weights: int | None = None  # the bytes ComfyUI loaded of the model as the run started
+    resident_weights: int | None = None  # bytes ComfyUI loaded as the run started
     running: bool = False
-    first_step: int | None = None  # the recorder's index of the run's first step, recorded or not
-    step: int | None = None  # the recorder's index of the step running now
+    first_step: int | None = None  # recorder indices, recorded steps or not
+    step: int | None = None
     block: int | None = None
-    steps: list[StepTimeline] = field(default_factory=list)  # the steps kept, up to MAX_RUN_SPANS block calls
+    steps: list[StepTimeline] = field(default_factory=list)
     last_step: StepTimeline | None = None
     steps_done: int = 0
-    truncated: bool = False  # a step was left out of ``steps``
-    spans: int = 0  # block calls in every step recorded
+    truncated: bool = False
+    spans: int = 0
 
     def record(self, step: StepTimeline) -> bool:
-        """Keeps a step the recorder resolved; False for the end of an earlier run, resolved late."""
+        """Keeps a resolved step; False for a late step of an earlier run."""
         if self.first_step is None or step.step < self.first_step:
             return False
-        self.steps_done = step.step - self.first_step + 1  # the steps between recorded ones ran too
+        self.steps_done = step.step - self.first_step + 1  # unrecorded steps ran too
         self.spans += len(step.spans)
         if self.spans <= MAX_RUN_SPANS:
             self.steps.append(step)
@@ -127,10 +117,9 @@ class RunRecord:
         return True
 
 
-# -- the messages ---------------------------------------------------------------------------------------
+# -- the messages
 
 
-# A step's spans and reads go to the websocket as rows, their values in the schema's order of fields.
 _span_row = operator.attrgetter(*SPAN.fields)
 _read_row = operator.attrgetter(*READ.fields)
 
@@ -140,12 +129,12 @@ def _rounded(value: float | None) -> float | None:
 
 
 def _row(values: tuple[Any, ...]) -> list[Any]:
-    """A span or read as a row: times rounded to 0.1 us (its counts are ints, which rounding leaves as they are)."""
+    """A span or read as a row, times rounded to 0.1 us."""
     return [None if value is None else round(value, 4) for value in values]
 
 
 def compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
-    """A step for the websocket: one row per block call, its columns named by ``span_fields``, times in ms."""
+    """A step for the websocket: one row per block call, columns named by ``span_fields``, times in ms."""
     return STEP.build(
         step=step.step - first_step,
         duration_ms=_rounded(step.duration_ms),
@@ -165,15 +154,13 @@ def compact_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
 
 
 def full_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
-    """A step as the recorder describes it, numbered from the run's first step."""
     data = step.as_dict()
     data["step"] -= first_step
     return FULL_STEP.build(**data)
 
 
 def placement_letters(engine: Engine) -> str:
-    """One letter per block (per module for the sequential wrapper): resident, streamed from host memory,
-    or streamed from the checkpoint file."""
+    """One letter per unit: resident, streamed from host memory, or from the checkpoint file."""
     runner = engine.runner
     streamed, from_file = runner.streamed, runner.read_each_step
     return "".join(
@@ -184,10 +171,10 @@ def placement_letters(engine: Engine) -> str:
 @dataclass(frozen=True)
 class EngineFacts:
     """What the panel shows of one engine, read as it starts. Only the placement changes later (the sequential
-    wrapper promotes modules after a pass): a new ``EngineFacts`` then replaces the one the routes may be reading."""
+    wrapper promotes modules), and then a new ``EngineFacts`` replaces this one, since routes may be reading it."""
 
     node: str
-    plan: str  # the plan line as logged (``Engine.summary``)
+    plan: str
     device: torch.device
     notices: list[str]  # the engine's own list: notices added later show too
     prefetch: int
@@ -195,7 +182,7 @@ class EngineFacts:
     pinned: bool
     streaming_buffers: int
     streamed_host_bytes: int | None
-    placement: str  # ``placement_letters``
+    placement: str
 
     @classmethod
     def of(cls, engine: Engine) -> EngineFacts:
@@ -206,7 +193,7 @@ class EngineFacts:
             device=engine.recorder.device,
             notices=engine.notices,
             prefetch=plan.prefetch if plan else engine.request.prefetch,
-            # A ring sized in bytes (a planned placement) copies as far ahead as it holds: its size says more.
+            # A ring sized in bytes copies as far ahead as it holds, so its size says more than prefetch.
             ring_bytes=plan.slot_bytes if plan and plan.ring_bytes else None,
             pinned=plan.pin_memory if plan else engine.request.pin_memory,
             streaming_buffers=engine.placement.buffer_bytes,
@@ -215,7 +202,6 @@ class EngineFacts:
         )
 
     def placement_fields(self) -> dict[str, Any]:
-        """How the engine places its blocks, as the status, the model list and the timeline all show it."""
         return {
             "placement": self.placement,
             "prefetch": self.prefetch,
@@ -225,16 +211,14 @@ class EngineFacts:
 
 
 class MemoryGauge:
-    """The memory figures of every status, for the life of the panel (the process and the host's RAM)."""
-
     def __init__(self) -> None:
         self._process = psutil.Process()
-        self._host_total = host_ram().total  # a container's limit where it has one
+        self._host_total = host_ram().total  # a container's limit, where it has one
 
     def reading(
         self, device: torch.device, resident_weights: int | None, streaming_buffers: int | None
     ) -> dict[str, Any]:
-        """Device memory (None on the CPU) split as the panel's bar shows it, and the process's host memory."""
+        """Device memory (None on the CPU) split as the panel's bar shows it, and host memory."""
         snap = memory_snapshot(device)
         other = None
         if snap.allocated is not None:
@@ -247,25 +231,24 @@ class MemoryGauge:
             total=snap.total,
             resident_weights=resident_weights,
             streaming_buffers=streaming_buffers,
-            other=other,  # activations, other models, the allocator's cache: what is left of allocated
+            other=other,  # activations, other models, the allocator's cache
             process_rss=self._process.memory_info().rss,
-            pinned_host=pinned_bytes(),  # page-locked by the pack, exactly (no allocator rounding)
+            pinned_host=pinned_bytes(),
             host_total=self._host_total,
         )
 
 
 def _idle_device() -> torch.device:
-    """The device ComfyUI computes on, for the memory figures before any model streamed."""
+    """The device ComfyUI computes on, for the figures before any model streamed."""
     try:
         import comfy.model_management
 
         return comfy.model_management.get_torch_device()
-    except ImportError:  # in-process use without ComfyUI on the path
+    except ImportError:  # in-process, without ComfyUI
         return torch.device("cpu")
 
 
 def idle_status(memory: MemoryGauge, models: list[dict[str, Any]], seq: int) -> dict[str, Any]:
-    """The status while no engine has run: ComfyUI's device and the process's memory."""
     device = _idle_device()
     return STATUS.build(
         v=VERSION,
@@ -300,7 +283,7 @@ def status_of_run(
     models: list[dict[str, Any]],
     seq: int,
 ) -> dict[str, Any]:
-    """The status of an engine's run, with ``last_step`` (compact) when a step finished since the last message."""
+    """The status of an engine's run, with ``last_step`` (compact) when one finished since the last message."""
     first = run.first_step or 0
     finished = {} if last_step is None else {"last_step": compact_step(last_step, first)}
     return STATUS.build(
@@ -327,18 +310,15 @@ def status_of_run(
 
 
 def report_message(status: dict[str, Any], last_step: dict[str, Any] | None) -> dict[str, Any]:
-    """``GET /block_offload/report``: a status, its run's last step in full, and the process's RSS."""
     return REPORT.build(**status, timeline=last_step, process_rss_bytes=status["memory"]["process_rss"])
 
 
 def model_entry(facts: EngineFacts, running: bool, pinning: str | None) -> dict[str, Any]:
-    """One engine's placement, in the list of every model streaming now; ``pinning``: how far packing in the
-    background has got (``placement.pinning_progress``)."""
+    """One engine's entry in the list of models streaming now; ``pinning``: background progress."""
     return MODEL.build(node=facts.node, **facts.placement_fields(), running=running, pinning=pinning)
 
 
 def timeline_of_run(facts: EngineFacts, run: RunRecord) -> dict[str, Any]:
-    """``GET /block_offload/timeline``: every step ``run`` kept, in full."""
     first = run.first_step or 0
     return TIMELINE.build(
         v=VERSION,
@@ -355,5 +335,4 @@ def timeline_of_run(facts: EngineFacts, run: RunRecord) -> dict[str, Any]:
 
 
 def no_timeline() -> dict[str, Any]:
-    """The timeline before any engine ran."""
     return TIMELINE.build(v=VERSION, node=None, prompt_id=None, running=False, steps_done=0, steps=[])

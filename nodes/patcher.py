@@ -1,38 +1,18 @@
-"""ComfyUI's ModelPatcher, taught to stream blocks instead of loading them, and the load protocol and state it
-keeps on the model.
+"""ComfyUI's ModelPatcher taught to stream blocks instead of loading them, and the load protocol it keeps on the
+model.
 
-ComfyUI's memory manager decides how much of a model goes to the GPU by calling
-``partially_load`` / ``load`` with a byte budget, and keeps its books in
-``model_loaded_weight_memory``. Block-swap nodes that move blocks with ``.to()``
-behind its back leave those books wrong. Here the streamed blocks are simply
-never offered to ComfyUI's loader (``_load_list`` hides them): ComfyUI loads and
-counts the resident part exactly as it would for any partial load, with its
-budget reduced by our device slots, and the engine streams the hidden part.
+Moving blocks with ``.to()`` behind ComfyUI's back leaves its books (``model_loaded_weight_memory``) wrong. So the
+streamed blocks are hidden from its loader (``_load_list``): ComfyUI loads and counts the resident part as any partial
+load, its budget less our device slots, and the engine streams the rest. The class is a mixin over the incoming patcher
+class; ``clone()`` builds ``self.__class__``, so later clones (LoRA loaders) keep streaming.
 
-The class is a mixin over whatever patcher class the incoming MODEL has.
-``ModelPatcher.clone()`` builds ``self.__class__``, so every later clone (LoRA
-loaders, other patch nodes) keeps the streaming behaviour and the request,
-which travels as an attachment.
+ComfyUI never says why it calls. ``unpatch_model(unpatch_weights=True)`` is an unload except at the start of
+``partially_load``; ``detach(unpatch_all=False)`` is a hand-over to the next prompt's clone only on the clone that was
+loaded. ``LoadProtocol``, shared by all clones on the ``nn.Module``, tells these apart with four phases:
 
-ComfyUI never says why it calls. ``unpatch_model(unpatch_weights=True)`` is a real unload (``/free``, eviction,
-a failed load undone) everywhere but at the start of ``partially_load``, where it only clears the old patches
-before the new ones go on. ``detach(unpatch_all=False)`` hands the weights over to the next prompt's clone when
-``load_models_gpu`` calls it on the clone it had loaded, and means nothing when ``ModelPatcher.__del__`` calls it
-on any other clone. The phases below tell these apart; ``LoadProtocol``'s methods are the only ways between
-them, each named after the ComfyUI call that triggers it. Every clone of a model shares one ``LoadProtocol``
-(the base of ``ModelState``, kept on the ``nn.Module``), so the clone loaded next finds what the one before it
-left.
-
-* UNPLACED: no engine, nothing hidden from ComfyUI's loader, which loads every module its own way. At the start,
-  after a real unload, after a placement that streams nothing.
-* STREAMING: the owner's engine streams the hidden blocks; ComfyUI holds the rest. After the pack's ``load``
-  (which hides the blocks it streams before ComfyUI's loader runs, then starts or keeps the engine).
-* PARKED: no engine; the last one's blocks wait on their host buffers, still hidden, for the next engine to adopt
-  (no pack, no pin again). After a re-patch, or once the next load took a hand-over.
-* HANDED_OVER: PARKED, with ComfyUI's books as the owner left them. After the owner's ``detach(unpatch_all=False)``.
-  A placement that streams nothing is handed over too, ComfyUI holding all of it: the next clone of the same
-  request keeps it loaded, as ComfyUI keeps a model it loaded, instead of loading the whole model again.
-"""
+* UNPLACED: no engine, nothing hidden. * STREAMING: the owner's engine streams the hidden blocks; ComfyUI holds the
+rest. * PARKED: no engine; the blocks wait, still hidden, on their host buffers for the next engine to adopt. *
+HANDED_OVER: PARKED, with ComfyUI's books as the owner's detach left them."""
 
 from __future__ import annotations
 
@@ -73,15 +53,13 @@ from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
 
 ATTACHMENT = "block_offload"
-# Present only while the patcher's ``load`` runs: ComfyUI's module list once walked, else None
-# (``BlockOffloadPatcher._module_list``).
+# Only during ``load``: the cached module list (None until walked).
 _MODULE_LIST = "_block_offload_module_list"
 
 
 def refuse_cudagraphs(model: ModelPatcher, node: str) -> None:
-    """A model compiled by ComfyUI's TorchCompileModel with the cudagraphs backend cannot stream: a CUDA
-    graph replays the memory addresses it captured, while the engine points each streamed block at
-    whichever slot holds it and fills the slots from another stream, outside any graph."""
+    """A cudagraphs-compiled model cannot stream: a CUDA graph replays the addresses it captured, while streamed blocks
+    point at a different slot each call and are filled from another stream."""
     backend = model.model_options.get(TORCH_COMPILE_KWARGS, {}).get("backend")
     if backend == "cudagraphs":
         raise ValueError(
@@ -99,15 +77,13 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
     patched = classic_clone(model, request.node)
     own = own_classic_path(model)
     request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model) and not own, own_classic_path=own)
-    # clone() builds self.__class__, so giving the clone our subclass makes every later clone inherit it.
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)
     return patched
 
 
 class _PatcherKinds:
-    """Our subclass of each patcher class, made once, so every clone of a model is of one class; and the numbers
-    given to patcher objects (``patcher_id``), never reused in the process."""
+    """One subclass per patcher class, so all clones share a class; and patcher numbers, never reused."""
 
     def __init__(self) -> None:
         self.classes: dict[type, type] = {}
@@ -130,11 +106,11 @@ def _offload_class(base: type) -> type:
 
 
 class LoadEntry(NamedTuple):
-    """One entry of ComfyUI's ``_load_list``, by name. Its layout in 0.3.75 and 0.33's classic loader is
-    ``(offload_mem, module_mem, name, module, params)``; it is read here only, so a change breaks one place."""
+    """One entry of ComfyUI's ``_load_list``, ``(offload_mem, module_mem, name, module, params)`` in both supported
+    hosts. Read only here, so a layout change breaks one place."""
 
-    offload_mem: int  # what casting the module on the fly would take
-    module_mem: int  # the module's weights as ComfyUI counts them
+    offload_mem: int  # what casting the module on the fly takes
+    module_mem: int
     name: str
     module: nn.Module
 
@@ -145,10 +121,8 @@ class LoadEntry(NamedTuple):
 
 
 def loader_need(entries: Sequence[Any], streamed: frozenset[str]) -> int:
-    """The budget ComfyUI's loader needs to load every module of ``entries`` (its ``_load_list``) outside
-    ``streamed``. It takes modules largest first, each only while the bytes loaded so far, the module and cast
-    buffers for it and the next ``NUM_STREAMS`` modules fit (``load()`` in comfy/model_patcher.py; 0.3.75 counts
-    this module's cast size for each of those, 0.33 the next modules' sizes, which are no larger)."""
+    """The budget ComfyUI's loader needs to load every module of ``entries`` outside ``streamed``: a mirror of
+    ``load()`` in comfy/model_patcher.py, largest first, each with cast buffers for ``NUM_STREAMS`` more modules."""
     kept = sorted((e for e in map(LoadEntry.of, entries) if not inside(e.name, streamed)), key=lambda e: -e.offload_mem)
     buffers = comfy.model_management.NUM_STREAMS + 1
     need = loaded = 0
@@ -161,16 +135,14 @@ def loader_need(entries: Sequence[Any], streamed: frozenset[str]) -> int:
 class BlockOffloadPatcher(ModelPatcher):
     """Mixin: must come before the patcher class in the MRO (see ``_offload_class``).
 
-    Each call on to that class passes its arguments as ComfyUI passes them: the leading ones by position, the
-    flags by keyword. A class that forwards ``*args`` with a keyword-only flag of its own (ComfyUI-GGUF's
-    ``partially_load`` and ``partially_unload``) would otherwise get a flag twice. One exception, the
-    resident part's budget (see ``_place``)."""
+    Calls on to that class pass leading arguments by position and flags by keyword, as ComfyUI does: a class that
+    forwards ``*args`` with a keyword-only flag of its own (ComfyUI-GGUF's ``partially_load``) would otherwise get a
+    flag twice. The one exception is the resident budget (see ``_place``)."""
 
     def clone(self, *args, **kwargs):
         cloned = super().clone(*args, **kwargs)
         keep_fast_disk(self, cloned)
-        # ComfyUI builds ``self.__class__``, but a patcher class may set its own on every clone
-        # (ComfyUI-GGUF's GGUFModelPatcher does): a LoRA loaded after the node must still stream.
+        # GGUFModelPatcher sets its own class on every clone; a later LoRA must still stream.
         if not isinstance(cloned, BlockOffloadPatcher):
             cloned.__class__ = _offload_class(type(cloned))
         return cloned
@@ -185,14 +157,14 @@ class BlockOffloadPatcher(ModelPatcher):
 
     @property
     def patcher_id(self) -> int:
-        """This patcher object's own number (clones get theirs): unlike ``id()`` never reused, and unlike a
-        weak reference still readable in ``__del__`` when the cycle collector frees the patcher."""
+        """This patcher's own number: unlike ``id()`` never reused, and unlike a weak reference still readable in
+        ``__del__`` under the cycle collector."""
         number = self.__dict__.get("_block_offload_id")
         if number is None:
             number = self.__dict__["_block_offload_id"] = next(_patcher_kinds().ids)
         return number
 
-    # -- what ComfyUI's loader may touch -----------------------------------------------------
+    # -- what ComfyUI's loader may touch
 
     def _load_list(self, *args, **kwargs):
         entries = self._module_list() if not args and not kwargs else super()._load_list(*args, **kwargs)
@@ -200,12 +172,9 @@ class BlockOffloadPatcher(ModelPatcher):
         return [entry for entry in entries if not inside(LoadEntry.of(entry).name, hidden)]
 
     def _module_list(self) -> list[Any]:
-        """ComfyUI's ``_load_list()`` of every module, walked once per ``load``: the placement's loader need, the
-        count of what ComfyUI is offered and ComfyUI's own load each read it, and each walk visits every module of
-        the model, at every sampler's load. Within a load no module outside the streamed
-        blocks changes before ComfyUI's load has read the list (the engine only repoints the streamed blocks, which
-        the list hides from ComfyUI); a placement undone (``_undo_placement``) walks again. Only the call without
-        arguments is kept: ComfyUI's ``default_device`` moves weights as it walks."""
+        """ComfyUI's ``_load_list()``, walked once per ``load``, since each walk visits every module and nothing
+        outside the streamed blocks changes meanwhile. Only the argument-less call is cached: with
+        ``default_device`` ComfyUI moves weights as it walks."""
         entries = self.__dict__.get(_MODULE_LIST)
         if entries is None:
             entries = super()._load_list()
@@ -216,21 +185,18 @@ class BlockOffloadPatcher(ModelPatcher):
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         state = state_of(self.model)
         if state.begin_load(self.patcher_id, self.loaded_state(), self.offload_request):
-            # Start from the host, so nothing streamed stays on the GPU. ComfyUI's own unpatch, not a real unload:
-            # blocks a detached streaming clone parked stay parked, for this engine to adopt.
+            # Start from the host, through ComfyUI's own unpatch, so parked blocks stay parked.
             super().unpatch_model(self.offload_device, unpatch_weights=True)
-        # Left as the last engine parked them, the resident modules stay loaded: ComfyUI's load skips what
-        # it has loaded and patched (``comfy_patched_weights``), so a queue does not copy them again.
+        # ComfyUI skips resident modules left loaded (``comfy_patched_weights``): a queue does not recopy them.
         try:
             return super().partially_load(device_to, extra_memory, force_patch_weights=force_patch_weights)
         finally:
             state.end_load(self.patcher_id)
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
-        # ComfyUI's load calls this for every weight of every module it loads, before it moves the module.
         if device_to is not None and self.offload_request.dynamic_vram_twin:
             load_in_recorded_dtype(self, key, device_to)
-            # A patched weight computes as on the Dynamic VRAM MODEL, which patches in the compute dtype.
+            # Patch in the compute dtype, as the Dynamic VRAM MODEL does.
             if not kwargs.get("return_weight", False) and patch_loaded_as_dynamic_vram(self, key, inplace_update):
                 return None
         return super().patch_weight_to_device(key, device_to=device_to, inplace_update=inplace_update, **kwargs)
@@ -244,7 +210,7 @@ class BlockOffloadPatcher(ModelPatcher):
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
         self.__dict__[_MODULE_LIST] = None
         try:
-            with one_tree_per_load():  # the placement, its fallbacks and the engine's start each ask for the blocks
+            with one_tree_per_load():
                 self._load(device_to, lowvram_model_memory, force_patch_weights, full_load)
         finally:
             self.__dict__.pop(_MODULE_LIST, None)
@@ -254,7 +220,7 @@ class BlockOffloadPatcher(ModelPatcher):
         refuse_cudagraphs(self, request.node)  # TorchCompileModel may come after the node
         state = state_of(self.model)
         engine = state.engine
-        if engine is not None:  # before planning, so this load can plan from them
+        if engine is not None:
             remember_costs(engine.request, engine.placement, engine.recorder.latest(), self)
         budget = math.inf if full_load else lowvram_model_memory
         if math.isinf(budget) and request.automatic_budget:
@@ -263,10 +229,10 @@ class BlockOffloadPatcher(ModelPatcher):
         placement = asked
         fallback = state.fallback
         if fallback is not None and (fallback.request, fallback.asked) == (request, asked.plan):
-            # It ran out of memory before: start from the one that fit.
+            # This plan ran out of memory before: start from the one that fit.
             placement = describe(fallback.placed, self, asked.patch_ms)
         if placement.plan is not None:
-            refuse_reshaping_patches(self, placement.streamed, request.node)  # before anything moves
+            refuse_reshaping_patches(self, placement.streamed, request.node)
         refuse_patches_on_packed_weights(self, placement.streamed, request.node)
         refuse_weight_hooks(self, placement.streamed, request.node)
         if engine is not None and (engine.request, engine.placement) != (request, placement):
@@ -291,7 +257,7 @@ class BlockOffloadPatcher(ModelPatcher):
             state.fallback = Fallback(request, asked.plan, placed, notice)
         if placed != asked.plan and self.offload_engine is not None:
             assert state.fallback is not None, "a plan other than the one asked for is the fallback's"
-            self.offload_engine.notices.append(state.fallback.notice)  # each new engine shows it; the log once
+            self.offload_engine.notices.append(state.fallback.notice)  # the panel every time, the log once
 
     def _place(
         self,
@@ -305,22 +271,17 @@ class BlockOffloadPatcher(ModelPatcher):
         state = state_of(self.model)
         state.placing(placement.streamed)
         if request.dynamic_vram_twin:
-            # What ComfyUI loads computes in the recorded dtypes (its weights: ``patch_weight_to_device``); the
-            # engine casts the streamed blocks itself.
+            # ComfyUI's part computes in the recorded dtypes; the engine casts the streamed blocks itself.
             cast_unloaded_to_recorded_dtypes(self.model, placement.streamed)
-        # Blocks an earlier engine pinned in place that ComfyUI now loads: their pins go back to the budget now, not
-        # when their memory happens to be freed (a host on the CPU, or a LoRA's backup, keeps the tensors).
+        # Unpin blocks ComfyUI now loads at once: a LoRA backup may keep the tensors alive, and the pins with them.
         state.parking.unpin_in_place(
             module for name, module in self.model.named_modules() if not inside(name, placement.streamed)
         )
         weights_budget = 1e32 if math.isinf(budget) else max(0.0, budget - placement.buffer_bytes)
-        # In ComfyUI's own count: each module's size as it is before the load (a Dynamic VRAM twin's load may cast
-        # a weight to another dtype, ComfyUI counting it as it was).
+        # Counted before the load, as ComfyUI counts: a Dynamic VRAM twin's load may change a weight's dtype.
         offered = sum(LoadEntry.of(entry).module_mem for entry in self._load_list())
-        # The budget by position, unlike ComfyUI: ComfyUI-GGUF's ``load`` finds it among the keywords, and after a
-        # partial load moves every module whose weights are still on the host to the device and back, one by one
-        # ("release mmap"), which for the streamed blocks would be the whole stack over the bus twice and a second
-        # copy of it in RAM until the first step; the engine holds them itself.
+        # The budget by position: given by keyword, ComfyUI-GGUF's ``load`` "releases mmap" after a partial load,
+        # moving every host module to the device and back, the whole streamed stack twice over the bus.
         load_resident = functools.partial(
             super().load, device_to, weights_budget, force_patch_weights=force_patch_weights, full_load=False
         )
@@ -328,33 +289,32 @@ class BlockOffloadPatcher(ModelPatcher):
             load_resident()
             state.placed(self.patcher_id, None, request)
             return
-        if state.engine is None:  # it pins and packs the streamed blocks while ComfyUI loads the resident ones
+        if state.engine is None:
             engine = start_engine(
                 self, request, placement, device_to, state.parking, load_resident, state.call_order, state.patch_history
             )
             state.placed(self.patcher_id, engine, request)
             self._check_resident_loaded(request, placement, offered)
-        else:  # the engine ``load`` kept: this placement is the one it streams
+        else:
             load_resident()
             state.placed(self.patcher_id, state.engine, request)
-        self.model.model_lowvram = True  # the streamed blocks are not on the device
+        self.model.model_lowvram = True
         self.model.model_offload_buffer_memory += placement.buffer_bytes
 
     def _device_room(self) -> float:
-        """The device memory this model's weights may have when ComfyUI sets no limit: a full load because the
-        model fits, or because ``--highvram`` / ``--gpu-only`` (HIGH_VRAM) keeps everything loaded whatever
-        the device's size. What is free, what the model holds already, less ComfyUI's inference reserve."""
+        """The device memory the weights may use when ComfyUI sets no limit (the model fits, or HIGH_VRAM): free memory
+        plus what the model holds, less ComfyUI's inference reserve."""
         mm = comfy.model_management
         free = mm.get_free_memory(self.load_device) + self.model.model_loaded_weight_memory
         return max(0.0, free - mm.minimum_inference_memory())
 
     def _check_resident_loaded(self, request: OffloadRequest, placement: Placement, offered: int) -> None:
-        """Whether ComfyUI loaded all it was ``offered`` (the planned resident part); says so when it did not."""
+        """Warns when ComfyUI loaded less than it was ``offered`` (the planned resident part)."""
         loaded = self.model.model_loaded_weight_memory
         if loaded >= offered:
             return
         remedy = "Keep fewer blocks resident (or a smaller budget)"
-        if placement.over_budget:  # no block is resident: only more device memory lets ComfyUI load the rest
+        if placement.over_budget:
             remedy = "Streaming needs more device memory than the budget (see the plan line)"
         notice = (
             f"ComfyUI loaded {loaded / GIB:.2f} of the {offered / GIB:.2f} GiB planned resident; the rest is cast "
@@ -362,19 +322,16 @@ class BlockOffloadPatcher(ModelPatcher):
         )
         logging.warning(f"Block Offload ({request.node}): {notice}")
         engine = self.offload_engine
-        if engine is not None:  # just started by ``_place``, which checks after
+        if engine is not None:
             engine.notices.append(notice)
 
     def _undo_placement(self) -> None:
-        """Back to where ``load`` started: no engine, nothing on the device, weight patches undone.
-
-        ``unpatch_model`` takes the object patches off too; ``partially_load`` puts them on with
-        ``patch_model(load_weights=False)`` before it calls ``load``, so the same is done here.
-        """
+        """Back to where ``load`` started: no engine, nothing on the device, weight patches undone, object patches
+        put back as ``partially_load`` had them."""
         self.unpatch_model(self.offload_device, unpatch_weights=True)
         self.patch_model(load_weights=False)
         if _MODULE_LIST in self.__dict__:
-            self.__dict__[_MODULE_LIST] = None  # the unload moved weights back, maybe in other dtypes: walk again
+            self.__dict__[_MODULE_LIST] = None  # the unload moved weights, maybe to other dtypes
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         state = state_of(self.model)
@@ -382,7 +339,7 @@ class BlockOffloadPatcher(ModelPatcher):
         if unpatch is Unpatch.REPATCH:
             self._stop_streaming(park=True)
         elif unpatch is Unpatch.UNLOAD:
-            # Nothing of ours may keep pinned or device memory; blocks parked earlier are ordinary weights again.
+            # Nothing of ours may keep pinned or device memory.
             self._stop_streaming()
             state.parking.unpark(self.model.modules())
             state.unloaded()
@@ -392,14 +349,11 @@ class BlockOffloadPatcher(ModelPatcher):
         return super().unpatch_model(device_to, unpatch_weights=unpatch_weights)
 
     def detach(self, unpatch_all=True):
-        # A hand-over parks the engine: the streamed blocks stay on their host buffers for the next engine to adopt
-        # instead of packing them again. They are valid CPU tensors, so a clone that does not stream can take
-        # them over too.
+        # Parked buffers are valid CPU tensors, so even a clone that does not stream can take them over.
         state = state_of(self.model)
         hands_over = state.hands_over(self.patcher_id, unpatch_all)
         if hands_over:
             self._stop_streaming(park=True)
-        # unpatch_all: a real unload (``unpatch_model`` stops the engine)
         detached = super().detach(unpatch_all=unpatch_all)
         if hands_over:
             state.handed_over(self.loaded_state())
@@ -414,20 +368,19 @@ class BlockOffloadPatcher(ModelPatcher):
         state.call_order = call_order_of(engine)
         state.patch_history = engine.patch_history(state.patch_history)
         engine.stop(park)
-        state.stopped(park)  # parked blocks stay hidden from ComfyUI's loader; the next load re-plans the set
+        state.stopped(park)
 
-    # -- sampling runs, for the live panel ---------------------------------------------------
+    # -- sampling runs
 
     def pre_run(self):
         engine = self.offload_engine
-        if engine is not None:  # hooks registered for a model ComfyUI had loaded already, with no ``load``
+        if engine is not None:  # hooks may be added to a loaded model, which gets no ``load``
             refuse_weight_hooks(self, engine.placement.streamed, engine.request.node)
         super().pre_run()
         if engine is not None:
             panel.run_started(engine, resident_weights=self.model.model_loaded_weight_memory)
         elif not state_of(self.model).placed_without_streaming(self.patcher_id):
-            # Placed with blocks to stream (or not by this patcher: ComfyUI loaded it without asking it), yet
-            # sampling with no engine: whatever ComfyUI loaded runs, without the pack's placement.
+            # Sampling with no engine though blocks were to stream: ComfyUI loaded it without asking us.
             node = self.offload_request.node
             notice = (
                 f"{node}: this MODEL is sampling without streaming: ComfyUI loaded it without the pack's "
@@ -443,7 +396,7 @@ class BlockOffloadPatcher(ModelPatcher):
         try:
             engine = self.offload_engine
             if engine is not None:
-                # ComfyUI calls this after sampling, interrupted or not; an interrupt on 0.33 skips the hooks.
+                # Called after sampling even when interrupted; an interrupt on 0.33 skips the hooks.
                 engine.runner.close_open_step()
                 engine.note_cold_reads()
                 engine.note_packing()
@@ -452,7 +405,7 @@ class BlockOffloadPatcher(ModelPatcher):
             super().cleanup()
 
 
-# -- the load protocol: which of ComfyUI's calls moves a model's weights into which phase -----------------
+# -- the load protocol
 
 
 class Phase(Enum):
@@ -463,64 +416,56 @@ class Phase(Enum):
 
 
 class Unpatch(Enum):
-    """What one call of ``unpatch_model`` is (``LoadProtocol.unpatching``)."""
+    """What one ``unpatch_model`` call means (``LoadProtocol.unpatching``)."""
 
-    REPATCH = "repatch"  # partially_load clears the old patches before it loads with new ones: the blocks park
-    UNLOAD = "unload"  # the weights unpatched outside a load: nothing of the pack's may keep memory
-    OBJECTS = "objects"  # unpatch_weights=False: object patches come off, the weights stay as they are
+    REPATCH = "repatch"  # partially_load clearing old patches: the blocks park
+    UNLOAD = "unload"  # outside a load: nothing of the pack's may keep memory
+    OBJECTS = "objects"  # unpatch_weights=False: only object patches come off
 
 
 class LoadedBooks(NamedTuple):
-    """ComfyUI's books on a model's weights (on its ``BaseModel``): any load or unload by any patcher changes them."""
+    """ComfyUI's books on a model's weights; any load or unload by any patcher changes them."""
 
     weight_memory: int  # model_loaded_weight_memory
     lowvram: bool
-    patches_uuid: uuid.UUID | None  # current_weight_patches_uuid: the patches the loaded weights carry
+    patches_uuid: uuid.UUID | None  # current_weight_patches_uuid
     device: torch.device | None
 
 
 @dataclass
 class LoadProtocol:
-    """A model's phase and what goes with it; a patcher (``BlockOffloadPatcher.patcher_id``) is named by its number."""
+    """A model's phase and what goes with it; patchers are named by ``patcher_id``."""
 
     phase: Phase = Phase.UNPLACED
-    engine: Engine | None = None  # STREAMING only
-    # The patcher whose load placed the weights as they are: STREAMING, the engine's (the only clone whose
-    # detach hands the weights over: any other may be detached, or deleted, as ``ModelPatcher.__del__``
-    # detaches, at any time, through the cycle collector even in the middle of a prompt); UNPLACED, the one
-    # whose placement streams nothing (its sampling without an engine is no surprise).
+    engine: Engine | None = None
+    # The patcher whose load placed the weights; only its detach hands them over, since ``ModelPatcher.__del__``
+    # may detach any other clone at any time, even mid-prompt.
     owner: int | None = None
-    # Module names ComfyUI's loader must not see: streamed now, or parked by the last engine (still on the host,
-    # never loaded by ComfyUI; a partial unload between prompts must neither move nor count them).
+    # Modules ComfyUI's loader must not see (streamed or parked), so a partial unload neither moves nor counts them.
     hidden: frozenset[str] = frozenset()
-    # HANDED_OVER only: ComfyUI's books as the owner handed the weights over. The next clone keeps the resident
-    # part loaded if they still hold, that is if nothing (a plain clone, say) loaded or unloaded the weights since.
-    # Only the owner records them: a later detach of another clone (ComfyUI's cache dropping an old node output
-    # after a plain model loaded these weights) must not pass the plain load off as the parked one.
+    # HANDED_OVER only: ComfyUI's books at the hand-over. The next clone keeps the resident part only if they
+    # still hold. Only the owner records them, so another clone's late detach cannot pass a plain load off as ours.
     parked_load: LoadedBooks | None = None
-    # The patcher inside ``partially_load`` whose first ``unpatch_model`` has not come yet.
+    # Inside ``partially_load``, until its first ``unpatch_model``.
     repatching: int | None = None
-    # What the owner's placement was made for (its node's request, compared by equality): a clone of another
-    # request must place anew, not keep the weights as the owner's placement left them.
+    # The request the owner placed for: a clone of another request must place anew.
     placed_for: object = None
 
-    # -- partially_load: load_models_gpu, once per prompt, per model -----------------------------------------------
+    # -- partially_load
 
     def begin_load(self, patcher: int, books: LoadedBooks, request: object) -> bool:
-        """``partially_load`` begins: a hand-over is taken (HANDED_OVER → PARKED) and ``patcher``'s re-patch window
-        opens. True when what ComfyUI holds loaded is not the pack's placement (a detached clone's own load, which
-        ComfyUI keeps, or a hand-over whose books changed since): the load must start from the host.
+        """``partially_load`` begins: takes a hand-over and opens ``patcher``'s re-patch window. True when what
+        ComfyUI holds is not our placement, so the load must start from the host.
 
-        A placement that streamed nothing, handed over for the same ``request``, is ``patcher``'s at once (UNPLACED,
-        owned): ComfyUI's partially_load keeps a model it holds whole without calling ``load``, so the pack would
-        not see it placed. For another request it starts from the host, or ComfyUI would keep it unplaced."""
+        A hand-over that streamed nothing is ``patcher``'s at once for the same ``request``: ComfyUI keeps a model it
+        holds whole without calling ``load``."""
         if self.repatching is not None and self.repatching != patcher:
             self._unexpected("partially_load", f"patcher {self.repatching}'s partially_load is still open")
         kept = self.phase is Phase.HANDED_OVER and self.parked_load == books
         self.repatching = patcher
         if self.phase is Phase.HANDED_OVER:
             self.parked_load = None
-            if not self.hidden:  # a placement that streamed nothing
+            if not self.hidden:
                 kept = kept and request == self.placed_for
                 if kept:
                     self.owner = patcher
@@ -530,11 +475,8 @@ class LoadProtocol:
         return self.phase is not Phase.STREAMING and books.weight_memory > 0 and not kept
 
     def unpatching(self, patcher: int, unpatch_weights: bool) -> Unpatch:
-        """``unpatch_model``: ComfyUI's partially_load calls it first, unpatching the weights when this clone's
-        patches differ from those loaded (a LoRA added or removed, another strength). That one is no unload: the
-        streamed blocks' host buffers hold the weights unpatched (their patches are applied on the device), so they
-        park for the next engine. Any other call unpatching the weights unloads them. The patcher stops the
-        engine; ``stopped`` and ``unloaded`` change the phase."""
+        """``unpatch_model``. The first call inside ``partially_load`` only clears changed patches; host buffers hold
+        unpatched weights, so the blocks park. Any other call unpatching weights is an unload."""
         repatch = self.repatching == patcher
         if repatch:
             self.repatching = None
@@ -543,23 +485,20 @@ class LoadProtocol:
         return Unpatch.REPATCH if repatch else Unpatch.UNLOAD
 
     def end_load(self, patcher: int) -> None:
-        """``partially_load`` returns (or raises): ``patcher``'s window closes. ComfyUI 0.3.75 and 0.33 both unpatch
-        first thing; a window still open means a ComfyUI whose re-patch the pack would take for an unload."""
+        """``partially_load`` returns or raises. Both supported hosts unpatch first thing, so a window still open means
+        a ComfyUI whose re-patch would be taken for an unload."""
         if self.repatching == patcher:
             self.repatching = None
             self._unexpected("partially_load", "it ended before its first unpatch_model")
 
-    # -- load: the pack's placement --------------------------------------------------------------------------------
+    # -- load
 
     def placing(self, streamed: frozenset[str]) -> None:
-        """``load`` places: the blocks it streams are hidden before ComfyUI's loader runs (parked ones included:
-        their engine adopts them; those it no longer streams become ordinary weights, for ComfyUI to load)."""
+        """Hides the blocks ``load`` streams before ComfyUI's loader runs."""
         self.hidden = streamed
 
     def placed(self, patcher: int, engine: Engine | None, request: object) -> None:
-        """``load`` is done: ``engine`` streams (STREAMING; started or kept from an earlier load of the same
-        placement), or, with None, the placement streams nothing (UNPLACED). ``patcher`` owns either, placed for
-        ``request``."""
+        """``load`` is done: ``engine`` streams, or with None nothing does; ``patcher`` owns it."""
         if self.engine is not None and self.engine is not engine:
             self._unexpected("load", "another engine is streaming; it is left running unseen")
         self.engine = engine
@@ -568,27 +507,22 @@ class LoadProtocol:
         self.parked_load = None
         self._enter(Phase.UNPLACED if engine is None else Phase.STREAMING, "load")
 
-    # -- stopping ------------------------------------------------------------------------------------------------
+    # -- stopping
 
     def stopped(self, park: bool) -> None:
-        """The engine stopped: its blocks parked (PARKED: a re-patch, a hand-over) or given back (UNPLACED: a real
-        unload, a load replacing the placement)."""
         self.engine = None
         if not park:
             self.hidden = frozenset()
         self._enter(Phase.PARKED if park else Phase.UNPLACED, "engine parked" if park else "engine stopped")
 
     def hands_over(self, patcher: int, unpatch_all: bool) -> bool:
-        """``detach(unpatch_all=False)``: ComfyUI hands the weights to a new clone (one per prompt) by detaching
-        the one it loaded. Only the owner hands over: of a streaming engine (which parks, then ``handed_over``), or
-        of a placement that streams nothing; another clone detached or deleted now is not what is loaded.
-        ``detach()`` unpatches all: an unload."""
+        """Whether ``detach`` hands the weights over: only the owner's ``detach(unpatch_all=False)``, since any other
+        clone may be detached or deleted at any time."""
         placed = self.phase is Phase.STREAMING or self.phase is Phase.UNPLACED
         return not unpatch_all and placed and self.owner == patcher
 
     def handed_over(self, books: LoadedBooks) -> None:
-        """The owner's detach is done: PARKED (or UNPLACED, owned: its placement streamed nothing) → HANDED_OVER,
-        with ComfyUI's books as it left them."""
+        """The owner's detach is done: PARKED (or owned UNPLACED) → HANDED_OVER, with ComfyUI's books then."""
         owned_unplaced = self.phase is Phase.UNPLACED and self.owner is not None
         if self.phase is not Phase.PARKED and not owned_unplaced:
             self._unexpected("detach", "the engine did not park")
@@ -597,7 +531,6 @@ class LoadProtocol:
         self._enter(Phase.HANDED_OVER, "detach")
 
     def unloaded(self) -> None:
-        """A real unload, the engine stopped and the parked blocks given memory of their own: UNPLACED, no owner."""
         if self.engine is not None:
             self._unexpected("unpatch_model", "the engine is still streaming")
         self.hidden = frozenset()
@@ -605,11 +538,10 @@ class LoadProtocol:
         self.owner = None
         self._enter(Phase.UNPLACED, "unload")
 
-    # -- sampling --------------------------------------------------------------------------------------------------
+    # -- sampling
 
     def placed_without_streaming(self, patcher: int) -> bool:
-        """Whether ``patcher``'s own placement streams nothing (``pre_run``: sampling without an engine is then
-        what was planned)."""
+        """Whether ``patcher``'s own placement streams nothing, so sampling without an engine is what was planned."""
         return self.phase is Phase.UNPLACED and self.owner == patcher
 
     def _enter(self, phase: Phase, call: str) -> None:
@@ -623,7 +555,7 @@ class LoadProtocol:
         )
 
 
-# -- the pack's state on a model: one holder on the nn.Module that all of ComfyUI's clones share ----------
+# -- the pack's state on a model, shared by all of ComfyUI's clones
 
 
 _ATTRIBUTE = "block_offload_state"
@@ -631,16 +563,14 @@ _ATTRIBUTE = "block_offload_state"
 
 @dataclass
 class ModelState(LoadProtocol):
-    """What outlives one patcher: ComfyUI loads a new clone of the model for every prompt. The engine, its owner,
-    the modules hidden from ComfyUI's loader and the hand-over's books are the load protocol's (``LoadProtocol``)."""
+    """What outlives one patcher, since ComfyUI loads a new clone for every prompt."""
 
     fallback: Fallback | None = None  # the placement that fit when the asked one ran out of memory
-    # The last engine's call order (its unit, its count of units, the order): the next engine of the model
-    # copies and reads ahead in it from its first step (the sequential wrapper's list order is not the calls').
+    # The last engine's call order (unit, unit count, order), so the next engine prefetches right from its first
+    # step (the sequential wrapper's list order is not the call order).
     call_order: tuple[str, int, tuple[int, ...]] | None = None
     patch_history: PatchHistory | None = None  # the patches the last engines ran, and for how many steps
-    # The host buffers the model's engines parked on stopping, for the next engine to take over; freed (the
-    # blocks given memory of their own) at a real unload.
+    # Host buffers parked by stopped engines, for the next engine; freed at a real unload.
     parking: ParkingLot = field(default_factory=ParkingLot)
 
 

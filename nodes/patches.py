@@ -1,28 +1,10 @@
-"""Weight patches on the streamed blocks (LoRA, model merges: whatever ``comfy.lora.calculate_weight`` applies):
-which weights carry them and how each is patched, the host tensors they hold, and the patches refused before
-anything is loaded.
+"""Weight patches on streamed blocks: which weights carry them and how each is patched (``patched_parameters``), the
+host tensors they hold, and the patches refused before anything loads.
 
-How each is patched (``patched_parameters``): a plain weight or bias of ComfyUI's ops, and one of a layer that
-stores its weight itself (``stored_by_layer``), is patched where it arrives; any other weight of ComfyUI's ops,
-and one with only wrapper patches, by weight functions at compute time. GGUF weights carry their patches to
-ComfyUI-GGUF's own ops (``tensor.patches``), which apply them at compute time. A weight of another leaf module
-(outside ComfyUI's ops) is patched once before packing: its block is packed again when its patches change. A
-weight of a module whose submodules hold weights too (Wan's blocks' and head's ``modulation``, LTX's
-``scale_shift_table``) is never patched: ComfyUI's load leaves such a module out (``ModelPatcher._load_list``),
-so a model merge or a LoRA key on it changes nothing in ComfyUI, and must change nothing here.
-
-The adapters (the LoRA's up and down matrices, whatever else a patch holds in host memory) travel with their
-block: packed once per set of patches into a host buffer of the block's (those as large as half the block or
-more stay where they lie: ``offload/streamed_block.py``), copied into the ring right after the block's weights on the
-copy stream, and read there by ``LoadedPatch``. ComfyUI's lowvram path instead copies each from pageable memory
-on the compute stream, layer by layer, at every step. ``adapter_bytes`` is the room they take in the ring.
-
-Refused: the engine packs and streams each weight at the shape and in the form it is stored in, so a patch that
-changes a weight's shape is refused (``refuse_reshaping_patches``), as is one that a weight stored as packed
-integers would get through a weight function (``refuse_patches_on_packed_weights``). Hook LoRAs
-(``comfy.hooks``) are refused on streamed blocks (``refuse_weight_hooks``): ComfyUI writes them into the
-parameters between model calls, which a streamed block, copied from its host buffer, does not follow.
-"""
+Adapters travel with their block, copied into the ring right after its weights, where ComfyUI's lowvram path would copy
+each from pageable memory at every step. Refused, since the engine streams each weight at its stored shape and form:
+reshaping patches, patches that would reach packed-integer weights through a weight function, and hook LoRAs, which
+ComfyUI writes into the parameters between calls, where a streamed copy never sees them."""
 
 from __future__ import annotations
 
@@ -40,20 +22,19 @@ from .blocks import inside
 
 
 def _carries_patches(weight: torch.Tensor) -> bool:
-    """A GGUF tensor: quantized bytes whose patches ride on the tensor to ComfyUI-GGUF's ops."""
+    """A GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops."""
     return hasattr(weight, "tensor_type") and hasattr(weight, "patches")
 
 
 def stored_by_layer(module: torch.nn.Module) -> bool:
-    """A layer whose weight ComfyUI's load stores through the layer's own ``set_weight`` (a quantized format
-    re-quantizes the patched weight): its ops compute from that form, with the format's kernel, only while it
-    has no weight or bias function. Its patched weight and bias are written where they arrive instead."""
+    """A layer that stores its weight through its own ``set_weight`` (a quantized format). Its ops use the format's
+    kernel only while it has no weight function, so its patches are written where they arrive."""
     return callable(getattr(module, "set_weight", None))
 
 
 def patched_by_comfyui(module: torch.nn.Module) -> bool:
-    """Whether ComfyUI's load patches ``module``'s own weights: not where its submodules hold weights too (its
-    ``_load_list`` skips those "random weights in non leaf modules", by name, as here)."""
+    """Whether ComfyUI's load patches ``module``'s own weights: its ``_load_list`` skips modules whose submodules
+    hold weights too (Wan's ``modulation``), so a patch there changes nothing, here as in ComfyUI."""
     own = {name for name, _ in module.named_parameters(recurse=False)}
     return all(name in own for name, _ in module.named_parameters())
 
@@ -61,17 +42,13 @@ def patched_by_comfyui(module: torch.nn.Module) -> bool:
 def patched_parameters(
     model: ModelPatcher, units: frozenset[str], patched_too: bool = False
 ) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.Tensor, str]]]]:
-    """The named units' modules with patched weights, each with its patched parameters and how each is patched:
-    ``carried`` (a GGUF tensor, whose patches ride on it to ComfyUI-GGUF's ops), ``arrival`` (a plain weight or
-    bias of ComfyUI's ops, or one of a layer that stores its weight itself: in place, where it arrives),
-    ``device`` (any other weight of ComfyUI's ops, and one with only wrapper patches: weight functions at compute
-    time), ``bake`` (outside ComfyUI's ops: once before packing).
-    Modules ComfyUI has loaded and patched only with ``patched_too``."""
+    """The named units' modules with patched weights, and each parameter's route: ``carried`` (GGUF), ``arrival``
+    (patched in place where it arrives), ``device`` (weight functions at compute time), ``bake`` (outside
+    ComfyUI's ops: once before packing). Modules ComfyUI already patched only with ``patched_too``."""
     if not model.patches and not any(model.weight_wrapper_patches.values()):
-        return  # nothing to look for: the walk of every module would be most of a load's time with no LoRA
+        return  # skip a walk of every module when there is no patch
     for name, module in model.model.named_modules():
-        # A module ComfyUI loaded and patched (resident in an earlier placement) holds these patches already,
-        # as ComfyUI's own load trusts the flag (its unpatch clears it).
+        # ComfyUI already patched it (resident earlier); its own load trusts the flag too.
         if not inside(name, units) or (getattr(module, "comfy_patched_weights", False) and not patched_too):
             continue
         if not patched_by_comfyui(module):
@@ -82,7 +59,7 @@ def patched_parameters(
             key = f"{name}.{param}"
             if key not in model.patches and not model.weight_wrapper_patches.get(key):
                 continue
-            if _carries_patches(tensor):  # ComfyUI-GGUF's layers read no weight functions
+            if _carries_patches(tensor):  # GGUF layers read no weight functions
                 routes.append((param, tensor, "carried"))
             elif ops_module and param in ("weight", "bias"):
                 on_arrival = key in model.patches and (stored_by_layer(module) or is_plain(tensor))
@@ -94,16 +71,14 @@ def patched_parameters(
 
 
 def is_plain(tensor: torch.Tensor) -> bool:
-    """A weight whose host buffer view holds it as computed from (no quantized format of its own)."""
+    """A float weight with no quantized format of its own."""
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_floating_point()
 
 
-# -- the host tensors a weight's patches hold (its adapters) ------------------------------------------
+# -- the host tensors a weight's patches hold (its adapters)
 
 
 class _WeightAdapter(Protocol):
-    """A weight adapter of ``comfy.weight_adapter`` (a LoRA's, a LoHa's, ...): its tensors are in ``weights``."""
-
     weights: list[Any] | tuple[Any, ...]
 
 
@@ -112,8 +87,7 @@ def _is_weight_adapter(value: object) -> TypeGuard[_WeightAdapter]:
 
 
 def host_tensors(value: object) -> Iterator[torch.Tensor]:
-    """The host tensors a patch holds (``comfy.lora``'s formats: tuples and lists of them, and the weight
-    adapters of ``comfy.weight_adapter``, whose tensors are in ``weights``), in a fixed order."""
+    """The host tensors a patch holds, in a fixed order."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu":
             yield value
@@ -124,7 +98,6 @@ def host_tensors(value: object) -> Iterator[torch.Tensor]:
         yield from host_tensors(value.weights)
 
 
-# A list (a weight's patches) comes back a list; a list or tuple (an adapter's weights), a list or tuple.
 @overload
 def with_host_tensors(value: list[Any], replacements: Iterator[torch.Tensor]) -> list[Any]: ...
 @overload
@@ -136,34 +109,32 @@ def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> ob
 
 
 def with_host_tensors(value: object, replacements: Iterator[torch.Tensor]) -> object:
-    """``value`` with its host tensors (in ``host_tensors``'s order) replaced from ``replacements``."""
+    """``value`` with its host tensors, in ``host_tensors``'s order, taken from ``replacements``."""
     if isinstance(value, torch.Tensor):
         return next(replacements) if value.device.type == "cpu" else value
     if isinstance(value, list):
         return [with_host_tensors(item, replacements) for item in value]
     if isinstance(value, tuple):
         items = [with_host_tensors(item, replacements) for item in value]
-        if hasattr(value, "_fields"):  # a namedtuple's class takes its fields as arguments
+        if hasattr(value, "_fields"):  # a namedtuple
             namedtuple_class: Callable[..., tuple[Any, ...]] = type(value)
             return namedtuple_class(*items)
         return tuple(items)
     if _is_weight_adapter(value):
-        adapter = copy.copy(value)  # the adapter's own code, around the copies
+        adapter = copy.copy(value)
         adapter.weights = with_host_tensors(value.weights, replacements)
         return adapter
     return value
 
 
 def unit_named(name: str, units: Container[str]) -> str | None:
-    """The one of ``units`` (module names) that the module ``name`` is, or lies inside; None if none."""
+    """The one of ``units`` that module ``name`` is or lies in; None if none."""
     parts = name.split(".")
     return next((prefix for end in range(len(parts), 0, -1) if (prefix := ".".join(parts[:end])) in units), None)
 
 
 def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> dict[str, int]:
-    """The host bytes of the patch adapters of each of the named units' weights (with its submodules'
-    unless not ``recurse``): what staging them with their unit adds to it. A weight ComfyUI never patches
-    (``patched_by_comfyui``) stages none."""
+    """Host bytes of each named unit's patch adapters: what staging them adds to the unit."""
     held: dict[str, dict[int, int]] = {}
     for key, patches in model.patches.items():
         owner = key.rpartition(".")[0]
@@ -175,12 +146,12 @@ def adapter_bytes(model: ModelPatcher, units: frozenset[str], recurse: bool) -> 
     return {unit: sum(tensors.values()) for unit, tensors in held.items()}
 
 
-# -- what a patch may not change about a streamed weight ------------------------------------------------
+# -- what a patch may not change about a streamed weight
 
 
 def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
-    """The shape ``patches`` give ``weight``: ComfyUI's own ``calculate_shape`` (0.33 and later), else the one
-    patch that changed a shape before it, a "diff" that pads the weight (``pad_weight``)."""
+    """The shape ``patches`` give ``weight``: ComfyUI's ``calculate_shape`` (0.33), else the one patch that reshaped
+    before it, a padding "diff"."""
     calculate_shape = getattr(comfy.lora, "calculate_shape", None)
     if calculate_shape is not None:
         return calculate_shape(patches, weight, key)
@@ -195,14 +166,12 @@ def patched_shape(patches: list, weight: torch.Tensor, key: str) -> torch.Size:
 
 
 def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
-    """Raises, before anything is loaded, where a patch changes the shape of a weight in a ``streamed`` module:
-    the engine packs and streams each weight at the shape it is stored in, so it would compute with the wrong
-    one. A weight ComfyUI's load never patches (one of a module whose submodules hold weights too) is left out."""
+    """Raises, before anything loads, where a patch changes a streamed weight's shape."""
     for key, patches in model.patches.items():
         if not inside(key, streamed):
             continue
         if not patched_by_comfyui(comfy.utils.get_attr(model.model, key.rpartition(".")[0])):
-            continue  # a patch ComfyUI ignores, as the engine does
+            continue
         weight = comfy.utils.get_attr(model.model, key)
         shape = patched_shape(patches, weight, key)
         if tuple(shape) != tuple(weight.shape):
@@ -215,10 +184,9 @@ def refuse_reshaping_patches(model: ModelPatcher, streamed: frozenset[str], node
 
 
 def refuse_patches_on_packed_weights(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
-    """Raises, before anything is loaded, where a patch would reach a ``streamed`` weight stored as packed integers
-    (not a float, not a quantized tensor ComfyUI's ops cast) through a weight function: ComfyUI's
-    ``calculate_weight`` would read the packed bytes as the weight (ComfyUI-GGUF's Q4_CR_W4A4 layers, whose
-    patches only the layer itself applies, from its patcher's ``patch_weight_to_device``)."""
+    """Raises, before anything loads, where a weight function would reach a streamed weight stored as packed
+    integers: ``calculate_weight`` would read the bytes as the weight (ComfyUI-GGUF's Q4_CR_W4A4 layers patch
+    themselves)."""
     for name, module, routes in patched_parameters(model, streamed):
         for param, tensor, route in routes:
             key = f"{name}.{param}"
@@ -233,8 +201,8 @@ def refuse_patches_on_packed_weights(model: ModelPatcher, streamed: frozenset[st
 
 
 def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -> TensorForm | None:
-    """Copies ``patched`` into ``current``'s memory, part by part (a quantized tensor's data and scales).
-    Returns ``patched``'s form where its description (class, context) differs from ``current``'s."""
+    """Copies ``patched`` into ``current``'s memory part by part. Returns ``patched``'s form where its description
+    differs; raises where its storage layout changed."""
     into, source = TensorForm.of(current, key), TensorForm.of(patched, key)
     targets, sources = list(into.parts_of(current)), list(source.parts_of(patched))
     same = len(targets) == len(sources) and all(
@@ -249,20 +217,16 @@ def overwrite_in_place(current: torch.Tensor, patched: torch.Tensor, key: str) -
         )
     with torch.no_grad():
         for target, part in zip(targets, sources, strict=True):
-            if (target.data_ptr(), target.stride()) != (part.data_ptr(), part.stride()):  # else patched where it lies
+            if (target.data_ptr(), target.stride()) != (part.data_ptr(), part.stride()):
                 target.copy_(part)
     return source if source.is_wrapper and source.context != into.context else None
 
 
-# -- hook LoRAs (Create Hook LoRA, hooks set on a conditioning) ------------------------------------------
-# ComfyUI writes a hook's patched weight into the parameter (``patch_hooks``: ``copy_to_param``) whenever the
-# conditioning's hooks change. A streamed block computes from its own copy, so it would silently ignore the hook,
-# and on a Dynamic VRAM twin ComfyUI would write into the checkpoint file's read-only mapping (a crash).
+# -- hook LoRAs: ComfyUI's ``patch_hooks`` writes into the parameter, which a streamed block's copy ignores and a
+# Dynamic VRAM twin's read-only file mapping crashes on.
 
 
 def hook_strengths(model: ModelPatcher, streamed: frozenset[str]) -> dict[str, set[float]]:
-    """Each weight of ``streamed`` modules that the hooks registered on ``model`` patch, with those patches'
-    strengths."""
     strengths: dict[str, set[float]] = {}
     for patches in model.hook_patches.values():
         for key, entries in patches.items():
@@ -272,9 +236,8 @@ def hook_strengths(model: ModelPatcher, streamed: frozenset[str]) -> dict[str, s
 
 
 def refuse_weight_hooks(model: ModelPatcher, streamed: frozenset[str], node: str) -> None:
-    """Raises where the hooks registered for this sampling patch a weight of a ``streamed`` module. A hook of
-    model strength 0 is refused too, since ComfyUI writes its weights all the same (into a Dynamic VRAM twin's
-    file mapping, fatally), but told how to keep it on the text encoder only."""
+    """Raises where this sampling's hooks patch a streamed weight. Strength 0 is refused too: ComfyUI writes the
+    weights anyway (fatally, into a Dynamic VRAM twin's file mapping)."""
     strengths = hook_strengths(model, streamed)
     if not strengths:
         return

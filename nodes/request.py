@@ -12,50 +12,43 @@ from ..offload import ResidencyPolicy
 
 # Set by the tests and the CPU demo: exercise the whole streaming path with the CPU as "device".
 ALLOW_CPU_ENV = "BLOCK_OFFLOAD_ALLOW_CPU"
-# "0": stream a Dynamic VRAM model even where the rule of ``offload/plan.py`` would leave it to ComfyUI
-# (the GPU tests' tiny models always fit; a user may want VRAM kept free for other work).
+# "0": stream even a model that fits (the GPU tests' tiny models; a user keeping VRAM free for other work).
 STEP_ASIDE_ENV = "BLOCK_OFFLOAD_STEP_ASIDE"
 
 
 @dataclass(frozen=True)
 class OffloadRequest:
-    """A node's settings. Only when ComfyUI loads the model are its budget and device known, so the
-    placement (``nodes/placement.py``) is made then, from this."""
+    """A node's settings. The budget and device are known only when ComfyUI loads the model, so the placement is made
+    then, from this."""
 
     node: str
     resident_blocks: int | None = None
-    budget_bytes: int | None = None  # 0: whatever ComfyUI's budget leaves after the rest of the model
+    budget_bytes: int | None = None  # 0: what ComfyUI's budget leaves after the rest of the model
     policy: ResidencyPolicy = ResidencyPolicy.LEADING
     prefetch: int = 1
     pin_memory: bool = True
     sequential: bool = False
     storage_dtype: torch.dtype | None = None
     vram_limit_bytes: int = 0
-    # Resident blocks and prefetch chosen by offload.planner from measured costs (``policy`` until measured).
-    auto_placement: bool = False
-    # The MODEL came from ComfyUI's Dynamic VRAM: the pack streams its classic twin (``nodes/dynamic_vram.py``).
+    auto_placement: bool = False  # planned from measured costs; ``policy`` until measured
     dynamic_vram_twin: bool = False
-    # The MODEL's Dynamic VRAM patcher class makes its classic clone itself (ComfyUI-GGUF's): its name; the pack
-    # streams that clone, as a classic model.
-    own_classic_path: str = ""
-    # Why a block node streams module by module (its model has no block lists): logged, and shown by the panel.
-    notice: str = ""
+    own_classic_path: str = ""  # the patcher class that makes its own classic clone (ComfyUI-GGUF's)
+    notice: str = ""  # why a block node streams module by module
 
     def module_by_module(self, notice: str) -> OffloadRequest:
-        """This block node's request for a model without block lists: streamed as the Sequential Offload Wrapper
-        streams it (weights copied as loaded), Partial GPU Residency's budget kept as the modules' device limit."""
+        """This request for a model without block lists: streamed as the Sequential Offload Wrapper does, Partial GPU
+        Residency's budget kept as the modules' device limit."""
         return dataclasses.replace(
             self, sequential=True, resident_blocks=None, vram_limit_bytes=self.budget_bytes or 0, notice=notice
         )
 
     @property
     def automatic_budget(self) -> bool:
-        """Partial GPU Residency at 0 GiB: the budget is what ComfyUI leaves for the model's weights."""
+        """Partial GPU Residency at 0 GiB: the budget is what ComfyUI leaves for weights."""
         return not self.sequential and self.resident_blocks is None and not self.budget_bytes
 
     @property
     def loader(self) -> str:
-        """Which of ComfyUI's loaders the weights came from, for the plan line and the panel."""
         if self.dynamic_vram_twin:
             return "a Dynamic VRAM model, streamed from its checkpoint file"
         if self.own_classic_path:
@@ -68,5 +61,5 @@ def may_step_aside() -> bool:
 
 
 def streaming_allowed(device: torch.device) -> bool:
-    """On the CPU there is no device memory to save, unless the tests or the demo ask to stream anyway."""
+    """On the CPU there is no device memory to save, unless tests or the demo ask."""
     return device.type != "cpu" or os.environ.get(ALLOW_CPU_ENV) == "1"

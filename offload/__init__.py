@@ -1,18 +1,9 @@
 """The offload engine: pure PyTorch, no ComfyUI.
 
-* ``StreamSpec`` is what a host asks of an engine, in frozen parts by concern (``HostOptions``, ``RingOptions``,
-  ``FileOptions``, ``CallOptions``; ``SequentialOptions`` for the sequential wrapper).
-* ``stream_blocks`` returns the ``BlockStreamer`` that streams chosen blocks of a stack through reusable
-  device slots; ``stream_modules`` the ``SequentialOffloader`` that streams every tensor-owning module of any
-  model.
-* ``OffloadPlan`` says which blocks stay resident (count, byte budget, policy).
-* ``Runner`` is what a host uses of either.
-* ``TimelineRecorder`` times each block's copy and compute on the device.
-* ``PinnedMemoryBudget`` caps the page-locked host memory the streamers take.
-* ``find_blocks`` finds a model's transformer blocks from its module tree.
-* ``best_plan`` picks the fastest placement for a budget from measured ``StackCosts``.
-* ``PROCESS_STATE`` holds what belongs to the process, not to an engine, each entry with why.
-"""
+A host describes what it wants in one frozen ``StreamSpec`` and passes it to ``stream_blocks`` (a ``BlockStreamer`` over
+chosen blocks of a stack) or ``stream_modules`` (a ``SequentialOffloader`` over every tensor-owning module); it then
+uses either through ``Runner``. ``OffloadPlan`` says which blocks stay resident, ``best_plan`` picks the fastest one for
+a budget from measured ``StackCosts``, and ``find_blocks`` finds a model's blocks from its module tree."""
 
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms

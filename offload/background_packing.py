@@ -1,18 +1,10 @@
-"""Packs a streamer's blocks into their host buffers on a thread of its own, while the model already streams.
+"""Packs a streamer's blocks into their host buffers on a thread of its own while the model already streams, so a
+first prompt does not wait for packing.
 
-Packing a block (a fresh host buffer, the copy of its weights into it, the driver's page-locking) costs about
-as much as copying it, into pages the kernel must first fault in: seconds for a large model, which a first
-prompt would wait for before its first step. Instead the streamer starts at once, copying each block from
-wherever its bytes are (the loader's tensors, its checkpoint file's mapping), and this thread packs the blocks
-one by one, in the order the steps call them (``HostBlocks.pack_later`` records a block as waiting). Each
-packed block replaces its sources between two of its calls (``BackgroundPacking.pack_waiting``), so the
-streamed bytes are never held twice but for the one block being packed, and every step sees exactly the same
-weights, whatever mix of packed and waiting blocks it copies.
-
-The thread only copies and page-locks; the books (the pin budget, ComfyUI's counts) are kept by the thread
-that runs the model, when it next looks (``BackgroundPacking.settle``). Copies and page-locking release the
-GIL, so the sampling thread runs on.
-"""
+Blocks are packed in call order; until then they are copied from wherever their bytes are. Each packed block replaces
+its sources between two of its calls, so bytes are never held twice (but the block being packed) and every step sees the
+same weights. The thread only copies and page-locks, both releasing the GIL; the books are kept by the streamer's thread
+in ``settle``."""
 
 from __future__ import annotations
 
@@ -27,18 +19,18 @@ from .pinning import HostMemory, filled_host_buffer, pin_in_place, whole_storage
 from .streamed_block import StreamedBlock
 from .system_memory import release_freed_host_memory
 
-#: Freed sources returned to the system at least this often (bytes), and once more when the thread ends.
+#: Freed sources go back to the system every this many bytes, not per block: each trim walks the heap under
+#: its lock, and the sequential wrapper packs thousands of modules.
 TRIM_BYTES = 32 * 2**20
 
 
 class PackingStopped(Exception):
-    """Raised inside a block's packing when the streamer stops it: the half-filled buffer is dropped."""
+    """Raised inside a block's packing when the streamer stops it; the half-filled buffer is dropped."""
 
 
 class PackingThread:
-    """Runs ``pack(index, stopping)`` for each of ``indices`` in turn, on a daemon thread, until done, stopped,
-    or one raises (kept in ``error`` for the streamer's thread to raise; the rest are not packed).
-    ``pack`` checks ``stopping`` between its copies and raises ``PackingStopped`` when it is set."""
+    """Runs ``pack(index, stopping)`` for each of ``indices`` on a daemon thread, until done, stopped, or one raises;
+    the error is kept in ``error`` for the streamer's thread to raise."""
 
     def __init__(
         self,
@@ -48,10 +40,9 @@ class PackingThread:
     ) -> None:
         self._pack = pack
         self.indices = tuple(indices)
-        self._at_end = at_end  # run on the thread once it ends, whatever the reason
-        # The starting thread's inference mode, which is per thread: buffers and the tensors rebuilt around them
-        # are made as packing before the first step made them (a host samples under ``torch.inference_mode``,
-        # and ComfyUI re-wraps a quantized weight whose inner tensors are inference tensors only in that mode).
+        self._at_end = at_end  # run on the thread however it ends
+        # Inference mode is per thread: buffers must be made as the starting thread made them, since ComfyUI
+        # re-wraps a quantized weight with inference inner tensors only in that mode.
         self._inference_mode = torch.is_inference_mode_enabled()
         self.stopping = threading.Event()
         self.error: BaseException | None = None
@@ -65,12 +56,11 @@ class PackingThread:
         return self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stops after the copy under way (a block half packed is dropped), and waits for the thread."""
+        """Stops after the copy under way (a half-packed block is dropped) and waits for the thread."""
         self.stopping.set()
         self.join()
 
     def join(self, timeout: float | None = None) -> None:
-        """Waits until every block is packed (or the thread stopped or failed)."""
         if self._thread.ident is not None:
             self._thread.join(timeout)
 
@@ -96,16 +86,13 @@ class PackingThread:
 
 
 def _go_on(stopping: threading.Event) -> None:
-    """Between two copies of a block's packing: raises ``PackingStopped`` once its streamer stops it."""
     if stopping.is_set():
         raise PackingStopped
 
 
 class BackgroundPacking:
-    """The packing in the background of one ``HostBlocks``' waiting blocks (``blocks``, the same dict): the
-    thread, what it handed over whose books are not kept yet, and the files the waiting blocks are copied from.
-    ``lock`` is the host side's: held around each hand-over. ``memory`` keeps the pin budget's books. ``device``:
-    where the blocks are copied to."""
+    """The background packing of one ``HostBlocks``' waiting blocks (the same ``blocks`` dict). ``lock`` is the host
+    side's, held around each hand-over."""
 
     def __init__(
         self, blocks: dict[int, StreamedBlock], memory: HostMemory, lock: threading.Lock, device: torch.device
@@ -114,39 +101,36 @@ class BackgroundPacking:
         self.memory = memory
         self.lock = lock
         self.device = device
-        self.packed_bytes = 0  # copied into host buffers by the thread since the streamer started
-        self.total_bytes = 0  # what it has packed and what was left to it when it last started
+        self.packed_bytes = 0
+        self.total_bytes = 0
         self._thread: PackingThread | None = None
-        self._unsettled: list[StreamedBlock] = []  # handed over, their books not yet kept (``settle``)
-        self._driver_refused = False  # a registration failed: the driver is not asked again by this streamer
-        self._stamps: tuple[FileStamp, ...] = ()  # the files waiting blocks are copied from, as they were
-        self._untrimmed = 0  # bytes of sources freed since the heap was last trimmed
+        self._unsettled: list[StreamedBlock] = []  # handed over, books not yet kept
+        self._driver_refused = False  # once refused, the driver is not asked again
+        self._stamps: tuple[FileStamp, ...] = ()
+        self._untrimmed = 0
 
     @property
     def running(self) -> bool:
-        """Whether blocks are still being packed by a running thread."""
         return self._thread is not None and self._thread.running
 
     @property
     def progress(self) -> tuple[int, int]:
-        """Bytes the thread has packed, and those it had to pack, since the streamer started."""
+        """Bytes packed by the thread, and bytes it had to pack, since the streamer started."""
         return self.packed_bytes, self.total_bytes
 
     @property
     def waiting_bytes(self) -> int:
-        """The bytes of the blocks still waiting to be packed."""
         return sum(state.storage.nbytes for state in self.blocks.values() if state.waiting)
 
     @property
     def pinning_progress(self) -> tuple[int, int]:
-        """Bytes of blocks pinned now, and of those that will be once the waiting ones holding a reservation are
-        packed (the driver may still refuse some)."""
+        """Bytes pinned now, and pinned once waiting blocks with a reservation are packed (the driver may still
+        refuse some)."""
         pinned = sum(state.pinned_bytes for state in self.blocks.values() if state.pinned)
         waiting = sum(state.pinned_bytes for state in self.blocks.values() if state.waiting)
         return pinned, pinned + waiting
 
     def start(self, order: Sequence[int], file_slice: Callable[[torch.Tensor], FileSlice | None] | None) -> None:
-        """Packs the waiting blocks on a thread, in ``order`` (the order the steps call them) then the others'."""
         self.stop()
         waiting = [index for index, state in self.blocks.items() if state.waiting]
         self.total_bytes = self.packed_bytes + sum(self.blocks[index].storage.nbytes for index in waiting)
@@ -161,22 +145,20 @@ class BackgroundPacking:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the thread (the block it is packing is dropped, the rest keep waiting); books kept."""
+        """Stops the thread (its block is dropped, the rest keep waiting) and keeps the books."""
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
         self._keep_books()
 
     def finish(self) -> None:
-        """Waits until every waiting block is packed, then ``settle``."""
         if self._thread is not None:
             self._thread.join()
         self.settle()
 
     def settle(self) -> None:
-        """On the streamer's thread: the books of the blocks the thread handed over (``_keep_books``), and what
-        packing raised, raised here once. A file that changed under waiting blocks, which the copies read from,
-        raises ``FileChangedError`` naming it."""
+        """On the streamer's thread: keeps the books of handed-over blocks and raises what packing raised, once.
+        Raises ``FileChangedError`` if a file under waiting blocks changed."""
         self._keep_books()
         thread = self._thread
         if thread is not None and thread.error is not None:
@@ -189,9 +171,8 @@ class BackgroundPacking:
                 stamp.check()
 
     def _keep_books(self) -> None:
-        """The pin budget's books for the blocks the thread handed over: a registration the driver refused gives
-        its reservation back, a block pinned in place what its reservation held beyond its tensors' bytes (the
-        alignment between them in a host buffer)."""
+        """Pin-budget books for handed-over blocks: a refused registration returns its reservation; a block pinned in
+        place returns what its reservation held beyond its tensors (alignment)."""
         while self._unsettled:
             state = self._unsettled.pop()
             if not state.pinned and state.pinned_bytes:
@@ -203,16 +184,13 @@ class BackgroundPacking:
                 state.pinned_bytes = registered
 
     def _kept_in_place(self, state: StreamedBlock, pin: bool) -> bool:
-        """Keeps a waiting block where its sources lie, when they are memory of the process (the classic loader's
-        tensors, not views of a file) holding exactly what it streams, page-locked there with ``pin``: twice as
-        fast as copying them into a fresh buffer and locking that (``bench/pinning.py``), and nothing copied or
-        held twice; without, a copy into a pageable buffer would gain nothing. The block streams from its sources
-        from now on. False (nothing done) where they are not, or the driver refuses them: it is packed."""
+        """Pins a waiting block where its sources lie, when they are process memory holding exactly what it streams:
+        faster than copying, and nothing held twice. False, doing nothing, otherwise or when the driver refuses."""
         assert state.sources is not None
         if state.file_backed:
             return False
         if any(source.dtype != part.dtype for source, part in zip(state.sources, state.storage.parts, strict=True)):
-            return False  # stored in other dtypes than it streams in: each copy would cast (packing casts once)
+            return False  # each copy would cast; packing casts once
         storages = whole_storages(state.sources)
         if sum(storage.numel() for storage in storages) > state.storage.nbytes:
             return False  # memory shared beyond the block
@@ -222,16 +200,15 @@ class BackgroundPacking:
             state.in_place, state.pinned = True, pin
             if pin:
                 state.pinned_in_place = storages
-            elif state.pinned_bytes:  # reserved, but the driver refused an earlier block
+            elif state.pinned_bytes:
                 state.pageable_because = "driver"
             self._unsettled.append(state)
             self.packed_bytes += state.storage.nbytes
         return True
 
     def pack_waiting(self, index: int, stopping: threading.Event) -> None:
-        """On the thread: block ``index`` kept where its sources lie (``_kept_in_place``), or copied from them into a
-        host buffer (page-locked where it holds a reservation and the driver has not refused), then handed over
-        under ``lock``: its tensors point at the buffer from its next call on (now, between two calls)."""
+        """On the thread: block ``index`` pinned in place, or copied into a host buffer, then handed over under
+        ``lock``; its tensors point at the buffer from its next call."""
         state = self.blocks.get(index)
         if state is None or not state.waiting:
             return
@@ -250,8 +227,8 @@ class BackgroundPacking:
             self._driver_refused = True
         views = state.storage.views(host)
         with self.lock:
-            # Kept until the copies issued from them before the hand-over are done (one from page-locked sources
-            # still reads them after it returns): until then nothing may free them.
+            # Kept alive until copies issued from them are done: a copy from page-locked memory reads them after
+            # it returns.
             replaced = state.sources, state.host_views
             state.host, state.host_views, state.sources = host, views, None
             state.pinned = pinned
@@ -263,11 +240,9 @@ class BackgroundPacking:
             self.packed_bytes += state.storage.nbytes
             ready = state.ready
         if ready is not None:
-            ready.synchronize()  # a copy issued from the sources before the hand-over has read them
+            ready.synchronize()
         del replaced
-        # The sources are freed now (nothing else held them): their heap memory goes back to the system as packing
-        # goes, so the streamed weights are never held twice, not only once packing ends (every TRIM_BYTES: the
-        # sequential wrapper packs modules by the thousand, and each trim walks the heap under its lock).
+        # Return freed sources to the system as packing goes, not only at its end.
         self._untrimmed += state.storage.nbytes
         if self._untrimmed >= TRIM_BYTES:
             release_freed_host_memory()

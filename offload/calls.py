@@ -1,19 +1,11 @@
-"""How the engine sees the model run and what it does at each call.
+"""How the engine sees the model run, and what it does at each call (the stream rules are in ``streamer.py``).
 
-* ``StepCalls``: the calls open now (running inside each other, outermost first), the order this step has
-  called blocks in so far, and the order the next calls are expected in. The order is learned: the first step
-  assumes the order it is given (an earlier engine's, else list order), later steps the order the previous step
-  really used, so blocks that run twice, out of order or not at all cost a miss (an unhidden copy) at most once.
-  A step that raised teaches nothing: the blocks after where it stopped would not be copied ahead in the next.
-* The hooks: a pair per module called (a block, or the holder that brings blocks in), a wrapper around each
-  method of its own a model runs a block through instead of calling it, and a pair around the root's forward,
-  which brackets one step.
-* ``BlockCalls``: what runs through them. A step's start settles the background packing and issues the copies
-  of the first blocks it expects. A block call waits (on the device) for its block's copy, points the block's
-  parameters at its region of the ring, runs the host's transform there, and issues the next copies. The
-  call's end records when the compute stream is done with the region (a later copy into any of its bytes waits
-  on that), and points the parameters back at the host buffers.
-"""
+* ``StepCalls``: the open calls and the call order. The order is learnt: the first step assumes the given one (an
+earlier engine's, else list order), later steps the previous step's, so a block that runs twice, out of order or not at
+all costs one unhidden copy at most once. A step that raised teaches nothing. * The hooks: a pair per module called (a
+block, or the holder that brings blocks in), a wrapper per block method the model calls instead of the block, and a pair
+around the root's forward, which brackets one step. * ``BlockCalls``: what the hooks do: wait for the copy, point the
+parameters at the ring, transform, copy ahead, record the release and point the parameters back."""
 
 from __future__ import annotations
 
@@ -45,24 +37,22 @@ class StepCalls:
     def __init__(self, units: int, call_order: Sequence[int] | None = None) -> None:
         known = call_order is not None and all(0 <= index < units for index in call_order)
         self.expected: list[int] = list(call_order) if known and call_order else list(range(units))
-        self.order: list[int] = []  # this step's calls so far
+        self.order: list[int] = []
         self.open: list[OpenCall] = []
 
     @property
     def in_step(self) -> bool:
-        """Whether a step has begun calling blocks and not ended."""
         return bool(self.open or self.order)
 
     def running(self, block: int) -> bool:
-        """Whether ``block`` has a call open now."""
         return any(call.block == block for call in self.open)
 
     def held(self) -> set[int]:
-        """The blocks running now: their memory must not be overwritten."""
+        """The blocks running now, whose memory must not be overwritten."""
         return {call.block for call in self.open}
 
     def upcoming(self, streamed: Container[int], count: int) -> Iterator[int]:
-        """The next ``count`` ``streamed`` blocks expected to be called, wrapping into the next step."""
+        """The next ``count`` ``streamed`` blocks expected, wrapping into the next step."""
         return look_ahead(self.expected, len(self.order), streamed, count)
 
     def arrived(self, block: int) -> None:
@@ -72,8 +62,7 @@ class StepCalls:
         self.open.append(call)
 
     def closed(self, block: int) -> Iterator[OpenCall]:
-        """The calls that end with ``block``'s: its own and any an exception left open inside it, innermost
-        first."""
+        """The calls that end with ``block``'s: its own and any an exception left open inside it, innermost first."""
         while self.open:
             call = self.open.pop()
             yield call
@@ -81,7 +70,7 @@ class StepCalls:
                 return
 
     def close_all(self) -> Iterator[OpenCall]:
-        """Every open call, innermost first: those an exception left open."""
+        """Every open call an exception left, innermost first."""
         while self.open:
             yield self.open.pop()
 
@@ -89,7 +78,7 @@ class StepCalls:
         self.order = []
 
     def step_ended(self, learn: bool = True) -> None:
-        """The next step is expected to call blocks in this one's order (if it called any, and ``learn``)."""
+        """The next step is expected in this one's order, if it called any and ``learn``."""
         if self.order and learn:
             self.expected = self.order
         self.order = []
@@ -103,9 +92,8 @@ class Removable(Protocol):
 
 
 def eager(hook: Hook) -> Hook:
-    """``hook``, run as plain Python under ``torch.compile``: the engine's hooks issue copies, record events
-    and repoint parameters, which a traced graph would bake in once; the compiler breaks the graph around
-    them instead, and compiles the blocks' own code between them."""
+    """``hook`` run as plain Python under ``torch.compile``: its copies, events and repointing would be baked into a
+    traced graph once, so the compiler breaks the graph around it."""
     disable: Callable[..., object] = torch.compiler.disable
     return cast(Hook, disable(hook, recursive=True))
 
@@ -119,13 +107,12 @@ def hook_calls(
     after: Callable[[], None],
     running: Callable[[int], bool],
 ) -> list[Removable]:
-    """Calls ``begins(i)`` before block ``i`` runs and ``ends(i)`` once it has (even when it raised), then
-    ``after()``. ``holders[i]``: the module whose call brings block ``i`` in, where that is not the block
-    itself. One pair of hooks per module called: a holder brings in every block it holds and lets them go in
-    the reverse order, so a call ending never releases a call around it. ``methods[i]``: block ``i``'s own
-    methods the model runs it through besides its call, each run a call of the block unless the block is
-    ``running`` already (the method runs inside its call or another of its methods: ending there would release
-    the block under the outer call)."""
+    """Calls ``begins(i)`` before block ``i`` runs and ``ends(i)`` after, even when it raised, then ``after()``.
+
+    ``holders[i]``: the module whose call brings block ``i`` in. One hook pair per module called; a holder lets its
+    blocks go in reverse order, so an ending call never releases one around it. ``methods[i]``: block methods the model
+    runs instead of calling it, each a call unless the block is ``running`` already (ending there would release it under
+    the outer call)."""
     callers: dict[int, tuple[nn.Module, list[int]]] = {}
     for index, block in enumerate(blocks):
         caller = holders.get(index, block)
@@ -142,10 +129,8 @@ def hook_calls(
 
 
 class _MethodCalls:
-    """Block ``index``'s method ``name``, replaced on the block (an instance attribute before its class's) by
-    one that brackets it with ``begins(index)`` and ``ends(index)``, then ``after()``, unless the block is
-    ``running`` already. The end runs whatever the method raised: an interrupt (a ``BaseException``) leaves no
-    call open either."""
+    """Block ``index``'s method ``name``, shadowed by an instance attribute that brackets it with ``begins`` and
+    ``ends`` unless the block is ``running``. The end runs whatever the method raised, interrupts included."""
 
     def __init__(
         self,
@@ -165,7 +150,7 @@ class _MethodCalls:
                 return False
             try:
                 begins(index)
-            except BaseException:  # the call may be open already: closed, as a module's post-hook closes it
+            except BaseException:  # the call may be open already: close it, as a post-hook would
                 ends(index)
                 raise
             return True
@@ -193,9 +178,8 @@ class _MethodCalls:
 
 
 def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[bool], None]) -> list[Removable]:
-    """Calls ``begin()`` before ``root``'s forward, every other hook of it included (the root may be a block
-    too), and ``end(returned)`` after it, even when it raised: ``returned`` False then (PyTorch hands a hook
-    run for a forward that raised no output)."""
+    """Calls ``begin()`` before ``root``'s forward, ahead of its other hooks (the root may be a block too), and
+    ``end(returned)`` after, even when it raised: PyTorch then hands the hook no output."""
     return [
         root.register_forward_pre_hook(eager(lambda *_: begin()), prepend=True),
         root.register_forward_hook(eager(lambda _root, _args, output: end(output is not None)), always_call=True),
@@ -205,7 +189,6 @@ def hook_step(root: nn.Module, begin: Callable[[], None], end: Callable[[bool], 
 def _each(
     call: Callable[[int], None], indices: tuple[int, ...], then: Callable[[], None] | None = None
 ) -> Callable[..., None]:
-    """A hook calling ``call`` for each of ``indices`` in turn, then ``then``."""
 
     def hook(module: nn.Module, *_: object) -> None:
         for index in indices:
@@ -217,8 +200,7 @@ def _each(
 
 
 class BlockCalls:
-    """The steps and block calls of one streamer (see the module docstring): its ring's device, host blocks,
-    prefetch (how many blocks are copied ahead) and recorder; ``transforms``: see ``StreamSpec``."""
+    """The steps and block calls of one streamer (see the module docstring)."""
 
     def __init__(
         self, ring: DeviceRing, files: FileTier, calls: StepCalls, transforms: Mapping[int, Transform]
@@ -230,10 +212,9 @@ class BlockCalls:
         self.host: HostBlocks = ring.host
         self.recorder: TimelineRecorder | None = ring.recorder
         self.transforms = transforms
-        self._pageable_deferred = False  # some streamed block's copies wait for the post-hook
+        self._pageable_deferred = False  # some block's copies wait for the post-hook
 
     def hook(self, blocks: Sequence[nn.Module], options: CallOptions) -> list[Removable]:
-        """Hooks the blocks' calls, and the root's forward as the step, to this; returns the handles."""
         handles = hook_calls(
             blocks,
             options.holders,
@@ -248,19 +229,18 @@ class BlockCalls:
         return handles
 
     def sources_changed(self) -> None:
-        """Some blocks' host memory changed kind (packed, pinned or unpinned): which copies wait for a call's
-        post-hook is decided again."""
+        """Some blocks' host memory changed kind (packed, pinned, unpinned): decide again which copies wait for a
+        post-hook."""
         self._pageable_deferred = any(self._deferred(state) for state in self.host.blocks.values())
 
     def _prefetch(self, defer_pageable: bool = False) -> None:
-        """Issues the copies of the next streamed blocks, as far ahead as the ring has room, and the reads of
-        the file-tier blocks after them.
+        """Issues the copies of the next streamed blocks as far ahead as the ring has room, and the reads of the
+        file-tier blocks after them.
 
-        ``defer_pageable``: skip blocks in pageable memory. A copy from pageable memory holds the host
-        thread until it is done (the driver stages it), so issued before a block's kernels are launched
-        it would keep the device idle for the whole copy; the post-hook issues it instead, with the block
-        just launched computing meanwhile. A file-tier block whose read is not done is copied later too:
-        waiting for it would hold up the launch of the block about to run."""
+        ``defer_pageable``: skip blocks in pageable memory. Such a copy holds the host thread until done (the driver
+        stages it), so issued before the block's kernels it would idle the device; the post-hook issues it with the
+        block just launched. A file-tier block whose read is not done is deferred too, so its wait never delays the next
+        launch."""
         if not self.host.blocks:
             return
         books, _ = self.ring.allocated()
@@ -275,7 +255,7 @@ class BlockCalls:
             self.ring.load,
             skip,
         )
-        if self.files.reader is not None:  # no look-ahead over every block at each call without a file tier
+        if self.files.reader is not None:  # spares a look over every block at each call
             self.files.read_ahead(
                 self.calls.upcoming(self.host.blocks, len(self.host.blocks)), self.ring.options.prefetch
             )
@@ -288,12 +268,11 @@ class BlockCalls:
         return not (self.files.pinned if state.read is not None else state.pinned)
 
     def begin_step(self) -> None:
-        """Marks the start of one pass through the blocks (the root module's forward)."""
         self.finish_active()
         self.files.check_files()
         packing = self.host.background.running
         self.host.background.settle()
-        if packing:  # blocks were packed since the last step: some of them copy from pinned memory now
+        if packing:  # some blocks may copy from pinned memory now
             self.sources_changed()
         self.calls.step_began()
         if self.recorder:
@@ -303,15 +282,13 @@ class BlockCalls:
     def close_open_step(self) -> None:
         """Ends a step an exception left open; nothing when none is.
 
-        The hooks that close a step run with ``always_call``, which PyTorch honours for ``Exception``
-        only: an exception outside that hierarchy (ComfyUI 0.33's interrupt is a ``BaseException``)
-        leaves the block's region held and its weights pointing at the device until this is called."""
+        PyTorch honours ``always_call`` for ``Exception`` only, so a ``BaseException`` (ComfyUI 0.33's interrupt) leaves
+        the region held and the weights on the device until this is called."""
         if self.calls.in_step:
             self.end_step(returned=False)
 
     def end_step(self, returned: bool = True) -> None:
-        """Ends a step; one that did not return (it raised, or was interrupted) teaches no call order: the blocks
-        after where it stopped would not be copied ahead in the next."""
+        """Ends a step; one that did not return teaches no call order."""
         self.finish_active()
         self.calls.step_ended(learn=returned)
         if self.recorder:
@@ -332,7 +309,7 @@ class BlockCalls:
                         f"{len(self.calls.open)} streamed {self.host.unit}s are running nested inside each other"
                     )
                 region = self.ring.region_of(index)
-                assert region is not None  # just placed
+                assert region is not None
             if compute is not None and state.ready is not None:
                 compute.wait_event(state.ready)
             copy, state.copy = state.copy, None
@@ -343,7 +320,7 @@ class BlockCalls:
         self.calls.opened(OpenCall(index, state is not None, record))
         if self.recorder:
             self.recorder.call_started(record, copy, compute)
-        if state is not None and index in self.transforms:  # part of the call's compute, as timed
+        if state is not None and index in self.transforms:  # timed as part of the call's compute
             self.ring.transform(index, self.transforms[index])
         self._prefetch(defer_pageable=True)
 

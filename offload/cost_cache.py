@@ -1,6 +1,5 @@
-"""What the planner keeps across restarts: each model's measured step costs, per device, and the placements
-searched from them, in one small JSON file (``CostCache``); ``cached_best_plan`` searches once per costs and
-arguments, and predicts a kept placement again at later loads."""
+"""What the planner keeps across restarts: each model's measured step costs per device, and the placements searched
+from them, in one small JSON file (``CostCache``)."""
 
 from __future__ import annotations
 
@@ -21,17 +20,14 @@ from .simulator import predict
 
 
 def cache_key(device_name: str, architecture: str, block_bytes: Sequence[int]) -> str:
-    """Measurements hold for one device and one stack shape (block count and sizes)."""
+    """Measurements hold for one device and one stack shape."""
     return f"{device_name} | {architecture} | {len(block_bytes)} blocks | {sum(block_bytes)} bytes"
 
 
 class CostCache:
-    """Measured ``StackCosts`` by ``cache_key``, in one small JSON file, and beside each the placements
-    searched from them (``cached_best_plan``), so that a restarted ComfyUI places at once.
-
-    The newest ``limit`` entries are kept, and in each the newest ``limit`` placements. A missing or
-    unreadable file is an empty cache: measurements are only ever a shortcut, never a requirement.
-    """
+    """Measured ``StackCosts`` by ``cache_key`` in one JSON file, with the placements searched from them, so a
+    restarted ComfyUI places at once. The newest ``limit`` entries are kept. A missing or unreadable file is an
+    empty cache: measurements are a shortcut, never a requirement."""
 
     def __init__(self, path: str | os.PathLike[str], limit: int = 64) -> None:
         self.path = Path(path)
@@ -55,14 +51,13 @@ class CostCache:
             return None
 
     def put(self, key: str, costs: StackCosts) -> None:
-        """Keeps ``costs`` for ``key``, and no placement searched from earlier ones."""
+        """Keeps ``costs`` for ``key``, dropping placements searched from earlier ones."""
         entries = self._entries()
         entries.pop(key, None)
         entries[key] = {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "costs": costs.as_dict()}
         self._write(dict(list(entries.items())[-self.limit :]))
 
     def plan(self, key: str, search: str) -> OffloadPlan | None:
-        """The placement kept for ``search`` (``search_key``) from the costs of ``key``, if any."""
         entry = self._entries().get(key)
         kept = entry.get("plans", {}).get(search) if isinstance(entry, dict) else None
         if not isinstance(kept, dict):
@@ -73,7 +68,6 @@ class CostCache:
             return None
 
     def keep_plan(self, key: str, search: str, plan: OffloadPlan) -> None:
-        """Keeps ``plan`` as the answer to ``search`` beside the costs of ``key`` (which must be kept)."""
         entries = self._entries()
         entry = entries.get(key)
         if not isinstance(entry, dict):
@@ -86,9 +80,8 @@ class CostCache:
         self._write(entries)
 
     def _write(self, entries: dict[str, dict[str, Any]]) -> None:
-        # Written whole then renamed, so a reader never sees half a file. The write happens as a model is
-        # loaded or unloaded: a failure (a full disk; on Windows, a reader holding the file makes the rename
-        # raise PermissionError) costs what was to be kept only, never the load.
+        # Written whole then renamed, so a reader never sees half a file. A failure (a full disk; on Windows a
+        # reader holding the file) must cost only what was to be kept, never the load.
         temporary = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,16 +120,14 @@ def _plan_from_dict(data: dict[str, Any]) -> OffloadPlan:
 
 
 def search_key(costs: StackCosts, budget_bytes: int, search: Mapping[str, object]) -> str:
-    """What a search's answer depends on besides the measured costs: its budget and ``best_plan``'s other
-    arguments (``search``), and the patches' costs (another LoRA, or none, may place differently)."""
+    """What a search's answer depends on besides the costs: budget, other arguments, and the patches' costs."""
     patches = hashlib.sha1(json.dumps(costs.patch_ms).encode()).hexdigest()[:12] if costs.patch_ms else "none"
     return json.dumps({"budget_bytes": budget_bytes, **search, "patches": patches}, sort_keys=True)
 
 
 def cached_best_plan(cache: CostCache, key: str, costs: StackCosts, budget_bytes: int, **search: Any) -> Prediction:
-    """``best_plan(costs, budget_bytes, **search)``, searched once per measured costs and arguments: its placement
-    is kept beside the costs of ``key`` and predicted again from them (two simulations) at every later load,
-    restarts included."""
+    """``best_plan``, searched once per costs and arguments; later loads, restarts included, only predict the kept
+    placement again."""
     asked = search_key(costs, budget_bytes, search)
     kept = cache.plan(key, asked)
     if kept is not None and kept.block_bytes == costs.block_bytes:

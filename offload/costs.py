@@ -1,12 +1,8 @@
-"""What one step of a block stack costs, and the bounds on what a placement's step can be.
+"""What one step of a block stack costs, and bounds on any placement's step.
 
-``StackCosts`` are measured once (from a recorded step, ``from_timeline``) and reused to predict any
-placement; ``Prediction`` is one predicted step (``simulator.simulate``). The floors (``least_step_ms``,
-``StepFloor``, ``lower_bound_ms``) bound a step from the costs alone, without replaying it: the search
-(``planner.best_plan``) skips the candidates whose bound cannot beat what it has found, and the panel
-``Prediction.describe`` says how far a placement's step is from the lower bound. ``slow_copies`` is the same
-stack with copies slower than measured, which every placement the search chooses is checked against.
-"""
+``StackCosts`` are measured once from a recorded step and reused to predict any placement (``Prediction``, from
+``simulator.simulate``). The floors bound a step from the costs alone, so the search skips candidates that cannot win.
+``slow_copies`` is the same stack with slower copies, which every chosen placement is checked against."""
 
 from __future__ import annotations
 
@@ -18,9 +14,8 @@ from .layout import aligned
 from .plan import OffloadPlan
 from .timeline import StepTimeline
 
-#: The copy speed a placement is checked against, relative to the measured one: real copies run slower than
-#: predicted at times, and a placement at its copy limit with one block of prefetch loses all of such a
-#: shortfall, while one whose ring runs further ahead absorbs it.
+#: Copies sometimes run slower than measured; a placement at its copy limit loses all of that, one whose ring runs
+#: further ahead absorbs it. Placements are checked against this share of the measured speed.
 SLOW_COPIES = 0.85
 
 
@@ -28,16 +23,11 @@ SLOW_COPIES = 0.85
 class StackCosts:
     """What one step of a block stack costs, measured once and reused to predict any placement.
 
-    ``calls`` are the block indices in the order one step calls them; ``compute_ms`` and
-    ``gap_ms`` are per call: the block's own compute, and the compute-stream time between
-    the previous call's end (the step's start, for the first call) and this call's arrival.
-    ``tail_ms`` runs from the last call's end to the step's end.
+    ``calls``: block indices in call order; ``compute_ms`` and ``gap_ms`` per call: the block's compute, and the
+    compute-stream time since the previous call's end. ``tail_ms``: from the last call to the step's end.
 
-    ``patch_ms`` (per block; empty: none) is what a block's weight patches cost on the compute stream when
-    the block streams: a host applies them to the streamed copy at every call, where a resident block was
-    patched once as it was loaded. A placement where copies dominate hides it; where compute dominates it is
-    paid at every call, and each block kept resident saves its copy and its patches.
-    """
+    ``patch_ms`` (per block; empty: none): what a streamed block's weight patches cost at every call, where a resident
+    block was patched once at load. Hidden where copies dominate, paid at every call where compute does."""
 
     block_bytes: tuple[int, ...]
     calls: tuple[int, ...]
@@ -59,7 +49,6 @@ class StackCosts:
 
     @classmethod
     def uniform(cls, num_blocks: int, compute_ms: float, block_bytes: int, bandwidth_gbps: float) -> StackCosts:
-        """``num_blocks`` equal blocks called once each, in list order, back to back."""
         return cls(
             (block_bytes,) * num_blocks,
             tuple(range(num_blocks)),
@@ -77,11 +66,10 @@ class StackCosts:
         bandwidth_gbps: float | None = None,
         inline_copies: bool = False,
     ) -> StackCosts:
-        """Costs read from one recorded step; the bandwidth is the step's own unless given.
+        """Costs read from one recorded step; the bandwidth is the step's unless given.
 
-        With ``inline_copies`` (a CPU recording) the copies a call issued ahead ran on the
-        host inside that call's compute span; their time is taken out of it.
-        """
+        With ``inline_copies`` (a CPU recording) copies issued ahead ran inside a call's compute span, so their time is
+        taken out."""
         bandwidth = bandwidth_gbps or step.bandwidth_gbps
         if bandwidth is None:
             raise ValueError("the step copied nothing, so it cannot tell the bandwidth; give bandwidth_gbps")
@@ -114,17 +102,15 @@ class StackCosts:
         return self.block_bytes[block] / (self.bandwidth_gbps * 1e6)
 
     def patch_of(self, block: int) -> float:
-        """What a call of ``block`` adds to its compute when the block streams."""
+        """What a call of ``block`` adds to its compute when it streams."""
         return self.patch_ms[block] if self.patch_ms else 0.0
 
     def patches_per_step_ms(self, streamed: frozenset[int]) -> float:
-        """The patches' compute in one step where the ``streamed`` blocks stream."""
         return sum(self.patch_of(block) for block in self.calls if block in streamed)
 
     def without_patches(self, streamed: frozenset[int]) -> StackCosts:
-        """Costs recorded from a step where the ``streamed`` blocks were patched at each call, as they would be
-        unpatched: the patch time taken out of their calls' compute and ``patch_ms`` cleared. What is kept
-        for later placements, which add the patches of their own model (another LoRA, or none)."""
+        """These costs as if the ``streamed`` blocks were unpatched: what is kept, since a later model adds its own
+        patches."""
         compute = tuple(
             max(0.0, ms - self.patch_of(block)) if block in streamed else ms
             for block, ms in zip(self.calls, self.compute_ms, strict=True)
@@ -133,7 +119,6 @@ class StackCosts:
 
     @property
     def resident_step_ms(self) -> float:
-        """The step with every block resident: nothing to wait for."""
         return sum(self.gap_ms) + sum(self.compute_ms) + self.tail_ms
 
     def as_dict(self) -> dict[str, Any]:
@@ -160,9 +145,9 @@ class Prediction:
     step_ms: float
     stall_ms: float
     bytes_copied: int
-    #: Per call of the step: whether it consumed a copy (False: resident, or still in its ring).
+    #: Per call: whether it consumed a copy (False: resident, or still in the ring).
     copied: tuple[bool, ...]
-    #: The step with copies ``SLOW_COPIES`` as fast as measured, for a placement the search chose on it.
+    #: The step with copies at ``SLOW_COPIES``.
     slow_step_ms: float | None = None
 
     def describe(self, costs: StackCosts) -> str:
@@ -180,21 +165,20 @@ class Prediction:
 
 
 def least_step_ms(costs: StackCosts, plan: OffloadPlan, inline_copies: bool = False) -> float:
-    """No step of ``plan`` is shorter: its compute with the streamed blocks' patches, and the copies of the
-    streamed blocks a step calls, each once, unless the ring holds them all (then they stay in it). With
-    ``inline_copies`` the copies run between the computes, so the two add up; else they overlap at best."""
+    """No step of ``plan`` is shorter: its compute with patches, and one copy of each streamed block unless the ring
+    holds them all. With ``inline_copies`` the two add up; else they overlap at best."""
     return StepFloor.of(costs, plan).least_ms(plan, inline_copies)
 
 
 @dataclass(frozen=True)
 class StepFloor:
-    """``least_step_ms``'s terms for a set of streamed blocks, from which one block is taken out cheaply (the
-    greedy search bounds every candidate of a round so)."""
+    """``least_step_ms``'s terms, from which one block can be taken out cheaply, as the greedy search does for every
+    candidate of a round."""
 
-    compute_ms: float  # every call's compute, and the patches of the streamed blocks' calls
-    copy_ms: float  # a copy of each streamed block a step calls
-    called: frozenset[int]  # the streamed blocks a step calls
-    called_bytes: int  # their bytes as a ring sized in bytes places them
+    compute_ms: float  # with the streamed blocks' patches
+    copy_ms: float  # one copy of each streamed block a step calls
+    called: frozenset[int]
+    called_bytes: int  # aligned, as a byte-sized ring places them
 
     @classmethod
     def of(cls, costs: StackCosts, plan: OffloadPlan) -> StepFloor:
@@ -209,7 +193,6 @@ class StepFloor:
         )
 
     def without(self, costs: StackCosts, block: int) -> StepFloor:
-        """The terms with ``block`` resident too."""
         if block not in self.called:
             return self
         patches = sum(costs.patch_of(block) for call in costs.calls if call == block) if costs.patch_ms else 0.0
@@ -221,14 +204,12 @@ class StepFloor:
         )
 
     def least_ms(self, plan: OffloadPlan, inline_copies: bool) -> float:
-        # A ring sized in bytes places regions of their own size; a default ring one block in each slot.
         stays = self.called_bytes <= plan.slot_bytes if plan.ring_bytes else len(self.called) <= plan.prefetch + 1
         copies = 0.0 if stays else self.copy_ms
         return self.compute_ms + copies if inline_copies else max(self.compute_ms, copies)
 
 
 def slow_copies(costs: StackCosts) -> StackCosts:
-    """``costs`` with copies ``SLOW_COPIES`` as fast as measured: what a placement is checked against."""
     return replace(costs, bandwidth_gbps=costs.bandwidth_gbps * SLOW_COPIES)
 
 

@@ -1,15 +1,10 @@
-"""The few device operations the engine needs, written against torch's generic accelerator API so CUDA, XPU and
-others share one code path, and the state that belongs to the process rather than to any engine.
+"""The few device operations the engine needs, against torch's generic accelerator API so CUDA, XPU and others share
+one path, and the state that belongs to the process rather than to an engine.
 
-On the CPU there are no streams or events: copies run inline and clocks are read from the host. Every caller
-handles ``None`` streams that way. Each call takes ``torch.accelerator`` where it has the function and the
-device's own module (``torch.cuda``, ``torch.xpu``) where it does not; ``unsupported_torch`` names what neither
-has, before any work starts.
-
-``PROCESS_STATE`` is one registry of named entries, each with why it cannot live on an object of its own: the
-driver's page locks, one copy stream per device, a host's pin budget. A host adapter adds its own entries the
-same way, so ``PROCESS_STATE.reasons()`` lists all of it.
-"""
+On the CPU there are no streams or events: copies run inline, clocks read the host, and callers handle ``None`` streams
+so. Each call uses ``torch.accelerator`` where it has the function, else the device's own module; ``unsupported_torch``
+names what neither has before any work starts. ``PROCESS_STATE`` is one registry of named process-wide entries, each
+with why it cannot live on an object."""
 
 from __future__ import annotations
 
@@ -28,14 +23,13 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
 
 
-# torch.accelerator's name for a function -> the name the device modules (torch.cuda, torch.xpu) give it.
+# torch.accelerator's name -> the device modules' name.
 _DEVICE_MODULE_NAMES = MappingProxyType(
     {
         "current_device_index": "current_device",
         "get_memory_info": "mem_get_info",
     }
 )
-# What the engine calls on an accelerator.
 _DEVICE_FUNCTIONS = (
     "current_device_index",
     "current_stream",
@@ -62,7 +56,7 @@ _resolved = functools.cache(_device_function)
 
 def _call(device: torch.device, name: str, *args: object) -> Any:
     function = _resolved(device.type, name)
-    if function is None:  # unsupported_torch refuses such a device before any engine starts
+    if function is None:  # unsupported_torch refuses such a device earlier
         raise RuntimeError(f"torch {torch.__version__} has no {name} for {device.type}")
     return function(*args)
 
@@ -75,11 +69,11 @@ def accelerator_available() -> bool:
 
 
 def unsupported_torch(device: torch.device) -> str | None:
-    """What this torch lacks that streaming on ``device`` needs (None: nothing), said for a person."""
+    """What this torch lacks for streaming on ``device``, for a person; None: nothing."""
     if not is_accelerator(device):
         return None
     missing = [f"torch.{name}" for name in ("Stream", "Event") if not hasattr(torch, name)]
-    # Looked up afresh (not ``_resolved``): what is asked is this torch as it is now.
+    # Not ``_resolved``: asks of torch as it is now.
     absent = [name for name in _DEVICE_FUNCTIONS if _device_function(device.type, name) is None]
     missing += [f"torch.accelerator.{name}" for name in absent]
     if not missing:
@@ -97,7 +91,7 @@ _COPY_STREAMS_WHY = (
 
 
 def copy_stream(device: torch.device) -> torch.Stream | None:
-    """The dedicated host-to-device copy stream of ``device`` (None on the CPU, where copies run inline)."""
+    """The dedicated copy stream of ``device`` (None on the CPU)."""
     if not is_accelerator(device):
         return None
     if device.index is None:
@@ -115,7 +109,7 @@ def current_stream(device: torch.device) -> torch.Stream | None:
 
 
 def device_name(device: torch.device) -> str:
-    """What the device is (``NVIDIA H100 80GB HBM3``), for keying measurements made on it."""
+    """The device's name, for keying measurements made on it."""
     backend = getattr(torch, device.type, None)
     if is_accelerator(device) and backend is not None and hasattr(backend, "get_device_name"):
         return str(backend.get_device_name(device))
@@ -128,33 +122,30 @@ def synchronize(device: torch.device) -> None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new peak of allocated device memory (the allocator keeps one per process otherwise)."""
     if is_accelerator(device):
         _call(device, "reset_peak_memory_stats", device)
 
 
 def peak_allocated(device: torch.device) -> int | None:
-    """The most device memory allocated since the last ``reset_peak_memory`` (None on the CPU).
+    """The most device memory allocated since ``reset_peak_memory`` (None on the CPU).
 
-    Read from the allocator's nested statistics: ``torch.accelerator.max_memory_allocated`` reads the
-    same number, but flattens and sorts all of the allocator's statistics (over a hundred) into a new dict first,
-    which is too slow for once per step (the recorder reads a peak at the end of every step).
-    """
+    Read from the allocator's nested statistics: the public ``max_memory_allocated`` flattens and sorts all of them
+    first, too slow for once per step."""
     if not is_accelerator(device):
         return None
-    device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)  # private: absent from other torch versions
+    device_stats = getattr(torch._C, "_accelerator_getDeviceStats", None)  # private, not in every torch
     if device_stats is None:
         return int(_call(device, "max_memory_allocated", device))
     if not torch._C._accelerator_isAllocatorInitialized():
-        return 0  # nothing was ever allocated (what the public function answers too)
+        return 0  # as the public function answers
     index = device.index if device.index is not None else _call(device, "current_device_index")
     return int(device_stats(index)["allocated_bytes"]["all"]["peak"])
 
 
 def free_device_bytes(device: torch.device) -> int | None:
-    """What the device can still allocate: its free memory and what torch's allocator holds unused (None on
-    the CPU). Checked before the ring is allocated: with the driver's system-memory fallback (Windows) an
-    allocation beyond it would not fail but spill into shared host memory, slower than streaming itself."""
+    """What the device can still allocate, counting torch's cached memory (None on the CPU). With the driver's
+    system-memory fallback (Windows) a larger allocation would not fail but spill into host memory, slower than
+    streaming."""
     if not is_accelerator(device):
         return None
     free, _ = _call(device, "get_memory_info", device)
@@ -163,7 +154,7 @@ def free_device_bytes(device: torch.device) -> int | None:
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    """Device memory in bytes; ``None`` where the device does not report it (the CPU)."""
+    """Device memory in bytes; None where the device does not report it."""
 
     allocated: int | None
     reserved: int | None
@@ -185,17 +176,15 @@ def memory_snapshot(device: torch.device) -> MemorySnapshot:
     )
 
 
-# What a clock marks: a device event on an accelerator, a one-element list holding the host time on the CPU.
+# On the CPU, a one-element list holding the host time.
 Marker: TypeAlias = "torch.Event | list[float]"  # a string: torch.Event is not in every torch ComfyUI runs on
 
 
 class Clock:
     """Timestamps on a stream: device events on an accelerator, host time on the CPU.
 
-    Marking costs one event record and never blocks the host; a marker is read once the device has
-    reached it (``reached`` asks without waiting, ``wait`` blocks). One object makes every device
-    call the timeline recorder makes, so a subclass can count them (bench/recorder_overhead.py).
-    """
+    Marking never blocks the host; a marker is read once the device has reached it. One object makes every device call
+    the recorder makes, so a subclass can count them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -213,31 +202,28 @@ class Clock:
             marker.record(stream)
 
     def reached(self, marker: Marker) -> bool:
-        """Whether the device has passed ``marker`` (a query; the host clock is always there)."""
+        """Whether the device has passed ``marker``, without waiting."""
         return isinstance(marker, list) or marker.query()
 
     def wait(self, marker: Marker) -> None:
-        """Blocks the host until the device has passed ``marker``."""
         if not isinstance(marker, list):
             marker.synchronize()
 
     def since(self, start: Marker) -> Callable[[Marker], float]:
-        """A reader of the milliseconds from ``start`` to a marker the device has reached: each read is one
-        elapsed-time call on a device, which neither waits nor synchronizes."""
+        """A reader of milliseconds from ``start`` to a reached marker; each read neither waits nor synchronizes."""
         if not isinstance(start, list):
             return cast("Callable[[Marker], float]", start.elapsed_time)
         origin = start[0]
         return lambda marker: (cast(list[float], marker)[0] - origin) * 1000.0
 
     def elapsed_ms(self, start: Marker, end: Marker) -> float:
-        """Milliseconds from ``start`` to ``end``, waiting for the device to reach ``end``."""
         self.wait(end)
         return self.since(start)(end)
 
 
 def device_ms(work: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The least time ``work`` takes on ``device``'s current stream over ``repeats`` runs, after one run that
-    warms caches and kernels up. Each run waits for the device: a measurement taken once, never in a step."""
+    """The least time ``work`` takes on the current stream over ``repeats`` runs after a warm-up. Each run waits for
+    the device, so this is for one-off measurements, never inside a step."""
     clock, stream = Clock(device), current_stream(device)
     work()
     times = []
@@ -264,11 +250,10 @@ class ProcessState:
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
-        # Entries are first used from the streamer's thread, the packing thread and the server's threads.
+        # First use may come from the streamer's, the packing or the server's threads.
         self._lock = threading.Lock()
 
     def entry(self, name: str, make: Callable[[], T], why: str) -> T:
-        """The value named ``name``: the one ``make`` returns on the first call, the same one after."""
         found = self._entries.get(name)
         if found is None:
             with self._lock:
@@ -278,12 +263,10 @@ class ProcessState:
         return cast(T, found.value)
 
     def made(self, name: str) -> object | None:
-        """The value named ``name`` if it was made; None before its first ``entry``."""
         found = self._entries.get(name)
         return found.value if found is not None else None
 
     def reasons(self) -> dict[str, str]:
-        """Every entry made so far, by name: why it is process-wide."""
         return {name: entry.why for name, entry in self._entries.items()}
 
 

@@ -1,21 +1,14 @@
-"""A model's transformer blocks, found from its module tree alone (``find_blocks``: no table of architectures), and
-the methods it runs them through where it does not call them, read from its code (``entry_methods``).
+"""A model's transformer blocks, found from its module tree alone with no table of architectures (``find_blocks``),
+and the block methods it runs instead of calling the blocks (``entry_methods``).
 
-Blocks are the entries of the lists that hold blocks: a ``ModuleList`` or ``ModuleDict`` (containers a model
-only iterates) with an entry that has submodules of its own, or a ``Sequential`` whose entries repeat one
-structure. A list of bare layers (an embedder's ``Sequential(Linear, SiLU, Linear)``) is no block list; a
-``ModuleList`` of one block is. An entry that is itself a list stands for its entries: a UNet calls the layers
-of its ``TimestepEmbedSequential``s one by one. The search descends through every other module, never into a
-list it took. Lists holding under ``MIN_LIST_SHARE`` of the weights stay with the rest of the model; if the
-lists taken hold under ``MIN_SHARE``, the model has no blocks worth streaming and the caller streams it module
-by module. Embedding tables count in neither share (``_lookup_bytes``). Blocks come in module-tree order; the
-engine learns the order the model calls them in.
+Blocks are the entries of lists that hold blocks: a ``ModuleList``/``ModuleDict`` with an entry that has submodules, or
+a ``Sequential`` whose entries repeat one structure; a list of bare layers is no block list. An entry that is a list
+stands for its entries, as a UNet calls its ``TimestepEmbedSequential``'s layers one by one. Lists under
+``MIN_LIST_SHARE`` of the weights stay with the model; if all lists hold under ``MIN_SHARE``, there are no blocks worth
+streaming. The engine learns the call order.
 
-A block streams around its calls, which its module hooks see. Some models never call a block: Wan Animate 2
-runs each block through ``block.forward_pose(...)`` and ``block.forward_gen(...)``. So the loops over a block
-list and the lookups into it, in the class (and bases) of the module that holds it, are read for the methods
-called on what they yield; only the block class's own methods count, as ``nn.Module``'s are seen by its hooks.
-"""
+A block streams around its calls, which its hooks see, but some models never call a block (Wan Animate 2 runs
+``block.forward_pose(...)``). So the holder's code is read for methods called on the list's entries."""
 
 from __future__ import annotations
 
@@ -31,9 +24,8 @@ from torch import nn
 
 from .layout import module_stored_bytes
 
-#: The least share of a model's weights its block lists must hold together.
+#: Least share of the weights the block lists must hold together, and one list must hold.
 MIN_SHARE = 0.5
-#: The least share of a model's weights one block list must hold to be streamed.
 MIN_LIST_SHARE = 0.01
 
 _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -41,8 +33,8 @@ _LISTS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 @dataclass(frozen=True)
 class BlockList:
-    """One list of blocks: its path in the model (ending in ``.*`` where its entries are lists themselves,
-    taken entry by entry), its blocks as (name, module), the class they share (or ``"mixed"``) and their bytes."""
+    """One list of blocks: its path (ending in ``.*`` where its entries are lists, taken entry by entry), its blocks,
+    their shared class (or ``"mixed"``) and bytes."""
 
     path: str
     blocks: tuple[tuple[str, nn.Module], ...]
@@ -55,8 +47,7 @@ class BlockList:
 
 @dataclass(frozen=True)
 class FoundBlocks:
-    """What ``find_blocks`` found in a model: its class, its block lists, every block as (name, module) in
-    tree order, and the share of the model's weights the blocks hold."""
+    """What ``find_blocks`` found: the class, the lists, every block in tree order, and their share of the weights."""
 
     model_class: str
     lists: tuple[BlockList, ...]
@@ -78,7 +69,7 @@ class NoBlocksError(ValueError):
 
 
 def find_blocks(root: nn.Module) -> FoundBlocks:
-    """``root``'s blocks (module docstring), or ``NoBlocksError`` saying what was found instead."""
+    """``root``'s blocks, or ``NoBlocksError`` saying what was found instead."""
     total = module_stored_bytes(root) - _lookup_bytes(root)
     lists = [found for found in _block_lists(root, "") if total and found.nbytes >= MIN_LIST_SHARE * total]
     nbytes = sum(found.nbytes for found in lists)
@@ -94,9 +85,8 @@ def find_blocks(root: nn.Module) -> FoundBlocks:
 
 
 def _lookup_bytes(root: nn.Module) -> int:
-    """The bytes of ``root``'s embedding tables: a step reads a few of their rows, not all of them as it reads a
-    layer's weights, so they count in no share (a language-model DiT's vocabulary would outweigh its layers in a
-    small one)."""
+    """Embedding tables' bytes, counted in no share: a step reads a few rows, and a language model's vocabulary would
+    outweigh a small DiT's layers."""
     return sum(module_stored_bytes(module) for module in root.modules() if isinstance(module, nn.Embedding))
 
 
@@ -113,7 +103,6 @@ def _block_lists(module: nn.Module, prefix: str) -> list[BlockList]:
 
 
 def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
-    """``container`` as a block list, if it holds blocks (module docstring)."""
     entries: list[tuple[str, nn.Module]] = []
     flattened = False
     for name, entry in container.named_children():
@@ -127,7 +116,7 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
     if not composite or composite.most_common(1)[0][1] < repeats:
         return None
     sizes = {name: module_stored_bytes(entry) for name, entry in entries}
-    entries = [(name, entry) for name, entry in entries if sizes[name]]  # no weights, nothing to stream
+    entries = [(name, entry) for name, entry in entries if sizes[name]]
     kinds = {type(entry).__name__ for _, entry in entries}
     return BlockList(
         f"{path}.*" if flattened else path,
@@ -138,15 +127,14 @@ def _as_block_list(container: nn.Module, path: str) -> BlockList | None:
 
 
 def entry_methods(root: nn.Module, found: FoundBlocks) -> dict[int, tuple[str, ...]]:
-    """Per block (its index in ``found.blocks``), the methods of its own the model's code runs it through; blocks
-    only ever called as modules are left out."""
+    """Per block index, its own methods the model's code runs it through; blocks only called as modules are left out."""
     index_of = {id(block): index for index, (_, block) in enumerate(found.blocks)}
     methods: dict[int, tuple[str, ...]] = {}
     for block_list in found.lists:
-        if block_list.path.endswith(".*"):  # entries that are lists: the model iterates those, not the blocks
+        if block_list.path.endswith(".*"):  # the model iterates the inner lists, not the blocks
             continue
         holder_path, _, attribute = block_list.path.rpartition(".")
-        # Widened to ``type``: mypy takes the ``type[Module]`` of ``type(holder)`` for unhashable.
+        # mypy takes ``type[Module]`` for unhashable.
         holder_class: type = type(root.get_submodule(holder_path))
         called = methods_called_on(holder_class).get(attribute, ())
         for _, block in block_list.blocks:
@@ -158,8 +146,8 @@ def entry_methods(root: nn.Module, found: FoundBlocks) -> dict[int, tuple[str, .
 
 @functools.cache
 def methods_called_on(cls: type) -> dict[str, tuple[str, ...]]:
-    """Per attribute of ``self`` that ``cls``'s code iterates or indexes, the methods it calls on the entries;
-    {} where the code cannot be read (built in, compiled)."""
+    """Per ``self`` attribute ``cls``'s code iterates or indexes, the methods called on its entries; {} where the
+    code cannot be read."""
     called: dict[str, dict[str, None]] = {}
     for tree in class_code(cls):
         for attribute, method in _calls_on_entries(tree):
@@ -168,8 +156,8 @@ def methods_called_on(cls: type) -> dict[str, tuple[str, ...]]:
 
 
 def _calls_on_entries(tree: ast.AST) -> Iterator[tuple[str, str]]:
-    """(attribute, method) for each ``entry.method(...)`` where ``entry`` is a loop variable over ``self.attribute``
-    (inside that loop, nested functions included), and each ``self.attribute[...].method(...)``."""
+    """(attribute, method) for each ``entry.method(...)`` inside a loop over ``self.attribute``, and each
+    ``self.attribute[...].method(...)``."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.For, ast.comprehension)):
             attribute = _iterated(node.iter)
@@ -190,15 +178,13 @@ def _calls_on_entries(tree: ast.AST) -> Iterator[tuple[str, str]]:
 
 
 def _method_called(node: ast.AST) -> tuple[ast.expr, str] | None:
-    """(what, name) for a call ``what.name(...)``."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         return node.func.value, node.func.attr
     return None
 
 
 def _iterated(expression: ast.expr) -> str | None:
-    """The attribute of ``self`` a loop runs over: ``self.blocks``, ``enumerate(self.blocks)``, ``zip(self.blocks,
-    ...)``, ``self.blocks.items()``."""
+    """The ``self`` attribute a loop runs over, directly or through ``enumerate``, ``zip`` or ``.items()``."""
     attribute = _self_attribute(expression)
     if attribute is not None or not isinstance(expression, ast.Call):
         return attribute
@@ -214,13 +200,11 @@ def _self_attribute(expression: ast.expr) -> str | None:
 
 
 def _own_method(cls: type, name: str) -> bool:
-    """Whether ``name`` is a method ``cls`` defines beyond ``nn.Module``'s."""
     return not hasattr(nn.Module, name) and inspect.isfunction(getattr(cls, name, None))
 
 
 def class_code(cls: type) -> Iterator[ast.Module]:
-    """The parsed source of ``cls`` and of each of its bases beyond torch's; none for a class whose code cannot
-    be read (built in, compiled)."""
+    """The parsed source of ``cls`` and its bases beyond torch's; none where it cannot be read."""
     for klass in cls.__mro__:
         if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
             continue

@@ -1,22 +1,13 @@
-"""Reading weights that stay in their checkpoint file: where their bytes are (``FileSlice``), how to read them,
-and the reader that brings file-tier blocks into host staging slots ahead of the copy stream (``FileReader``).
+"""Reading weights that stay in their checkpoint file (``FileSlice``), and the reader that fills host staging slots
+ahead of the copy stream (``FileReader``).
 
-A host that maps a checkpoint (ComfyUI's Dynamic VRAM loader) holds each weight as a view of the file's
-mapping, pages the kernel can drop and read again, not memory of the process. The engine keeps such weights
-where they are and reads their stored bytes with a positional read of an open descriptor (``os.preadv``: no
-shared file position, the GIL released, a short read seen as the file having shrunk), split into chunks that
-several threads read at once unless the disk seeks (``SliceReader``). Where Python has no positional read
-(Windows), the bytes are copied from the mapping itself. The host says which bytes are in a file; the engine
-does not know how the host opened it.
+Such weights are views of the file's mapping, not process memory. Their bytes are read with ``os.preadv`` (no shared
+position, GIL released), in chunks several threads read at once unless the disk seeks; Windows copies from the mapping.
 
-The reader runs on a thread of its own: file -> staging slot (pinned where the device pins) -> device ring. The
-streamer decides everything that touches a stream: it schedules the next file-tier blocks while slots are free
-and copies a block out of its slot only once its read is done (``is_read``), so the thread that launches the
-kernels waits for a read only when the block is needed now (``take``). A slot is given back (``release``) as
-soon as the copy out of it is issued; the reader waits for that copy's event before it reads into the slot
-again. A block needed before it was scheduled (the first step, or a model that changes its order) is read at
-once on the calling thread into a spare pageable buffer, keeping the reads under way for later blocks.
-"""
+Stream rules: the reader thread only reads. The streamer copies out of a slot only once its read is done, waits for a
+read only when the block is needed now (``take``), and calls ``release`` once the copy out is issued; the reader waits
+for that copy's event before reusing the slot. An unscheduled block is read at once on the calling thread into a spare
+pageable buffer."""
 
 from __future__ import annotations
 
@@ -32,25 +23,20 @@ import torch
 
 from .layout import Part
 
-#: Python's positional read of a descriptor (absent on Windows, where the mapping is copied instead).
+#: Absent on Windows, where the mapping is copied instead.
 POSITIONAL_READ = getattr(os, "preadv", None)
 
-#: A slice is read as chunks of at most READ_CHUNK bytes, READ_THREADS of them at once: several threads copy
-#: from the page cache on several cores, and keep several requests in flight to a solid-state disk, where one
-#: thread keeps one readahead window. ComfyUI's own Dynamic VRAM reader (comfy-aimdo) reads a checkpoint with 8
-#: threads too. A disk that seeks reads one stream fastest: a file on a device the kernel calls rotational is read
-#: by one thread (``read_threads``). ``python -m bench.file_reads`` times the engine's reader both ways.
+#: Several threads copy from the page cache on several cores and keep several requests in flight to an SSD, where
+#: one thread keeps one readahead window; comfy-aimdo uses 8 too. A seeking disk reads one stream fastest.
 READ_THREADS = 8
 READ_CHUNK = 8 * 2**20
-#: Where Linux describes each block device (``/sys/dev/block/MAJOR:MINOR``).
 SYS_BLOCK_DEVICES = Path("/sys/dev/block")
 
 
 class FileChangedError(RuntimeError):
-    """A checkpoint file that weights are streamed from changed (truncated, rewritten) while in use."""
+    """A checkpoint file being streamed from changed (truncated, rewritten) while in use."""
 
 
-#: What to do about a changed file, said by every ``FileChangedError``.
 RELOAD = (
     "The model's weights are read from this file at every step: load the model again (unload models and free "
     "the node cache, then queue), or restore the file."
@@ -58,7 +44,7 @@ RELOAD = (
 
 
 def file_name(handle: int) -> str:
-    """The path of an open descriptor, where the system tells it (Linux), for messages."""
+    """The path of an open descriptor where the system tells it (Linux), for messages."""
     try:
         return os.readlink(f"/proc/self/fd/{handle}")
     except OSError:
@@ -67,10 +53,8 @@ def file_name(handle: int) -> str:
 
 @dataclass(frozen=True, eq=False)
 class FileSlice:
-    """``nbytes`` bytes at ``offset`` of an open file, and the same bytes as a view of its mapping.
-
-    ``handle`` is an OS file descriptor where the platform reads by position (POSIX), else unused.
-    ``mapped`` is the tensor that views those bytes in the host's mapping of the file."""
+    """``nbytes`` at ``offset`` of an open file, and the same bytes as a view of its mapping. ``handle`` is a
+    descriptor where the platform reads by position (POSIX), else unused."""
 
     handle: int
     offset: int
@@ -79,13 +63,10 @@ class FileSlice:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU tensor's bytes (a region of a staging buffer)."""
     return memoryview((ctypes.c_ubyte * tensor.numel()).from_address(tensor.data_ptr())).cast("B")
 
 
 def read_slice(source: FileSlice, destination: torch.Tensor) -> int:
-    """Reads ``source`` into ``destination`` (a uint8 CPU tensor of its size) on this thread; returns the bytes
-    read."""
     if POSITIONAL_READ is None:
         destination.copy_(source.mapped.reshape(-1).view(torch.uint8))
         return source.nbytes
@@ -94,7 +75,8 @@ def read_slice(source: FileSlice, destination: torch.Tensor) -> int:
 
 
 def _read_range(source: FileSlice, view: memoryview, start: int, end: int) -> None:
-    """Reads bytes ``start`` to ``end`` of ``source`` into the same bytes of ``view`` (the slice's destination)."""
+    """Reads bytes ``start`` to ``end`` of ``source`` into ``view``. A short read means the file shrank:
+    ``FileChangedError``."""
     assert POSITIONAL_READ is not None
     done = start
     while done < end:
@@ -109,9 +91,8 @@ def _read_range(source: FileSlice, view: memoryview, start: int, end: int) -> No
 
 
 def read_threads(handles: Iterable[int]) -> int:
-    """How many threads read from the files open as ``handles``: one where any lies on a device that Linux says is
-    rotational (a partition's disk, or a device-mapper or RAID volume, says it of itself) or where there is no
-    positional read, READ_THREADS elsewhere, and where the system does not say (a virtual file system, macOS)."""
+    """Threads to read these files with: one where any lies on a device Linux calls rotational, or without a
+    positional read; ``READ_THREADS`` elsewhere, including where the system does not say."""
     if POSITIONAL_READ is None:
         return 1
     for handle in handles:
@@ -129,8 +110,8 @@ def read_threads(handles: Iterable[int]) -> int:
 
 
 class SliceReader:
-    """Reads file slices into host memory, each split into chunks of ``chunk`` bytes that a pool of ``threads``
-    reads at once (one thread, or no positional read: each slice in one go, on the calling thread)."""
+    """Reads file slices in ``chunk``-byte pieces, ``threads`` at once (one thread: whole slices on the calling
+    thread)."""
 
     def __init__(self, threads: int, chunk: int = READ_CHUNK) -> None:
         parallel = POSITIONAL_READ is not None and threads > 1
@@ -138,9 +119,8 @@ class SliceReader:
         self.chunk = chunk
 
     def read(self, reads: Iterable[tuple[FileSlice, torch.Tensor]]) -> int:
-        """Reads each ``(source, destination)`` pair as ``read_slice`` does; returns the bytes read. Returns or
-        raises (the first chunk's error, a ``FileChangedError`` for a short read) only once no chunk is being
-        read any more, so the destinations may be reused or freed right after."""
+        """Reads each ``(source, destination)``; returns the bytes read. Returns or raises only once no chunk is
+        still being read, so the destinations may be reused or freed right after."""
         reads = list(reads)
         if self._pool is None:
             return sum(read_slice(source, destination) for source, destination in reads)
@@ -152,7 +132,7 @@ class SliceReader:
                 chunks.append(self._pool.submit(_read_range, source, view, start, end))
         try:
             wait(chunks)
-        except BaseException:  # an interrupt on the calling thread: the chunks under way still write
+        except BaseException:  # an interrupt: the chunks under way still write the destinations
             for chunk in chunks:
                 chunk.cancel()
             wait(chunks)
@@ -162,14 +142,13 @@ class SliceReader:
         return sum(source.nbytes for source, _ in reads)
 
     def close(self) -> None:
-        """Stops the threads (after the chunks under way)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
 
 @dataclass(frozen=True)
 class FileStamp:
-    """What a file looked like when streaming from it began (its size and modification time)."""
+    """A file's size and modification time when streaming from it began."""
 
     handle: int
     size: int
@@ -181,8 +160,8 @@ class FileStamp:
         return cls(handle, status.st_size, status.st_mtime_ns)
 
     def check(self) -> None:
-        """Raises ``FileChangedError`` when the file is no longer as stamped: reading on would stream other
-        weights (rewritten) or fault on pages that are gone (truncated)."""
+        """Raises ``FileChangedError`` when the file changed: reading on would stream other weights or fault on pages
+        that are gone."""
         now = FileStamp.of(self.handle)
         if now != self:
             raise FileChangedError(
@@ -192,17 +171,14 @@ class FileStamp:
 
 
 def stamps(slices: Iterable[FileSlice]) -> tuple[FileStamp, ...]:
-    """One stamp per file the slices are in, where the platform has descriptors to stamp (POSIX)."""
     if POSITIONAL_READ is None:
         return ()
     return tuple(FileStamp.of(handle) for handle in sorted({source.handle for source in slices}))
 
 
 def read_bandwidth(slices: Iterable[FileSlice], limit: int = 256 * 2**20, threads: int | None = None) -> float | None:
-    """Bytes per second reading ``slices`` (up to ``limit`` bytes of them) as the file tier reads them
-    (``SliceReader`` with ``threads``, by default as many as ``read_threads`` gives their files), as the page cache
-    holds them now: a file just loaded is mostly cached (warm), one mapped and never read is read from the disk
-    (cold). None when there is nothing to read."""
+    """Bytes per second reading ``slices`` (up to ``limit`` bytes) as the file tier would, from the page cache as it
+    is now, warm or cold. None when there is nothing to read."""
     chosen, total = [], 0
     for source in slices:
         if total >= limit:
@@ -211,8 +187,7 @@ def read_bandwidth(slices: Iterable[FileSlice], limit: int = 256 * 2**20, thread
         total += source.nbytes
     if not total:
         return None
-    # Consecutive slices read at once as long as they fit the largest one's bytes: no more memory than that,
-    # faulted in before the clock starts, as the staging slots are before their first read.
+    # No more memory than the largest slice, faulted in before timing, as staging slots are.
     scratch = torch.zeros(max(source.nbytes for source in chosen), dtype=torch.uint8)
     reader = SliceReader(read_threads(source.handle for source in chosen) if threads is None else threads)
     try:
@@ -231,18 +206,17 @@ def read_bandwidth(slices: Iterable[FileSlice], limit: int = 256 * 2**20, thread
         reader.close()
 
 
-#: How a read is reported, from the reader's thread: block, start and end (``time.perf_counter``), bytes
-#: read from the file.
+#: Called on the reader's thread: block, start and end (``time.perf_counter``), bytes read from the file.
 ReadListener = Callable[[int, float, float, int], None]
 
 
 @dataclass(frozen=True, eq=False)
 class BlockRead:
-    """How one block's stored bytes are put together in a staging slot: each part of its stored layout,
-    with the file slice it is read from, or the tensor (kept in memory by the host) it is copied from."""
+    """How one block's stored bytes are put together in a staging slot: each part with the file slice or host tensor
+    it comes from."""
 
     parts: tuple[tuple[Part, FileSlice | torch.Tensor], ...]
-    nbytes: int  # the slot bytes the block takes
+    nbytes: int
 
     @property
     def file_bytes(self) -> int:
@@ -257,21 +231,21 @@ class _Slot:
     buffer: torch.Tensor
     block: int | None = None
     read: Future[None] | None = None
-    freed: torch.Event | None = None  # the copy out of it, which the next read into it waits for
+    freed: torch.Event | None = None  # the copy out of it, which the next read waits for
 
 
 class FileReader:
-    """Reads blocks into ``buffers`` (the staging slots, each as large as the largest file-tier block), each block's
-    file slices with ``threads`` at once."""
+    """Reads blocks into the staging slots ``buffers`` on its own thread, each block's slices with ``threads`` at
+    once."""
 
     def __init__(self, buffers: list[torch.Tensor], on_read: ReadListener | None, threads: int) -> None:
         self._slots = [_Slot(buffer) for buffer in buffers]
         self._on_read = on_read
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-offload-read")
         self._slices = SliceReader(threads)
-        # Pageable, so a copy out of it has read it by the time the copy call returns: reusable at once.
+        # Pageable, so a copy out of it is done when the call returns, and it is reusable at once.
         self._spare: torch.Tensor | None = None
-        self.file_bytes = 0  # bytes read from files so far
+        self.file_bytes = 0
 
     @property
     def pinned(self) -> bool:
@@ -285,7 +259,6 @@ class FileReader:
         return self._holding(block) is not None
 
     def schedule(self, block: int, read: BlockRead) -> bool:
-        """Starts reading ``block`` into a free slot; False when every slot is taken."""
         if self._holding(block) is not None:
             return True
         slot = next((slot for slot in self._slots if slot.block is None), None)
@@ -299,8 +272,8 @@ class FileReader:
         return slot is not None and slot.read is not None and slot.read.done()
 
     def take(self, block: int, read: BlockRead) -> torch.Tensor:
-        """``block``'s bytes: its slot once its read is done, or, when it was not scheduled, the spare buffer
-        it is read into now; raises what its read raised."""
+        """``block``'s bytes: its slot once read, or the spare buffer it is read into now when it was not scheduled;
+        raises what its read raised."""
         slot = self._holding(block)
         if slot is not None and slot.read is not None:
             slot.read.result()
@@ -311,7 +284,8 @@ class FileReader:
         return self._spare
 
     def release(self, block: int, stream: torch.Stream | None) -> None:
-        """The copy out of ``block``'s slot is issued (on ``stream``): the slot may take the next read."""
+        """The copy out of ``block``'s slot is issued on ``stream``; the slot may take the next read once that copy
+        is done."""
         slot = self._holding(block)
         if slot is None:
             return
@@ -322,7 +296,7 @@ class FileReader:
             slot.freed.record(stream)
 
     def close(self) -> None:
-        """Waits for the reads under way (their slots are about to be freed) and stops the thread."""
+        """Waits for the reads under way, since their slots are about to be freed, and stops the thread."""
         self._pool.shutdown(wait=True)
         self._slices.close()
         for slot in self._slots:
@@ -338,7 +312,7 @@ class FileReader:
 
     def _read(self, buffer: torch.Tensor, freed: torch.Event | None, block: int, read: BlockRead) -> None:
         if freed is not None:
-            freed.synchronize()  # the copy out of the slot's last block has read it
+            freed.synchronize()
         start = time.perf_counter()
         in_file = []
         for part, source in read.parts:

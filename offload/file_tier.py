@@ -1,13 +1,9 @@
-"""The file tier: streamed blocks that have no host buffer and are read from their checkpoint file for each copy,
-into a few host staging slots (``FileReader``), in the dtypes they are stored in; and which blocks in a file
-keep a host buffer instead (``host_tier``).
+"""The file tier: streamed blocks with no host buffer, read from their checkpoint file for each copy into a few host
+staging slots, in their stored dtypes; and which file-backed blocks keep a host buffer instead (``host_tier``).
 
-Reads run ahead of the copies on the reader's thread, as far as the slots allow, and only for blocks that will
-need a copy. The files are stamped when streaming starts and checked at every step, so a checkpoint rewritten
-under a running model is an error, never a wrong weight. A host buffer costs host memory, a file read costs
-bandwidth at each step: within a cap, as many blocks as fit keep one, spread evenly over the call order so the
-reader is never asked for a long run of reads at once.
-"""
+Reads run ahead of the copies on the reader's thread, only for blocks that will need a copy. Files are stamped at start
+and checked every step, so a checkpoint rewritten under a running model is an error, never a wrong weight. Kept blocks
+are spread evenly over the call order so the reader never faces a long run of reads."""
 
 from __future__ import annotations
 
@@ -21,20 +17,19 @@ from .timeline import TimelineRecorder
 
 
 class FileTier:
-    """The reader of a streamer's file-tier blocks, its staging slots and the files' stamps; idle (no reader,
-    no slots) when no streamed block is read from its file."""
+    """A streamer's file-tier reader, staging slots and file stamps; idle when no block is read from a file."""
 
     def __init__(self, host: HostBlocks, ring: DeviceRing, recorder: TimelineRecorder | None) -> None:
         self.host = host
         self.ring = ring
         self.recorder = recorder
         self.reader: FileReader | None = None
-        self._slot_reservation = 0  # the staging slots' pinned bytes
-        self._stamps: tuple[FileStamp, ...] = ()  # the files read from, as they were when streaming began
+        self._slot_reservation = 0
+        self._stamps: tuple[FileStamp, ...] = ()
 
     def start(self) -> None:
-        """Allocates the staging slots (pinned where the budget and the driver allow, counted like a host
-        buffer) and starts the reader, if any streamed block is read from its file."""
+        """Allocates the staging slots (pinned as a host buffer would be) and starts the reader, if any block is read
+        from its file."""
         reads = [state.read for state in self.host.blocks.values() if state.read is not None]
         if not reads:
             return
@@ -59,33 +54,29 @@ class FileTier:
         self._slot_reservation = 0
 
     def check_files(self) -> None:
-        """Raises ``FileChangedError`` if a file read from has changed since streaming began."""
         for stamp in self._stamps:
             stamp.check()
 
     def reading(self, index: int) -> bool:
-        """Whether block ``index`` is read from its file and its read is not done: its copy would wait."""
+        """Whether block ``index``'s read is still under way, so its copy would wait."""
         state = self.host.blocks[index]
         return state.read is not None and self.reader is not None and not self.reader.is_read(index)
 
     def forget(self, index: int) -> None:
-        """Block ``index`` no longer streams: a read made ahead for it goes unused."""
+        """Block ``index`` no longer streams; a read made ahead for it goes unused."""
         if self.reader is not None:
             self.reader.release(index, None)
 
     def read_ahead(self, upcoming: Iterable[int], prefetch: int) -> None:
-        """Starts reading the ``upcoming`` file-tier blocks (in call order) that will need a copy, while the
-        reader has free slots.
+        """Starts reading the ``upcoming`` file-tier blocks that will need a copy, while slots are free.
 
-        A block in the ring needs none if it will still be there at its call: copied for it (within the
-        ``prefetch`` window), the ring holding every streamed block, or its region lying beyond what the
-        copies of the blocks before it will write from the ring's head (the ring overwrites its oldest
-        regions first). The estimate may miss where placement wraps; a miss costs a wasted read or a wait
-        for one, never a wrong weight."""
+        A block in the ring needs none if it will still be there at its call: copied within the ``prefetch`` window, the
+        ring holding every block, or its region lying beyond what earlier copies will overwrite from the head. The
+        estimate may miss where placement wraps; a miss costs a wasted read or a wait, never a wrong weight."""
         reader, books = self.reader, self.ring.books
         if reader is None or books is None:
             return
-        advance = 0  # the ring bytes the copies before the block in hand will write, from the head
+        advance = 0  # ring bytes earlier copies will write from the head
         for position, index in enumerate(upcoming):
             state = self.host.blocks[index]
             region = books.regions.get(index)
@@ -94,7 +85,7 @@ class FileTier:
             )
             if stays:
                 if position < prefetch and reader.holds(index):
-                    reader.release(index, None)  # read for nothing: it stayed in the ring
+                    reader.release(index, None)  # it stayed in the ring
                 continue
             advance += aligned(state.region_bytes, books.granule)
             if state.read is not None and not reader.holds(index) and not reader.schedule(index, state.read):
@@ -102,7 +93,7 @@ class FileTier:
 
     @property
     def pinned(self) -> bool:
-        """Whether the staging slots are all pinned (False without a file tier)."""
+        """Whether all staging slots are pinned (False without a file tier)."""
         return self.reader is not None and self.reader.pinned
 
     @property
@@ -115,18 +106,16 @@ class FileTier:
 
     @property
     def file_bytes(self) -> int:
-        """The bytes read from files for one pass through every file-tier block."""
         return sum(state.read.file_bytes for state in self.host.blocks.values() if state.read is not None)
 
     def file_slices(self) -> tuple[FileSlice, ...]:
-        """The file slices of the file-tier blocks, in block order."""
         blocks = sorted(self.host.blocks.items())
         return tuple(source for _, state in blocks if state.read for source in state.read.slices())
 
 
 def host_tier(blocks: Sequence[tuple[int, int]], cap: int) -> frozenset[int]:
-    """The blocks (``(index, host bytes)`` in call order) that keep a host buffer within ``cap`` bytes: the
-    most that fit, evenly spaced; the others form the file tier."""
+    """The blocks (``(index, host bytes)`` in call order) that keep a host buffer within ``cap``: the most that fit,
+    evenly spaced."""
     count = len(blocks)
     for kept in range(count, 0, -1):
         chosen = [blocks[i * count // kept] for i in range(kept)]

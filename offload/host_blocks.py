@@ -1,12 +1,6 @@
-"""The host side of streamed blocks: each block's tensors packed once into a host buffer (pinned where the pin
-budget and the driver allow) or left in their checkpoint file to be read at each copy (the file tier), the
-companions packed beside them, and what becomes of them when streaming stops: restored to memory of their own,
-or parked in a ``ParkingLot`` (``BlockParking``) for the next streamer of the same modules to take over as they
-are.
-
-``BlockStreamer`` owns one and runs the device side (ring, copies, hooks) from the ``StreamedBlock`` records it
-keeps.
-"""
+"""The host side of streamed blocks: each block packed once into a host buffer (pinned where allowed) or left in its
+checkpoint file (the file tier), its companions beside it, and what happens when streaming stops: restored to
+memory of its own, or parked for the next streamer of the same modules."""
 
 from __future__ import annotations
 
@@ -26,21 +20,12 @@ from .streamed_block import PackedCompanions, StreamedBlock
 
 
 class HostBlocks:
-    """The host side of a streamer's blocks (see the module docstring): ``blocks`` holds each streamed block's
-    record by index, from ``pack`` to ``take`` or ``let_go``.
+    """The host side of a streamer's blocks: ``blocks`` holds each record from ``pack`` to ``take`` or ``let_go``.
 
-    ``memory``: where host buffers come from (pinned as the streamer may, within its share of a pin budget);
-    ``options`` and ``files``: the spec's parts (``offload/spec.py``).
-    A storage dtype is cast back on the copy stream, right after the copy, so the cast and the copy are ordered on
-    one stream; the originals are kept too, because a rounded copy must never replace them.
-    Weights that are views of their checkpoint file are never copied into memory of the process: a block read
-    from the file each step has no host buffer (``offload/file_tier.py``); other blocks pack their host buffer
-    from the file. Host buffers hold the dtype each tensor is computed in; file-tier bytes are cast to it on the
-    device, after the copy.
-    A host writes a block's ``contents`` through its tensors between ``enable`` and the first step
-    (``needs_content`` says which, ``wrote_content`` that it is done). A parked buffer is adopted only by a
-    streamer naming the same content, or none; one holding other content is dropped and the block packed again
-    from its originals, so only a block packed from its file may hold content."""
+    A storage dtype is cast back on the copy stream right after the copy, so both are ordered on one stream, and the
+    originals are kept: a rounded copy must never replace them. Host buffers hold compute dtypes; file-tier bytes are
+    cast on the device. Only a block packed from its file may hold ``contents`` (written between ``enable`` and the
+    first step), since it can be repacked from the file."""
 
     def __init__(
         self, device: torch.device, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool
@@ -50,16 +35,14 @@ class HostBlocks:
         self.files = files
         self.recurse = recurse
         self.memory = memory
-        # Narrowed by ``BlockStreamer.make_resident`` as blocks leave the host side.
         self.read_each_step = files.read_each_step
         self.parking = BlockParking(self.memory, options, files, recurse=recurse)
         self.blocks: dict[int, StreamedBlock] = {}
-        # Copied into host buffers by ``pack_all`` before it returned (adopted, file-tier or left to the packing
-        # thread: none; the thread counts its own in ``background.packed_bytes``).
+        # Copied by ``pack_all`` itself; the packing thread counts its own.
         self.packed_bytes = 0
-        self.modules: dict[int, nn.Module] = {}  # the module of each block in ``blocks``
-        # Held while a block's record or its module's tensors change: by the streamer's thread around each copy
-        # from a block and each re-pointing of its tensors, by the packing thread around handing a block over.
+        self.modules: dict[int, nn.Module] = {}
+        # Held while a record or its module's tensors change: by the streamer around each copy and re-pointing,
+        # by the packing thread around handing a block over.
         self.lock = threading.Lock()
         self.background = BackgroundPacking(self.blocks, self.memory, self.lock, device)
 
@@ -70,10 +53,9 @@ class HostBlocks:
     def pack_all(
         self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None, later: bool = False
     ) -> None:
-        """Every block of ``blocks`` (index: module) packed, in index order, ``packed_bytes`` counting this
-        start's copies; ``progress(done, total)`` hears each. A failure (a host's interrupt raised from
-        ``progress``, a fill that raises) leaves every block packed so far on memory of its own again.
-        ``later``: a block that can wait (``pack_later``) is not packed now but by ``background``'s thread."""
+        """Packs ``blocks`` in index order; ``progress(done, total)`` hears each. On any failure (including a host
+        interrupt raised from ``progress``) every block packed so far gets its own memory back. ``later``: blocks
+        that can wait are left to the packing thread."""
         self.packed_bytes = self.background.packed_bytes = self.background.total_bytes = 0
         order = sorted(blocks)
         try:
@@ -87,17 +69,16 @@ class HostBlocks:
             raise
 
     def pack(self, index: int, block: nn.Module) -> StreamedBlock:
-        """Block ``index`` (``block``) moved into its host buffer, a parked one taken over, or left in its file."""
+        """Block ``index`` moved into its host buffer, a parked one taken over, or left in its file."""
         state = self.blocks[index] = self._packed(index, block)
         self.modules[index] = block
         self._pack_companions(index, state)
         return state
 
     def pack_later(self, index: int, block: nn.Module) -> bool:
-        """Block ``index`` recorded as waiting, its tensors left where they are (its ``sources``), to be packed
-        by the packing thread, or its parked buffer taken over (nothing to pack); False (nothing done) for a
-        block that cannot wait: one read from its file each step (never packed), cast to a storage dtype or to
-        hold other content (both need its host buffer before the first step), or not in CPU memory."""
+        """Records block ``index`` as waiting for the packing thread, or adopts its parked buffer. False, doing
+        nothing, for a block that must be ready by the first step: file tier, storage dtype, content, or not in
+        CPU memory."""
         if self.options.storage_dtype is not None or index in self.read_each_step or index in self.options.contents:
             return False
         adopted = self.parking.adopt(index, block)
@@ -127,7 +108,7 @@ class HostBlocks:
         return True
 
     def take(self, index: int) -> StreamedBlock | None:
-        """Block ``index``'s record, no longer kept (its companions dropped): the caller restores it."""
+        """Drops block ``index``'s record and companions; the caller restores it."""
         self.modules.pop(index, None)
         state = self.blocks.pop(index, None)
         if state is not None:
@@ -135,26 +116,24 @@ class HostBlocks:
         return state
 
     def check_can_park(self, park: bool) -> None:
-        """Raises before anything is let go if ``park`` is asked without a lot to park into."""
+        """Raises before anything is let go if ``park`` is asked with no lot."""
         if park and self.options.parking is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
 
     def let_go(self, park: bool) -> None:
-        """Every block back on memory of its own (its file's views, a copy, or, pageable and in its tensors'
-        dtypes, its host buffer as it is); with ``park``, blocks that came from the CPU stay on their host
-        buffers, in ``parking``. Block by block, each record dropped as its block gets its memory back:
-        restoring every block before dropping any would hold the streamed bytes twice, on unload, exactly when
-        another model is waiting for the RAM."""
+        """Gives every block memory of its own again; with ``park``, blocks from the CPU stay on their host buffers
+        in the lot. One block at a time, so an unload never holds the streamed bytes twice just when another model
+        wants the RAM."""
         self.check_can_park(park)
         self.background.stop()
         for index in sorted(self.blocks):
             module = self.modules[index]
             state = self.take(index)
             assert state is not None
-            if state.waiting:  # nothing was packed to park: its own tensors again, as it held them
+            if state.waiting:  # nothing packed to park
                 state.layout.point_at(state.host_views)
                 self.unpin(state)
-            elif state.in_place:  # its own tensors: parked as they are where pinned there, or unpinned
+            elif state.in_place:
                 state.layout.point_at(state.host_views)
                 if park and state.pinned_in_place:
                     self.parking.park_in_place(module, state)
@@ -163,37 +142,35 @@ class HostBlocks:
             elif park and state.origin_device.type == "cpu":
                 self.parking.park(module, state, self.unpin)
             elif state.file_backed:
-                state.point_at_originals()  # the file's views, as they were
+                state.point_at_originals()
                 self.unpin(state)
             else:
                 state.restore(state.origin_device)
                 self.unpin(state)
 
     def unpin_some(self, nbytes: int) -> int:
-        """Unpins blocks' host buffers, last first, until ``nbytes`` of the pin budget are free again; returns
-        how many. The caller makes sure no copy reads them meanwhile."""
+        """Unpins host buffers, last block first, until ``nbytes`` are free; returns how many. The caller ensures no
+        copy reads them meanwhile."""
         freed = 0
         for state in reversed([self.blocks[index] for index in sorted(self.blocks)]):
             if freed >= nbytes:
                 break
             if state.waiting and state.pinned_bytes:
-                freed += state.pinned_bytes  # its reservation: it will be packed pageable
+                freed += state.pinned_bytes  # it will be packed pageable
                 self.unpin(state)
                 state.pageable_because = "cap"
-            elif state.pinned_in_place or (state.pinned and unpin_host_buffer(state.host)):  # the same memory, pageable
+            elif state.pinned_in_place or (state.pinned and unpin_host_buffer(state.host)):
                 freed += state.pinned_bytes
                 self.unpin(state)
                 state.pinned, state.pageable_because = False, "cap"
         return freed
 
     def pageable_because(self, reason: str) -> dict[int, int]:
-        """Blocks (index: host bytes) whose host buffer is pageable for ``reason`` ("cap" or "driver")."""
         return {i: state.storage.nbytes for i, state in sorted(self.blocks.items()) if state.pageable_because == reason}
 
     @property
     def buffer_bytes(self) -> int:
-        """The blocks' host buffers, those of blocks still waiting to be packed included (a block pinned in place
-        has none: its own tensors)."""
+        """The blocks' host buffers, waiting blocks included; blocks pinned in place have none."""
         return sum(
             state.storage.nbytes if state.waiting else state.host.numel()
             for state in self.blocks.values()
@@ -202,8 +179,6 @@ class HostBlocks:
 
     @property
     def companion_bytes(self) -> int:
-        """The host buffers of the blocks' companions (packed once, copied with their blocks; none for those kept
-        where they lie)."""
         return sum(state.companions.host.numel() for state in self.blocks.values() if state.companions is not None)
 
     def _packed(self, index: int, block: nn.Module) -> StreamedBlock:
@@ -230,11 +205,10 @@ class HostBlocks:
         host_views = storage.views(host)
         originals = None
         if file_backed:
-            originals = current  # views of the file: they cost no memory
+            originals = current  # file views cost no memory
         elif storage_dtype is not None:
-            # Kept on the host: originals left on the device would keep the whole block there.
+            # On the host: originals left on the device would keep the whole block there.
             originals = tuple(t.to("cpu") for t in current)
-        # Otherwise the block's only copy of its weights is now the host buffer.
         layout.point_at(host_views)
         return StreamedBlock(
             layout,
@@ -261,7 +235,6 @@ class HostBlocks:
 
     @property
     def needs_content(self) -> frozenset[int]:
-        """The streamed blocks whose host buffers do not hold the content ``contents`` names for them yet."""
         return frozenset(
             index
             for index, content in self.options.contents.items()
@@ -269,7 +242,7 @@ class HostBlocks:
         )
 
     def wrote_content(self, indices: Iterable[int]) -> None:
-        """The host has written their ``contents`` into these blocks' host buffers (their tensors, on the host)."""
+        """Marks ``contents`` written; raises for a block with no file originals to go back to."""
         for index in indices:
             state = self.blocks[index]
             if state.read is not None or not state.file_backed:
@@ -280,8 +253,8 @@ class HostBlocks:
             state.content = self.options.contents[index]
 
     def unpin(self, state: StreamedBlock) -> None:
-        """Gives the block's pinned bytes (or a waiting block's reservation) back to the budget (its host buffer
-        is dropped with it); a block pinned in place is unregistered, its tensors left as they are."""
+        """Returns the block's pinned bytes (or a waiting block's reservation) to the budget, and unregisters blocks
+        pinned in place."""
         for storage in state.pinned_in_place:
             unpin_host_buffer(storage)
         state.pinned_in_place = ()
@@ -291,11 +264,8 @@ class HostBlocks:
 
 
 class BlockParking:
-    """Parks and adopts the host buffers of one streamer's blocks.
-
-    ``options.parking``: where they are parked and taken from (None: this streamer neither parks nor adopts). A
-    buffer is adopted only where this streamer would have packed the same bytes (no storage dtype, not read from
-    its file each step, the same ``contents``)."""
+    """Parks and adopts the host buffers of one streamer's blocks. A buffer is adopted only where this streamer would
+    have packed the same bytes."""
 
     def __init__(self, memory: HostMemory, options: HostOptions, files: FileOptions, *, recurse: bool) -> None:
         self.memory = memory
@@ -304,10 +274,8 @@ class BlockParking:
         self.recurse = recurse
 
     def park(self, module: nn.Module, state: StreamedBlock, unpin: Callable[[StreamedBlock], None]) -> None:
-        """Leaves ``module`` on host memory without a copy (its tensors already point at the host views).
-        A block from its file keeps its host buffer too (its file views kept beside it); one read from the
-        file at each step, or stored in a lossy dtype, goes back to its originals (``unpin`` gives back its
-        pinned bytes)."""
+        """Leaves ``module`` on its host buffer, without a copy. File-tier and lossy storage-dtype blocks go back to
+        their originals instead."""
         if state.read is not None or (state.originals is not None and not state.file_backed):
             state.point_at_originals()  # the rounded copy must not replace them
             unpin(state)
@@ -332,8 +300,8 @@ class BlockParking:
         )
 
     def park_in_place(self, module: nn.Module, state: StreamedBlock) -> None:
-        """Leaves a block pinned in place (``StreamedBlock.pinned_in_place``) as it is: its tensors stay registered
-        with the driver, and its reservation stays counted until it is adopted or its memory freed."""
+        """Parks a block pinned in place: it stays registered, and its reservation counted until it is adopted or
+        freed."""
         lot = self.options.parking
         if lot is None:
             raise ValueError("parking needs a ParkingLot: give the streamer one (parking=...) to park into")
@@ -352,10 +320,8 @@ class BlockParking:
         state.pinned_in_place, state.pinned_bytes = (), 0
 
     def adopt(self, index: int, block: nn.Module) -> StreamedBlock | None:
-        """The block's parked host buffer, taken over as it is (``_take_over``), or its tensors pinned in place as
-        they are. One not taken over goes: a block packed from its file points at the file's views again, to be
-        packed from them (never from a buffer that may hold other content, nor into a copy of its own that would
-        outlive the streamer); one pinned in place is unpinned, to be pinned or packed again."""
+        """The block's parked buffer or in-place pins, taken over as they are. One not taken over is given back: a
+        file-packed block points at its file views again, so it never repacks from a buffer holding other content."""
         lot = self.options.parking
         parked = lot.take(block) if lot is not None else None
         if parked is None:
@@ -370,8 +336,7 @@ class BlockParking:
         return adopted
 
     def _take_over_in_place(self, parked: ParkedInPlace, layout: BlockLayout, index: int) -> StreamedBlock | None:
-        """A block pinned in place as this streamer would have pinned it: pinning asked, its own tensors streamed
-        as they are (no storage dtype, not read from its file each step), still on the storages parked."""
+        """A block pinned in place as this streamer would have pinned it."""
         if self.options.storage_dtype is not None or index in self.files.read_each_step or not self.memory.pin_memory:
             return None
         storages = parked.parts_for(layout)
@@ -387,8 +352,7 @@ class BlockParking:
         )
 
     def _take_over(self, parked: ParkedBuffer, layout: BlockLayout, index: int) -> StreamedBlock | None:
-        """A parked host buffer as block ``index``'s, if it fits (``ParkedBuffer.parts_for``) and its pinned
-        bytes can move into this streamer's share; never for a block to be read from its file at each step."""
+        """A parked buffer as block ``index``'s, if it fits and its pinned bytes can move into this share."""
         fits = (
             None
             if self.options.storage_dtype is not None or index in self.files.read_each_step

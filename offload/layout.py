@@ -1,24 +1,10 @@
-"""Byte layout of one module's tensors inside a single flat buffer.
+"""Byte layout of one module's tensors in a single flat buffer, so a block moves with one copy.
 
-A block is moved with one copy of one contiguous buffer instead of one copy per tensor. Every tensor is
-kept as the bytes it is stored in: a plain tensor as itself, a tensor subclass as the plain tensors it is
-made of (a quantized weight's quantized data, scales and other inner tensors; never a dequantized copy).
-Each of those parts gets an aligned byte range of the buffer, and the module's tensor is put back
-together around typed views of its parts' ranges, wherever the buffer is (pinned host memory, a device
-slot), so the code that owns the subclass (ComfyUI's quantized ops, ComfyUI-GGUF) computes with it as
-it does with a resident one.
-
-The kinds are told apart by what they are made of, not by their class, so the engine imports none of
-the libraries that define them:
-
-* plain: ``torch.Tensor`` or ``nn.Parameter``, one part: itself;
-* wrapper: a subclass that implements PyTorch's ``__tensor_flatten__`` / ``__tensor_unflatten__``
-  protocol (ComfyUI's ``QuantizedTensor``, both 0.3.75's and 0.33's comfy-kitchen one): its parts are its
-  inner tensors, and it is rebuilt by ``__tensor_unflatten__`` around their views;
-* storage subclass: a subclass with memory of its own and no ``__torch_dispatch__`` of its own, whose
-  extra Python attributes say how to read its bytes (ComfyUI-GGUF's ``GGMLTensor``: raw quantized bytes,
-  ``tensor_type``, ``tensor_shape``, LoRA ``patches``), one part: its bytes.
-"""
+Every tensor keeps its stored bytes (a quantized weight's data and scales, never a dequantized copy) and is rebuilt
+around typed views wherever the buffer is, so ComfyUI's quantized ops and ComfyUI-GGUF compute as with a resident
+tensor. Kinds are told apart by structure, not class, so the engine imports none of those libraries: plain tensors;
+wrappers implementing ``__tensor_flatten__`` (ComfyUI's ``QuantizedTensor``); storage subclasses with no
+``__torch_dispatch__`` of their own (ComfyUI-GGUF's ``GGMLTensor``)."""
 
 from __future__ import annotations
 
@@ -29,11 +15,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-#: The dtype a module's plain tensor (its owner and name) is computed in, where it differs from the dtype it
-#: is stored in (a checkpoint stored in fp32 and run in bf16); None: as stored.
+#: The compute dtype of a module's plain tensor where it differs from the stored one; None: as stored.
 DtypeOf = Callable[[nn.Module, str], "torch.dtype | None"]
 
-# Keeps every view aligned for vectorised kernels and for dtype reinterpretation.
+# For vectorised kernels and dtype reinterpretation.
 ALIGNMENT = 256
 
 KINDS = (
@@ -44,24 +29,22 @@ KINDS = (
 
 
 def aligned(nbytes: int, granule: int = ALIGNMENT) -> int:
-    """``nbytes`` rounded up to a multiple of ``granule`` (by default the alignment every view starts at)."""
     return (nbytes + granule - 1) // granule * granule
 
 
 def _own_memory(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor over the memory of ``tensor``: a subclass's own ``detach`` or ``data`` (GGMLTensor
-    returns itself) would hand back the subclass."""
+    """A plain tensor over ``tensor``'s memory; a subclass's own ``detach`` (GGMLTensor's returns itself) would give
+    back the subclass."""
     with torch._C.DisableTorchFunctionSubclass():
         return torch.Tensor.detach(tensor)
 
 
 @dataclass(frozen=True)
 class TensorForm:
-    """How one tensor is made of plain tensors (its parts, in the order ``parts_of`` lists them).
+    """How one tensor is made of plain tensors, in ``parts_of`` order.
 
-    ``inner`` is empty for the two kinds stored as one part and put in place by swapping ``.data``
-    (plain tensors and storage subclasses: the Python object, its attributes and whoever holds it, stay);
-    a wrapper has an inner form per inner tensor and is rebuilt around them."""
+    Plain tensors and storage subclasses are one part, put in place by swapping ``.data``, so the Python object, its
+    attributes and whoever holds it stay. A wrapper has a form per inner tensor and is rebuilt."""
 
     kind: type[torch.Tensor]
     context: object = None
@@ -83,7 +66,7 @@ class TensorForm:
         if kind in (torch.Tensor, nn.Parameter):
             return cls(kind)
         if hasattr(kind, "__tensor_flatten__") and hasattr(kind, "__tensor_unflatten__"):
-            names, context = cast(Any, tensor).__tensor_flatten__()  # torch types wrappers' protocol nowhere
+            names, context = cast(Any, tensor).__tensor_flatten__()  # torch does not type this protocol
             inner = tuple((name, cls.of(getattr(tensor, name), f"{where}.{name}")) for name in names)
             return cls(kind, context, inner, tensor.size(), tensor.stride())
         if kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
@@ -106,8 +89,6 @@ class TensorForm:
             yield from form.parts_of(getattr(tensor, name))
 
     def assemble(self, parts: Iterator[torch.Tensor]) -> torch.Tensor:
-        """The tensor rebuilt around ``parts`` (consumed in layout order); for the kinds put in place by
-        swapping ``.data``, the part itself."""
         if not self.is_wrapper:
             return next(parts)
         inner = {name: form.assemble(parts) for name, form in self.inner}
@@ -117,8 +98,6 @@ class TensorForm:
 
 @dataclass(frozen=True)
 class Part:
-    """Where one plain part lives inside the module's flat buffer."""
-
     offset: int
     shape: torch.Size
     dtype: torch.dtype
@@ -133,8 +112,6 @@ class Part:
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """One tensor of a module: where the module holds it, what it is made of, where its parts live."""
-
     owner: nn.Module
     name: str
     is_parameter: bool
@@ -144,17 +121,15 @@ class TensorSlot:
     def tensor(self) -> torch.Tensor:
         table = self.owner._parameters if self.is_parameter else self.owner._buffers
         tensor = table[self.name]
-        assert tensor is not None, f"{self.name} was None when the layout was taken"  # a slot holds a tensor
+        assert tensor is not None, f"{self.name} was None when the layout was taken"
         return tensor
 
     def place(self, tensors: Views, index: int) -> None:
-        """Makes the module hold ``tensors[index]`` (from ``TensorForm.assemble``) here: where it holds an inference
-        tensor, a plain one that is not goes in as its inference alias.
+        """Makes the module hold ``tensors[index]``.
 
-        Swapping ``.data`` keeps the Python object itself, so code that holds a reference to a weight
-        (optimisers, ComfyUI's patcher) still sees it, with its attributes (ComfyUI-GGUF's quant type and
-        LoRA patches). A wrapper's device is fixed when it is made, so the rebuilt one takes the old one's
-        place; ComfyUI itself replaces its quantized Parameters whenever it moves or patches them."""
+        Swapping ``.data`` keeps the object, so holders (ComfyUI's patcher, ComfyUI-GGUF's attributes) still see it.
+        Where the module holds an inference tensor, a normal one goes in as its inference alias. A wrapper's device is
+        fixed at construction, so the rebuilt one replaces it, as ComfyUI itself does with quantized Parameters."""
         tensor = tensors[index]
         if not self.form.is_wrapper:
             held = self.tensor()
@@ -162,16 +137,15 @@ class TensorSlot:
                 tensor = tensors.inference_alias(index)
             held.data = tensor
         elif self.is_parameter:
-            self.owner._parameters[self.name] = cast(nn.Parameter, tensor)  # a wrapper Parameter, rebuilt
+            self.owner._parameters[self.name] = cast(nn.Parameter, tensor)
         else:
             self.owner._buffers[self.name] = tensor
 
 
 class Views(tuple[torch.Tensor, ...]):
-    """A module's tensors as ``point_at`` places them, kept by whoever places them again and again (a block's host
-    form, each of its ring positions): the inference alias a placement needs (``_inference_alias``) is made once
-    per tensor, then kept. Every streamed call places two, and making the aliases at each call would be about half of
-    its host work."""
+    """A module's tensors as ``point_at`` places them, kept by whoever places them repeatedly, so each tensor's
+    inference alias is made once: every streamed call places two sets, and making the aliases each time would
+    dominate its host work."""
 
     def inference_alias(self, index: int) -> torch.Tensor:
         aliases: dict[int, torch.Tensor] = self.__dict__.setdefault("aliases", {})
@@ -182,10 +156,9 @@ class Views(tuple[torch.Tensor, ...]):
 
 
 def _inference_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory as an inference tensor. A tensor made under ``torch.inference_mode`` (ComfyUI
-    builds and moves its Parameters inside it) that takes a normal tensor's memory through ``.data`` loses
-    its version counter, and every view of it then fails ("Inference tensors do not track version
-    counter"); one that takes an inference tensor's memory stays whole."""
+    """``tensor``'s memory as an inference tensor. An inference-mode tensor (ComfyUI builds its Parameters in
+    ``torch.inference_mode``) that takes a normal tensor's memory through ``.data`` loses its version counter, and
+    every view of it then fails."""
     with torch.inference_mode():
         alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
@@ -202,15 +175,14 @@ def _module_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[nn.Modul
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
-    """The bytes ``tensor`` is stored in: a quantized weight's data and scales, not its dequantized size."""
-    if type(tensor) in (torch.Tensor, nn.Parameter):  # one part, its own: no alias to make (most of a load's calls)
+    if type(tensor) in (torch.Tensor, nn.Parameter):  # the common case, without making an alias
         return tensor.numel() * tensor.element_size()
     return sum(part.nbytes for part in TensorForm.of(tensor, type(tensor).__name__).parts_of(tensor))
 
 
 def module_stored_bytes(module: nn.Module, recurse: bool = True, dtype_of: DtypeOf | None = None) -> int:
-    """The stored bytes of every parameter and buffer of ``module`` (its own only, unless ``recurse``),
-    each counted once; with ``dtype_of``, plain tensors counted in the dtype they are computed in."""
+    """Stored bytes of ``module``'s parameters and buffers, each counted once; with ``dtype_of``, plain tensors
+    counted in their compute dtype."""
     unique = {id(tensor): (owner, name, tensor) for owner, name, _, tensor in _module_tensors(module, recurse)}
     total = 0
     for owner, name, tensor in unique.values():
@@ -223,7 +195,7 @@ def module_stored_bytes(module: nn.Module, recurse: bool = True, dtype_of: Dtype
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """All tensors of a module, their parts packed back to back; ``nbytes`` is the buffer size."""
+    """All tensors of a module, parts packed back to back in ``nbytes``."""
 
     slots: tuple[TensorSlot, ...]
     nbytes: int
@@ -238,11 +210,9 @@ class BlockLayout:
     ) -> BlockLayout:
         """Lays out ``module``'s tensors (its own only, unless ``recurse``).
 
-        ``dtype_of`` gives plain tensors the dtype they are computed in (else they keep theirs).
-        ``storage_dtype`` then applies to plain floating-point parameters only: buffers such as rotary
-        tables lose precision badly and are small, and a subclass's parts mean something only in their
-        own dtypes.
-        """
+        ``dtype_of`` gives plain tensors their compute dtype. ``storage_dtype`` then applies to plain float parameters
+        only: buffers such as rotary tables are small and lose precision badly, and subclass parts only mean something
+        in their own dtypes."""
         slots = []
         offset = 0
         seen: set[int] = set()
@@ -272,27 +242,23 @@ class BlockLayout:
 
     @property
     def device(self) -> torch.device | None:
-        """Where the module's tensors are now (None when it has none)."""
         first = next(self._current_parts(), None)
         return None if first is None else first.device
 
     def part_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A typed view of ``flat`` per part, in layout order."""
         return tuple(part.view(flat) for part in self.parts)
 
     def assemble(self, parts: Iterable[torch.Tensor]) -> Views:
-        """The module's tensors rebuilt around ``parts`` (one per part, in layout order), for ``point_at``."""
         remaining = iter(parts)
         tensors = []
         for slot in self.slots:
             tensor = slot.form.assemble(remaining)
             if slot.is_parameter and slot.form.is_wrapper:
-                tensor._is_param = True  # what nn.Parameter marks a subclass with, without its copy
+                tensor._is_param = True  # as nn.Parameter marks a subclass, without its copy
             tensors.append(tensor)
         return Views(tensors)
 
     def views(self, flat: torch.Tensor) -> Views:
-        """The module's tensors living in ``flat``."""
         return self.assemble(self.part_views(flat))
 
     def pack_into(
@@ -301,30 +267,27 @@ class BlockLayout:
         parts: tuple[torch.Tensor, ...] | None = None,
         between: Callable[[], None] | None = None,
     ) -> None:
-        """Copies the module's current parts (or ``parts``, as they were) into ``flat`` (casting to the layout's
-        dtypes); ``between`` is called before each copy (a packing thread's check that it may go on)."""
+        """Copies the current parts (or ``parts``) into ``flat``, casting to the layout's dtypes; ``between`` runs
+        before each copy (the packing thread's check that it may go on)."""
         for view, part in zip(self.part_views(flat), self.current() if parts is None else parts, strict=True):
             if between is not None:
                 between()
             view.copy_(part)
 
     def point_at(self, tensors: Views) -> None:
-        """Makes the module hold ``tensors`` (from ``views``, ``assemble`` or ``held``); see ``TensorSlot.place``."""
         if len(tensors) != len(self.slots):
             raise ValueError(f"{len(tensors)} tensors for a layout of {len(self.slots)}")
         for index, slot in enumerate(self.slots):
             slot.place(tensors, index)
 
     def held(self) -> Views:
-        """The module's tensors as it holds them now, for ``point_at`` to put back later: a wrapper as its own
-        object (one rebuilt around its parts would lose what its owner set on it, and one made under
-        ``torch.inference_mode`` could not be detached again by ComfyUI), a plain tensor as its memory."""
+        """The module's tensors as held now, for ``point_at`` to put back: a wrapper as its own object, since a
+        rebuilt one would lose attributes and an inference-mode one could not be detached again by ComfyUI."""
         return Views(
             slot.tensor() if slot.form.is_wrapper else next(slot.form.parts_of(slot.tensor())) for slot in self.slots
         )
 
     def current(self) -> tuple[torch.Tensor, ...]:
-        """The parts of the module's tensors as they are now, in layout order."""
         return tuple(self._current_parts())
 
     def _current_parts(self) -> Iterator[torch.Tensor]:

@@ -1,12 +1,8 @@
-"""A placement: which blocks stay on the device and which stream, how far ahead (``OffloadPlan``); which blocks
-stay by count, byte budget and position policy (``ResidencyPolicy``); and when a node leaves the model to its
-host's own loader instead (``step_aside``).
+"""A placement: which blocks stay on the device and which stream, how far ahead (``OffloadPlan``), by what position
+policy (``ResidencyPolicy``), and when a node leaves the model to its host's loader (``step_aside``).
 
-Streaming pays off only for weights that cannot stay on the device. A host that manages device memory itself
-(ComfyUI's Dynamic VRAM) runs a model that fits fully resident faster than any streamed placement, so a node
-steps aside when nothing would stream or the whole model fits the room the host has for it. On some devices
-streaming cannot gain at all (``platform_aside``).
-"""
+Streaming pays only for weights that cannot stay: a host managing device memory itself (Dynamic VRAM) runs a model that
+fits faster resident, so a node steps aside when nothing would stream or the whole model fits."""
 
 from __future__ import annotations
 
@@ -25,11 +21,8 @@ GIB = 1024**3
 
 
 class ResidencyPolicy(str, Enum):
-    """Where the resident blocks sit in the stack.
-
-    ``strided`` spreads them evenly, so each streamed block's copy can hide behind
-    the compute of resident neighbours instead of all copies queueing at one end.
-    """
+    """Where the resident blocks sit in the stack. ``strided`` spreads them, so each streamed copy can hide behind
+    resident neighbours' compute instead of all copies queueing at one end."""
 
     LEADING = "leading"
     TRAILING = "trailing"
@@ -37,7 +30,6 @@ class ResidencyPolicy(str, Enum):
 
 
 def resident_indices(num_blocks: int, count: int, policy: ResidencyPolicy) -> frozenset[int]:
-    """The ``count`` block indices that stay resident under ``policy``."""
     if not 0 <= count <= num_blocks:
         raise ValueError(f"resident block count must be between 0 and {num_blocks}, got {count}")
     if policy is ResidencyPolicy.LEADING:
@@ -49,7 +41,6 @@ def resident_indices(num_blocks: int, count: int, policy: ResidencyPolicy) -> fr
 
 
 def resident_for_budget(block_bytes: Sequence[int], budget_bytes: int, policy: ResidencyPolicy) -> frozenset[int]:
-    """The largest resident set under ``policy`` whose blocks fit in ``budget_bytes``."""
     for count in range(len(block_bytes), -1, -1):
         chosen = resident_indices(len(block_bytes), count, policy)
         if sum(block_bytes[i] for i in chosen) <= budget_bytes:
@@ -58,15 +49,14 @@ def resident_for_budget(block_bytes: Sequence[int], budget_bytes: int, policy: R
 
 
 def stream_buffer_bytes(largest: int, prefetch: int, nesting: int = 1, staging: int = 0) -> int:
-    """Device bytes a stream allocates by default: its ring (``ring_capacity``) and, with a storage dtype,
-    one staging buffer as large as the largest block in that dtype (copied into before the cast)."""
+    """Device bytes a stream allocates by default: its ring and, with a storage dtype, a staging buffer for the
+    largest block."""
     return ring_capacity(largest, prefetch, nesting) + staging
 
 
 def module_bytes(module: nn.Module, dtype_of: DtypeOf | None = None) -> int:
-    """Bytes of all parameters and buffers of ``module`` as they are stored (and streamed): a quantized
-    weight counts its quantized data and scales, not the size it dequantizes to. Counted once each.
-    ``dtype_of``: plain tensors counted in the dtype they are computed in (on the device)."""
+    """Bytes of ``module``'s tensors as stored and streamed (a quantized weight's data and scales), each once;
+    ``dtype_of``: plain tensors in their compute dtype."""
     return module_stored_bytes(module, dtype_of=dtype_of)
 
 
@@ -78,10 +68,8 @@ class OffloadPlan:
     resident: frozenset[int]
     prefetch: int = 1
     pin_memory: bool = True
-    # None: the resident set was chosen block by block (offload.planner), not by a position policy.
-    policy: ResidencyPolicy | None = ResidencyPolicy.LEADING
-    # The device ring's bytes, as the planner sized it from a budget; 0: ``prefetch + 1`` of the largest block.
-    ring_bytes: int = 0
+    policy: ResidencyPolicy | None = ResidencyPolicy.LEADING  # None: chosen by the planner
+    ring_bytes: int = 0  # as the planner sized it; 0: ``prefetch + 1`` of the largest block
 
     @classmethod
     def build(
@@ -94,7 +82,7 @@ class OffloadPlan:
         prefetch: int = 1,
         pin_memory: bool = True,
     ) -> OffloadPlan:
-        """Resident blocks by ``resident_count``, or as many as fit ``budget_bytes`` with the slots."""
+        """Resident blocks by ``resident_count``, or as many as fit ``budget_bytes`` with the ring."""
         if (resident_count is None) == (budget_bytes is None):
             raise ValueError("give exactly one of resident_count and budget_bytes")
         if prefetch < 0:
@@ -103,8 +91,7 @@ class OffloadPlan:
         if resident_count is not None:
             resident = resident_indices(len(sizes), resident_count, policy)
         else:
-            assert budget_bytes is not None  # exactly one of the two was given
-            # The ring comes out of the same budget as the resident blocks.
+            assert budget_bytes is not None
             slots = ring_capacity(max(sizes, default=0), prefetch)
             resident = resident_for_budget(sizes, max(0, budget_bytes - slots), policy)
         return cls(sizes, resident, prefetch, pin_memory, policy)
@@ -123,7 +110,6 @@ class OffloadPlan:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of the ring the streamed blocks pass through."""
         if not self.streamed:
             return 0
         return ring_capacity(max(self.block_bytes[i] for i in self.streamed), self.prefetch, ring_bytes=self.ring_bytes)
@@ -137,9 +123,8 @@ class OffloadPlan:
         pin_memory: bool = True,
         policy: ResidencyPolicy | None = None,
     ) -> OffloadPlan | None:
-        """``resident`` blocks, and a ring of what ``budget_bytes`` leaves (no more than every streamed block
-        takes), copies running as far ahead as it has room; None when it leaves less than the largest
-        streamed block. The planner's placements within a budget are these."""
+        """``resident`` blocks and a ring of what ``budget_bytes`` leaves (no more than all streamed blocks), copying
+        as far ahead as it has room; None when that is less than the largest streamed block."""
         streamed = [size for i, size in enumerate(block_bytes) if i not in resident]
         if not streamed:
             return None
@@ -150,18 +135,14 @@ class OffloadPlan:
         return cls(tuple(block_bytes), resident, len(block_bytes), pin_memory, policy, ring)
 
     def device_bytes(self, outside_blocks: int = 0) -> int:
-        """Weights on the device at the peak: resident blocks, slots, and what lies outside the blocks."""
+        """Weights on the device at the peak: resident blocks, ring, and what lies outside the blocks."""
         return self.resident_bytes + self.slot_bytes + outside_blocks
 
     def fallback(self) -> OffloadPlan | None:
-        """The next placement to try when this one ran out of device memory, or None when every
-        block already streams synchronously.
+        """The next placement to try after running out of device memory; None once every block streams synchronously.
 
-        Half the resident blocks first (the ones kept are picked from the resident set by the
-        same policy, so leading stays leading and strided stays spread), then a ring sized in
-        bytes gives way to two blocks' worth (prefetch 1) or, when it was no larger, to one;
-        then one block less of prefetch, which frees one block's worth of the ring.
-        """
+        Half the resident blocks first, picked by the same policy so it keeps its shape; then a byte-sized ring gives
+        way to prefetch 1 (or 0 when that is no smaller); then one less prefetch at a time."""
         if self.resident:
             ordered = sorted(self.resident)
             picked = resident_indices(len(ordered), len(ordered) // 2, self.policy or ResidencyPolicy.STRIDED)
@@ -174,7 +155,6 @@ class OffloadPlan:
         return None
 
     def describe(self, outside_blocks: int = 0) -> str:
-        """The one-line summary the log shows when a model loads with this plan."""
         count = len(self.block_bytes)
         resident = _ranges(sorted(self.resident)) or "none"
         chosen_by = self.policy.value if self.policy else "planned"
@@ -207,12 +187,10 @@ def _ranges(indices: list[int]) -> str:
 def place_falling_back(
     plan: OffloadPlan, place: Callable[[OffloadPlan], None], undo: Callable[[], None]
 ) -> tuple[OffloadPlan, list[OffloadPlan]]:
-    """Places ``plan``, or, while the device runs out of memory, each smaller ``fallback()`` in turn.
+    """Places ``plan``, or each smaller ``fallback()`` in turn while the device runs out of memory.
 
-    ``undo`` must leave the model as it was before ``place`` began. Returns the plan placed and
-    the plans that did not fit, in the order tried; raises the last out-of-memory error when
-    not even every block streaming synchronously fits.
-    """
+    ``undo`` must leave the model as before ``place``. Returns the plan placed and those that failed, in order; raises
+    the last out-of-memory error when even synchronous streaming does not fit."""
     failed: list[OffloadPlan] = []
     while True:
         try:
@@ -231,14 +209,11 @@ def place_falling_back(
 
 @dataclass(frozen=True)
 class StepAside:
-    """Why a node returned the model unchanged, for the log and the panel."""
-
     reason: str
 
 
 def step_aside(model_bytes: int, room_bytes: int, streams_any: bool) -> StepAside | None:
-    """The decision for a model of ``model_bytes`` weights, on a device with ``room_bytes`` for weights
-    (its memory less the host's reserve for inference), whose request would stream ``streams_any``."""
+    """Whether a node steps aside, for a model of ``model_bytes`` on a device with ``room_bytes`` for weights."""
     if not streams_any:
         return StepAside("the settings stream no block, so the host's own loader runs the model as fast")
     if model_bytes <= room_bytes:
@@ -249,7 +224,6 @@ def step_aside(model_bytes: int, room_bytes: int, streams_any: bool) -> StepAsid
     return None
 
 
-# Devices where the engine's copies cannot pay: why, for the log and the panel.
 _NO_GAIN = MappingProxyType(
     {
         "mps": "Apple Silicon's memory is unified (the GPU computes from the same RAM the blocks would stream from), "
@@ -262,6 +236,5 @@ _NO_GAIN = MappingProxyType(
 
 
 def platform_aside(device: torch.device) -> StepAside | None:
-    """The decision for a device where streaming gains nothing whatever the model (None: it may gain)."""
     reason = _NO_GAIN.get(device.type)
     return StepAside(f"on {device.type}, {reason}") if reason is not None else None

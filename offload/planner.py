@@ -1,12 +1,9 @@
-"""Decisions from predicted steps: the fastest placement that fits a budget (``best_plan``), and whether to bake
-the weight patches of streamed blocks into their host buffers once rather than apply them at each call
-(``bake_decision``).
+"""Decisions from predicted steps: the fastest placement within a budget (``best_plan``), and whether to bake
+streamed blocks' patches into their host buffers once (``bake_decision``).
 
-Each candidate's step is predicted by replaying it (``simulator.simulate``); the floors of ``costs`` skip the
-candidates that cannot change the choice, and the greedy search grows resident sets block by block where the
-fixed residency policies cannot find the positions that hide the most copy time. Baking is decided on the step
-predicted with and without the patches, and on how long the patches have run so far.
-"""
+Each candidate is replayed by ``simulator.simulate``; lower bounds skip candidates that cannot change the choice. A
+greedy search grows resident sets block by block, finding the positions that hide the most copy time, which fixed
+policies miss when blocks differ."""
 
 from __future__ import annotations
 
@@ -21,16 +18,15 @@ from .simulator import simulate, with_slow_step
 
 #: Predictions this close (relative) count as equal.
 TIE = 1e-6
-#: Placements predicted within this of the fastest are close enough to be chosen between on their slack:
-#: how they fare with copies slower than measured (``SLOW_COPIES``).
+#: Placements within this of the fastest are chosen between on their slack (``SLOW_COPIES``).
 NEAR = 0.01
-#: Prefetch depths the search tries. Deeper costs a block of device memory per step for little gain.
+#: Deeper prefetch costs a block of device memory for little gain.
 PREFETCH_CHOICES = (0, 1, 2, 3)
-#: Within a budget, the deepest prefetch whose slots the greedy search fills block by block: the rings
-#: sized in bytes copy further ahead, and each greedy search costs seconds on a 57-block stack.
+#: Within a budget, the deepest prefetch the greedy search runs at: rings sized in bytes copy further ahead
+#: anyway, and each greedy search is slow on a long stack.
 GREEDY_PREFETCH_IN_A_BUDGET = 1
-#: A greedy search at a prefetch depth whose policy plans all come out this much slower than the fastest placement
-#: found is not run within a budget: block by block it gained at most a few percent over the best policy.
+#: Within a budget, no greedy search at a depth whose policy plans are all this much slower than the fastest:
+#: it gains little over the best policy.
 GREEDY_REACH = 0.1
 
 
@@ -39,8 +35,7 @@ PlanFor = Callable[[frozenset[int]], OffloadPlan | None]
 
 
 def _pool_plans(sizes: Sequence[int], prefetch: int, budget_bytes: int, pin_memory: bool) -> PlanFor:
-    """Plans of ``prefetch`` with the default ring, as large as the largest block is ``prefetch + 1`` times
-    (``OffloadPlan.build``'s budget rule), for the resident sets that fit ``budget_bytes``."""
+    """Plans with the default ring at ``prefetch``, for resident sets that fit ``budget_bytes``."""
     ring = ring_capacity(max(sizes, default=0), prefetch)
 
     def plan(resident: frozenset[int]) -> OffloadPlan | None:
@@ -58,14 +53,11 @@ def _greedy(
     count: int | None = None,
     grown: list[frozenset[int]] | None = None,
 ) -> Prediction | None:
-    """Adds, one at a time, the block whose residency shortens the predicted step most: the best set of
-    any size that fits, or the set once it holds ``count`` blocks (None if it cannot). ``grown`` hears
-    the set after each block added.
+    """Adds, one at a time, the block whose residency shortens the predicted step most: the best set of any size, or
+    the set of ``count`` blocks (None if it cannot). ``grown`` hears each set.
 
-    Lazily: a block's gain (how much its residency shortened the step) is taken to shrink as the set grows,
-    so the gain it last showed bounds what it can show now. Each round simulates blocks in the order of the
-    step they could reach at best (that, or the step no placement streaming their bytes beats), and stops
-    once no block left could beat the best one simulated."""
+    Lazy: a block's gain is assumed to shrink as the set grows, so its last gain bounds its next. Each round simulates
+    blocks in order of their best reachable step and stops once none left could beat the best simulated."""
     sizes = costs.block_bytes
     start = plan_for(frozenset())
     if start is None:
@@ -103,9 +95,8 @@ def _greedy(
 
 
 def _better(a: Prediction, b: Prediction) -> bool:
-    """Faster with slower copies (when both were predicted so), then faster; when as fast, the one
-    streaming less (its copies have more time to spare if the bandwidth or the compute drift from what
-    was measured), then the smaller ring, then the shallower prefetch."""
+    """Faster with slow copies, then faster; on a tie the one streaming less (more slack if bandwidth or compute
+    drift), then the smaller ring, then the shallower prefetch."""
     for a_ms, b_ms in ((a.slow_step_ms, b.slow_step_ms), (a.step_ms, b.step_ms)):
         if a_ms is None or b_ms is None:
             continue
@@ -129,30 +120,22 @@ def best_plan(
     pin_memory: bool = True,
     inline_copies: bool = False,
 ) -> Prediction:
-    """The fastest placement whose resident blocks and ring fit ``budget_bytes`` (with exactly
-    ``resident_count`` resident blocks, when given: which ones, and the prefetch depth, are chosen).
+    """The fastest placement whose resident blocks and ring fit ``budget_bytes`` (with exactly ``resident_count``
+    resident blocks, if given).
 
-    Candidates, for every prefetch depth with its default ring: the three residency policies at
-    the largest count that fits (or at ``resident_count``), and a greedy set grown block by block
-    on the predicted step time (it finds the positions where residency hides the most copy time,
-    which the fixed policies cannot when blocks differ in size or compute). Within a budget (no
-    ``resident_count``), also each policy at every count with a ring of every byte its blocks leave,
-    copies going as far ahead as the ring has room: which blocks stay and how large the ring is are
-    chosen together; so are the sets the greedy searches grew, each with such a ring. (A greedy search
-    with such rings found 1 % more on a Flux-shaped stack at half its size, for 30 times the search
-    time.) Everything resident is a candidate too when it fits.
+    Candidates at each prefetch depth: the three policies and a greedy set, with the default ring. Within a budget, also
+    each policy at every count and each greedy set with a ring of every byte left, since which blocks stay and how large
+    the ring is interact. Among those within ``NEAR`` of the fastest, the one fastest with ``SLOW_COPIES`` wins: a
+    placement with no slack loses every bit of a copy shortfall.
 
-    Of the candidates predicted within ``NEAR`` of the fastest, the one fastest with copies ``SLOW_COPIES``
-    as fast as measured is chosen: a placement with no slack loses every bit of a copy-speed shortfall.
-    """
+    Raises ``ValueError`` when not even the stream buffers fit."""
     sizes = costs.block_bytes
     choice = _Choice(costs, inline_copies)
     if sum(sizes) <= budget_bytes and resident_count in (None, len(sizes)):
         choice.consider(OffloadPlan(sizes, frozenset(range(len(sizes))), min(prefetch_choices), pin_memory, None))
-    # Each policy's plan: as many blocks as fit the budget, or the count asked for.
     size = {"budget_bytes": budget_bytes} if resident_count is None else {"resident_count": resident_count}
-    grown: list[frozenset[int]] = []  # the greedy searches' sets, tried with a ring too
-    by_policy: dict[int, float] = {}  # the fastest policy plan at each prefetch depth
+    grown: list[frozenset[int]] = []  # tried with a ring too
+    by_policy: dict[int, float] = {}  # the fastest policy plan per prefetch depth
     for prefetch in prefetch_choices:
         for policy in ResidencyPolicy:
             plan = OffloadPlan.build(sizes, **size, policy=policy, prefetch=prefetch, pin_memory=pin_memory)
@@ -169,8 +152,7 @@ def best_plan(
         if greedy is not None:
             choice.add(greedy)
     if resident_count is None:
-        # Each policy at every count (fewer resident blocks leave a larger ring, which may hide more), and
-        # every set the greedy searches grew block by block.
+        # Fewer resident blocks leave a larger ring, which may hide more.
         sets: list[tuple[frozenset[int], ResidencyPolicy | None]] = [
             (frozenset(resident_indices(len(sizes), count, policy)), policy)
             for policy in ResidencyPolicy
@@ -190,20 +172,18 @@ def best_plan(
 
 
 class _Choice:
-    """The candidates of one search, and the one it chooses: of those predicted within ``NEAR`` of the
-    fastest, in the order they came, each replacing the one chosen so far when ``_better``.
+    """One search's candidates and its choice: among those within ``NEAR`` of the fastest, each replaces the current
+    one when ``_better``.
 
-    A candidate is simulated only if it could change the choice: its lower bound (``least_step_ms``: the
-    compute, and its copies) must come within ``NEAR`` of the fastest so far; and once the chosen one is
-    within ``NEAR`` of the compute (no later candidate can then push it out), that bound, with copies as fast
-    as measured and ``SLOW_COPIES`` as fast, must beat it."""
+    A candidate is simulated only if its lower bound comes within ``NEAR`` of the fastest, and, once the choice is
+    within ``NEAR`` of pure compute, only if that bound with slow copies beats it."""
 
     def __init__(self, costs: StackCosts, inline_copies: bool) -> None:
         self.costs = costs
         self.slow_costs = slow_copies(costs)
         self.inline = inline_copies
         self.fastest = math.inf
-        self.near: list[Prediction] = []  # within NEAR of the fastest, with their slow step
+        self.near: list[Prediction] = []
         self.best: Prediction | None = None
 
     def consider(self, plan: OffloadPlan) -> None:
@@ -235,21 +215,18 @@ class _Choice:
             self.best = candidate
 
 
-#: Patches applied once into blocks' host buffers instead of at each call must save at least this share of a step:
-#: below it the saving is within what steps vary by, and the buffers could no longer be shared.
+#: Baking must save this share of a step: less is within step noise, and baked buffers can no longer be shared.
 BAKE_MIN_SAVING = 0.02
-#: ... and the steps the patches have run so far must have saved this many times what baking costs. A LoRA that
-#: stayed for some steps is taken to stay about as long again; the margin covers that guess.
+#: ... and the steps run so far must have saved this many times the cost: a LoRA that stayed some steps is
+#: assumed to stay as long again, and the margin covers that guess.
 BAKE_PAYBACK = 2.0
-#: What baking a block costs, in copies of its bytes: to the device and back as it is patched, and one more pass
-#: (read from its file again, at about the copy speed from the page cache) when the patches change.
+#: Baking's cost in copies of the block: to the device and back, and a re-read when the patches change.
 BAKE_COPIES = 3
 
 
 @dataclass(frozen=True)
 class BakeDecision:
-    """Whether the patches of some streamed blocks are applied once, into their host buffers, rather than at
-    each call; and the figures it was decided on."""
+    """Whether to bake some streamed blocks' patches into their host buffers, and the figures behind it."""
 
     blocks: frozenset[int]  # the blocks to bake; empty: none
     saving_ms: float  # per step
@@ -275,12 +252,9 @@ def bake_decision(
     least_step_ms: float = 0.0,
     inline_copies: bool = False,
 ) -> BakeDecision:
-    """Whether to apply the patches of the ``candidates`` (streamed blocks whose host buffers may hold them) once,
-    instead of at every call: where copies dominate, their patches are hidden and baking saves nothing; where
-    compute dominates it saves their patch time at every step, for a cost paid again at each change of patches.
-    Baked when the step is at least ``BAKE_MIN_SAVING`` shorter and the ``steps_run`` the patches have run so
-    far saved ``BAKE_PAYBACK`` times the cost (``BAKE_COPIES`` copies of the blocks and their patch time).
-    ``least_step_ms``: a bound no placement beats (the reads of blocks streamed from their file)."""
+    """Whether to apply the ``candidates``' patches once instead of at every call. Where copies dominate the patches
+    are hidden and baking saves nothing; where compute dominates it saves their time every step, for a cost paid
+    again at each change of patches. ``least_step_ms``: a bound no placement beats (file-tier reads)."""
     candidates = frozenset(block for block in candidates if costs.patch_of(block) > 0)
     if not candidates:
         return BakeDecision(frozenset(), 0.0, 0.0, steps_run)

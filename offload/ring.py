@@ -1,20 +1,9 @@
-"""The device ring: one device buffer of a byte capacity where streamed blocks live while they run, each block
-copied into a region of its own size, regions placed one after the other in the order blocks are copied.
+"""The device ring: one device buffer where streamed blocks live while they run, each copied into a region of its own
+size, placed one after the other in copy order.
 
-Sizing the buffer in bytes rather than in blocks lets the copies run as far ahead as memory allows: while
-resident blocks compute, the copy stream fills the whole ring, and small blocks take less of it than the
-largest one would.
-
-* ``ByteRing`` keeps the books (which block holds which bytes); the planner's simulator replays the same books
-  with clocks, and what to copy when (``look_ahead``, ``copy_ahead``) is here so both share it. A region is
-  placed where the previous one ended (wrapping to the start when the rest is too short), so the blocks copied
-  longest ago are overwritten first; regions start at multiples of a granule (``ring_granule``). Blocks the
-  caller holds (running, or about to run) are never overwritten: the region goes to the start of another
-  stretch between held regions, the one nearest after the head. That is complete: a region that fits anywhere
-  can slide down until it starts at 0 or at a held region's end.
-* ``DeviceRing`` owns the memory: the ring's bytes, the staging buffer a copy to cast lands in first, each
-  block's events and device views, and the copies themselves, issued on the device's copy stream.
-"""
+Sizing it in bytes rather than in blocks lets copies run as far ahead as memory allows, and small blocks take less of
+it. ``ByteRing`` keeps the books, shared with the planner's simulator along with ``look_ahead`` and ``copy_ahead``;
+``DeviceRing`` owns the memory, events and views, and issues the copies on the copy stream."""
 
 from __future__ import annotations
 
@@ -36,29 +25,30 @@ from .timeline import TimelineRecorder
 
 
 def ring_capacity(largest: int, prefetch: int, nesting: int = 1, ring_bytes: int = 0) -> int:
-    """The bytes of a stream's ring: by default one slot per block copied ahead (``prefetch``) and per
-    block running (``nesting``), each as large as the ``largest`` block; else ``ring_bytes``, and no less
-    than the least that always works.
+    """The ring's bytes: one slot of the ``largest`` block per block copied ahead and per block running, or
+    ``ring_bytes`` but no less than the least that always works.
 
-    With ``nesting`` blocks running inside each other, ``2 * nesting - 1`` of the largest are that least
-    for regions placed anywhere: the ``nesting - 1`` regions held around the innermost one split the rest
-    into at most ``nesting`` stretches, one of which is then at least as large as the largest block.
-    """
+    With ``nesting`` blocks running inside each other, ``2 * nesting - 1`` of the largest always suffice: the ``nesting
+    - 1`` held regions split the rest into at most ``nesting`` stretches, one of which fits the largest."""
     if not ring_bytes:
         return (prefetch + nesting) * aligned(largest)
     return max(aligned(ring_bytes), (2 * nesting - 1) * aligned(largest))
 
 
 def ring_granule(largest: int, ring_bytes: int = 0) -> int:
-    """Where regions may start (multiples of this). In a default ring, at slots as large as the
-    ``largest`` block, so it fragments no more than a pool of equal slots: a large block never waits
-    because the small ones before it straddle two slots. In a ring sized in bytes, anywhere aligned."""
+    """Where regions may start. A default ring uses slots of the largest block, so small blocks never straddle two
+    slots and make a large one wait; a ring sized in bytes starts anywhere aligned."""
     return ALIGNMENT if ring_bytes else aligned(largest)
 
 
 @dataclass
 class ByteRing:
-    """The regions of a ring of ``capacity`` bytes: ``regions[block] = (start, end)``."""
+    """The regions of a ring of ``capacity`` bytes: ``regions[block] = (start, end)``.
+
+    A region goes where the last one ended, wrapping at the end, so the oldest copies are overwritten first. Regions of
+    ``held`` blocks (running or about to) are never overwritten: the region then goes to the free stretch nearest after
+    the head. That search is complete, since a region that fits anywhere can slide down to 0 or to a held region's end.
+    """
 
     capacity: int
     granule: int = ALIGNMENT  # regions start at its multiples (``ring_granule``)
@@ -66,8 +56,8 @@ class ByteRing:
     head: int = 0  # where the next region goes when it fits there
 
     def place(self, block: int, nbytes: int, held: Container[int]) -> tuple[int, list[int]] | None:
-        """A region of ``nbytes`` for ``block``: its start and the blocks it overwrites (their regions are
-        dropped), or None when every stretch that fits would overwrite a ``held`` block."""
+        """A region of ``nbytes`` for ``block``: its start and the blocks it overwrites (dropped), or None when every
+        stretch that fits would overwrite a ``held`` block."""
         size = aligned(nbytes)
         start = self.head
         overwritten = self._overlapping(start, start + size) if start + size <= self.capacity else None
@@ -88,8 +78,6 @@ class ByteRing:
         return [other for other, (a, b) in self.regions.items() if a < end and start < b]
 
     def _free_start(self, size: int, held: Container[int]) -> int | None:
-        """Where a region of ``size`` overwrites nothing held: the head when it can, else the start of the
-        free stretch (between held regions) nearest after it."""
         head, capacity, granule = self.head, self.capacity, self.granule
         bounds = sorted(region for other, region in self.regions.items() if other in held)
         best, best_after = None, capacity  # the start found nearest after the head, and how far after it
@@ -107,7 +95,7 @@ class ByteRing:
 
 
 def look_ahead(order: Sequence[int], position: int, streamed: Container[int], count: int) -> Iterator[int]:
-    """The next ``count`` streamed blocks of the call ``order`` from ``position``, wrapping into the next step."""
+    """The next ``count`` streamed blocks of ``order`` from ``position``, wrapping into the next step."""
     if count <= 0:
         return
     seen: set[int] = set()
@@ -126,9 +114,8 @@ def copy_ahead(
     load: Callable[[int, set[int]], bool],
     skip: Callable[[int], bool] = lambda index: False,
 ) -> None:
-    """Copies the ``upcoming`` blocks not ``loaded`` yet, in order, until one does not fit. Each is ``held``
-    (not to be overwritten) from its turn on, so a nearer block is never overwritten for a further one;
-    ``skip`` leaves a block for later without stopping. The engine and the planner's replay both copy so."""
+    """Copies the ``upcoming`` blocks not ``loaded`` yet, in order, until one does not fit. Each is ``held`` from its
+    turn on, so a nearer block is never overwritten for a further one; ``skip`` defers a block without stopping."""
     for index in upcoming:
         held.add(index)
         if index in loaded or skip(index):
@@ -137,15 +124,14 @@ def copy_ahead(
             return
 
 
-#: Device views kept per streamed block, one per ring position it was copied to. Positions repeat from step
-#: to step once the ring's cycle and the step's line up; when they drift, views are made again.
+#: Device views kept per block, one per ring position; positions repeat once the ring's cycle and the step's
+#: line up.
 _VIEWS_KEPT = 16
 
-CachedViews = TypeVar("CachedViews", bound=tuple[torch.Tensor, ...])  # a block's (``Views``) or its companions'
+CachedViews = TypeVar("CachedViews", bound=tuple[torch.Tensor, ...])
 
 
 def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], CachedViews]) -> CachedViews:
-    """The views of a region of the ring at ``start``, made once per position (see ``_VIEWS_KEPT``)."""
     views = cache.get(start)
     if views is None:
         if len(cache) == _VIEWS_KEPT:
@@ -155,8 +141,8 @@ def _cached_views(cache: dict[int, CachedViews], start: int, make: Callable[[], 
 
 
 class DeviceRing:
-    """The ring the ``host``'s blocks are copied into, as ``options`` asks (``RingOptions``); allocated at the
-    first copy (or ``allocate``). File-tier blocks are copied from ``reader``'s staging slots."""
+    """The ring the ``host``'s blocks are copied into, allocated at the first copy. File-tier blocks are copied from
+    ``reader``'s staging slots."""
 
     def __init__(
         self, device: torch.device, host: HostBlocks, options: RingOptions, recorder: TimelineRecorder | None
@@ -168,14 +154,13 @@ class DeviceRing:
         self.copy_stream = copy_stream(device)
         self.reader: FileReader | None = None
         self.books: ByteRing | None = None
-        self.memory: torch.Tensor | None = None  # the ring's bytes
-        self._staging: torch.Tensor | None = None  # a copy to cast (storage dtype, file tier) lands here first
-        self.scratch: torch.Tensor | None = None  # where a host's transforms work (``StreamSpec.transforms``)
-        self.holds_all = False  # the ring holds every streamed block at once (then a block copied once stays)
+        self.memory: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None  # a copy to cast lands here first
+        self.scratch: torch.Tensor | None = None  # for a host's transforms
+        self.holds_all = False  # every streamed block fits at once, so a block copied once stays
 
     @property
     def capacity(self) -> int:
-        """The ring's bytes: as asked, and never less than the blocks running inside each other need."""
         options = self.options
         return ring_capacity(self._largest, options.prefetch, options.nesting, options.ring_bytes or 0)
 
@@ -185,12 +170,9 @@ class DeviceRing:
 
     @property
     def device_buffer_bytes(self) -> int:
-        """Device bytes the ring (its staging buffer and scratch too) hold now (0 before the first copy and after
-        ``free``)."""
         return sum(buffer.numel() for buffer in (self.memory, self._staging, self.scratch) if buffer is not None)
 
     def recount(self) -> None:
-        """Whether the ring holds every streamed block, again (after blocks left the host side)."""
         self.holds_all = sum(aligned(state.region_bytes) for state in self.host.blocks.values()) <= self.capacity
 
     def allocate(self) -> None:
@@ -207,9 +189,9 @@ class DeviceRing:
             )
         with self.options.persistent_allocations():
             self.memory = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-            # One staging buffer serves every copy: each copy and its cast run in turn on the one copy stream.
+            # One staging buffer suffices: copies and casts run in turn on the one copy stream.
             self._staging = torch.empty(staging, dtype=torch.uint8, device=self.device) if staging else None
-            # One scratch serves every transform: they run in turn on the compute stream.
+            # One scratch suffices: transforms run in turn on the compute stream.
             self.scratch = torch.empty(scratch, dtype=torch.uint8, device=self.device) if scratch else None
         self.books = ByteRing(capacity, ring_granule(self._largest, self.options.ring_bytes or 0))
         self.recount()
@@ -223,26 +205,24 @@ class DeviceRing:
         self._copies_after_compute()
 
     def _copies_after_compute(self) -> None:
-        """Orders the copy stream after everything the compute stream has issued so far: for ring bytes that no
-        region's released event covers."""
+        """Orders the copy stream after all compute issued so far, for ring bytes that no region's released event
+        covers."""
         compute = current_stream(self.device)
         if self.copy_stream is not None and compute is not None:
             self.copy_stream.wait_stream(compute)
 
     def free(self) -> None:
         for state in self.host.blocks.values():
-            state.device_views.clear()  # views keep the memory they view alive
+            state.device_views.clear()  # views keep their memory alive
             if state.companions is not None:
                 state.companions.views.clear()
         with self.options.persistent_allocations():
             self.books = self.memory = self._staging = self.scratch = None
 
     def region_of(self, index: int) -> tuple[int, int] | None:
-        """The bytes of the ring (start, end) holding block ``index``, or None while it is only on the host."""
         return None if self.books is None else self.books.regions.get(index)
 
     def drop(self, index: int) -> None:
-        """Forgets block ``index``'s region: its next call copies it afresh."""
         if self.books is not None:
             self.books.drop(index)
 
@@ -255,35 +235,30 @@ class DeviceRing:
         return all(start <= part.data_ptr() < end for part in parts)
 
     def allocated(self) -> tuple[ByteRing, torch.Tensor]:
-        """The ring's books and memory, allocated now if they are not yet."""
         if self.books is None or self.memory is None:
             self.allocate()
         assert self.books is not None and self.memory is not None
         return self.books, self.memory
 
     def views(self, state: StreamedBlock, start: int) -> Views:
-        """The block's tensors as views of its region at ``start``."""
         _, memory = self.allocated()
         return _cached_views(state.device_views, start, lambda: state.layout.views(memory[start:]))
 
     def transform(self, index: int, transform: Callable[[bool], None]) -> None:
-        """Runs a host's ``transform`` of block ``index`` where it is in the ring, telling it whether this is the
-        first call since the copy (the region holds the bytes as packed). One that raises leaves the region to
-        be copied afresh: half transformed, it must not be called again."""
+        """Runs a host's ``transform`` of block ``index`` in the ring, telling it whether this is the first call
+        since the copy. One that raises leaves the region to be copied afresh: half transformed, it must not run
+        again."""
         state = self.host.blocks[index]
         try:
             transform(state.fresh)
         except BaseException:
-            # Its kernels queued so far may still write the region, which a copy placed there once it is forgotten
-            # would not wait for.
+            # Its queued kernels may still write the region, and a later copy there would not wait for them.
             self._copies_after_compute()
             self.drop(index)
             raise
         state.fresh = False
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
-        """Block ``index``'s companions as device views while it is in the ring; None when it has none or is
-        elsewhere."""
         state = self.host.blocks.get(index)
         region = self.region_of(index)
         if state is None or state.companions is None or region is None or self.memory is None:
@@ -293,7 +268,8 @@ class DeviceRing:
         return _cached_views(state.companions.views, start, lambda: layout.views(memory[start:]))
 
     def load(self, index: int, held: Container[int]) -> bool:
-        """Issues the copy of block ``index`` into the ring; False if it has no room that is not ``held``."""
+        """Issues the copy of block ``index`` into the ring; False if no room is free of ``held`` blocks. The copy
+        stream first waits for the released event of every block it overwrites."""
         books, memory = self.allocated()
         state = self.host.blocks[index]
         placed = books.place(index, state.region_bytes, held)
@@ -324,38 +300,37 @@ class DeviceRing:
         return True
 
     def _copy_failed(self, index: int, state: StreamedBlock) -> None:
-        """A copy that raised (its file's read failed, an interrupt): the block's region holds other bytes, so it
-        is forgotten, to be copied afresh at its call; its staging slot, which would hold the failed read, is
-        freed once what was issued from it is done, to be read again."""
+        """After a copy raised: the region holds other bytes, so it is forgotten, and the staging slot is freed once
+        its issued work is done, to be read again."""
         self.drop(index)
         if self.reader is not None and state.read is not None:
             self.reader.release(index, self.copy_stream)
 
     def _copy_in(self, index: int, state: StreamedBlock, memory: torch.Tensor, start: int) -> bool:
         """Issues the block's copy into the ring at ``start``; whether it came from a block still waiting to be
-        packed (its sources)."""
+        packed."""
         reader = self.reader
         unpacked = False
         size = state.storage.nbytes
         cast = cast_on_device(state)
         if cast:
-            assert self._staging is not None  # allocated with the ring, as large as the largest block cast
+            assert self._staging is not None
             target = self._staging[:size]
         else:
             target = memory[start : start + size]
         if state.read is not None:
-            assert reader is not None  # a file-tier block's streamer started its reader
+            assert reader is not None
             host = reader.take(index, state.read)
             target.copy_(host[:size], non_blocking=host.is_pinned())
         else:
-            with self.host.lock:  # the packing thread hands a waiting block over between copies, not during one
+            with self.host.lock:  # the packing thread hands a block over between copies, never during one
                 unpacked = state.waiting
-                if state.sources is not None:  # waiting, or pinned where its bytes lie: part by part from them
+                if state.sources is not None:  # waiting, or pinned in place: part by part
                     for view, source in zip(state.storage.part_views(target), state.sources, strict=True):
                         view.copy_(source, non_blocking=True)
                     if state.ready is not None:
-                        # Before the lock goes: the packing thread, handing the block over, waits for this event
-                        # before it frees the sources (a copy from page-locked ones is still reading them).
+                        # Under the lock: the packing thread waits for this event before freeing the sources,
+                        # which an asynchronous copy may still be reading.
                         state.ready.record(self.copy_stream)
                 else:
                     target.copy_(state.host[:size], non_blocking=state.host.is_pinned())
@@ -371,5 +346,4 @@ class DeviceRing:
 
 
 def cast_on_device(state: StreamedBlock) -> bool:
-    """Whether the block's host bytes (a storage dtype, a file's stored dtypes) are cast after the copy."""
     return state.storage is not state.layout

@@ -1,6 +1,5 @@
-"""What a host uses of a streaming engine, whichever it is: ``BlockStreamer`` (blocks of a list) or
-``SequentialOffloader`` (every module). Units are blocks or modules, numbered as the engine lists them. Only
-what a host reads or calls is declared here; tests reach the parts themselves (``ring``, ``host``, ``files``)."""
+"""What a host uses of a streaming engine, ``BlockStreamer`` or ``SequentialOffloader``. Units are blocks or modules,
+numbered as the engine lists them."""
 
 from __future__ import annotations
 
@@ -22,64 +21,50 @@ class Runner(Protocol):
         ...
 
     @property
-    def units(self) -> int:
-        """How many units the engine knows, streamed or not."""
-        ...
+    def units(self) -> int: ...
 
     @property
-    def streamed(self) -> frozenset[int]:
-        """The units streamed now (the others stay on the device)."""
-        ...
+    def streamed(self) -> frozenset[int]: ...
 
     @property
     def refused_pinning(self) -> dict[int, int]:
-        """Streamed units (index: host bytes) that wanted pinned memory and got pageable memory: the pin
-        budget was spent."""
+        """Streamed units (index: host bytes) left pageable because the pin budget was spent."""
         ...
 
     @property
     def failed_pinning(self) -> dict[int, int]:
-        """Streamed units (index: host bytes) that got pageable memory because the driver refused to pin."""
+        """Streamed units (index: host bytes) left pageable because the driver refused."""
         ...
 
     @property
     def device_buffer_bytes(self) -> int: ...
 
     @property
-    def companion_bytes(self) -> int:
-        """Of ``host_bytes``, the units' companions (a host's per-unit extras, copied with them)."""
-        ...
+    def companion_bytes(self) -> int: ...
 
     @property
-    def staging_bytes(self) -> int:
-        """Of ``host_bytes``, the staging slots file-tier units are read into."""
-        ...
+    def staging_bytes(self) -> int: ...
 
     @property
     def read_each_step(self) -> frozenset[int]:
-        """The streamed units read from their file at each step (the file tier: no host buffer)."""
+        """Units read from their file at each step (no host buffer)."""
         ...
 
     @property
-    def file_tier_bytes(self) -> int:
-        """The bytes one pass through the file tier reads."""
-        ...
+    def file_tier_bytes(self) -> int: ...
 
     @property
-    def bytes_read(self) -> int:
-        """The bytes read from files since the engine was enabled."""
-        ...
+    def bytes_read(self) -> int: ...
 
     def file_slices(self) -> tuple[FileSlice, ...]: ...
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
-        """Unit ``index``'s companion tensors as device views while it runs (None: none, or not in the ring)."""
+        """Unit ``index``'s companions as device views while it is in the ring, else None."""
         ...
 
     @property
     def scratch(self) -> torch.Tensor | None:
-        """The device bytes a host's transforms work in (``scratch_bytes``), allocated with the ring; None when
-        none were asked for, before the first call and after a release."""
+        """The transforms' device scratch; None when none was asked, before the first call and after a release."""
         ...
 
     @property
@@ -92,34 +77,29 @@ class Runner(Protocol):
 
     @property
     def packed_bytes(self) -> int:
-        """The bytes ``enable`` copied into host buffers before it returned (none for units taken over as parked,
-        left in a file, or left to be packed in the background)."""
+        """Bytes ``enable`` itself copied into host buffers."""
         ...
 
     @property
     def waiting_bytes(self) -> int:
-        """Host bytes of the units still waiting to be packed in the background (they stream from their sources)."""
+        """Host bytes of units still waiting for background packing."""
         ...
 
     @property
     def background_packing(self) -> tuple[int, int]:
-        """Host bytes packed in the background so far, and all those left to it as the engine started."""
+        """Bytes packed in the background so far, and all left to it at start."""
         ...
 
     @property
     def pinning_progress(self) -> tuple[int, int]:
-        """Host bytes of the units page-locked so far, and of those that will be once the units waiting to be
-        packed in the background are (equal when packing is done, or nothing is pinned)."""
+        """Bytes pinned so far, and pinned once background packing is done."""
         ...
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Starts streaming; ``progress(done, total)`` hears each unit packed (packed before it returns: with
-        packing in the background, those that cannot wait)."""
+        """Starts streaming; ``progress(done, total)`` hears each unit packed before it returns."""
         ...
 
-    def finish_packing(self) -> None:
-        """Waits until the units packed in the background are."""
-        ...
+    def finish_packing(self) -> None: ...
 
     def disable(self, park: bool = False) -> None: ...
 
@@ -129,10 +109,8 @@ class Runner(Protocol):
 
     @property
     def needs_content(self) -> frozenset[int]:
-        """The units whose host buffers do not hold the content their host named yet (``HostOptions``'s
-        ``contents``): to write after ``enable``, before the first step, then to declare with ``wrote_content``."""
+        """Units whose host buffers lack their named ``contents``: write them after ``enable`` and before the first
+        step, then call ``wrote_content``."""
         ...
 
-    def wrote_content(self, indices: Iterable[int]) -> None:
-        """The host has written the named content into these units' host buffers."""
-        ...
+    def wrote_content(self, indices: Iterable[int]) -> None: ...

@@ -1,12 +1,6 @@
-"""Per-module offloading for any module tree, block list or not.
-
-Every module that owns tensors (Linear, Conv, Norm, Embedding, ...) is streamed
-on its own, through the same machinery as whole blocks: its weights wait on the
-host (optionally in a smaller storage dtype) and are copied and cast on the copy
-stream ahead of the call that needs them, once the call order is known. After the
-first pass, the most frequently called modules are promoted to stay on the device
-while they fit ``vram_limit_bytes``.
-"""
+"""Per-module offloading for any module tree, block list or not: every module that owns tensors streams on its own
+through the block machinery. After the first pass the most-called modules stay on the device while they fit
+``vram_limit_bytes``."""
 
 from __future__ import annotations
 
@@ -41,8 +35,8 @@ def _own_bytes(module: nn.Module) -> int:
 
 
 def streamed_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules a ``SequentialOffloader`` of ``root`` streams, with their names: those that own tensors.
-    Whoever hides them from another loader must ask here, so both always mean the same set."""
+    """The modules a ``SequentialOffloader`` of ``root`` streams: those that own tensors. Whoever hides them from
+    another loader must ask here, so both mean the same set."""
     return [(name, module) for name, module in root.named_modules() if _own_tensors(module)]
 
 
@@ -52,9 +46,8 @@ def buffer_bytes(
     storage_dtype: torch.dtype | None = None,
     holders: Mapping[int, nn.Module] | None = None,
 ) -> int:
-    """Device bytes a ``SequentialOffloader`` of ``root`` allocates for streaming (before any module is kept
-    on the device): its ring (``ring_capacity``: room for the prefetched modules and every level of
-    nesting, each as large as the largest module), plus that module in the storage dtype to cast from."""
+    """Device bytes a ``SequentialOffloader`` of ``root`` allocates before keeping any module: its ring, sized for
+    prefetch and every level of nesting, plus a staging buffer for a storage dtype."""
     modules = [module for _, module in streamed_modules(root)]
     if not modules:
         return 0
@@ -66,8 +59,8 @@ def buffer_bytes(
 
 
 def _nesting(root: nn.Module, modules: list[nn.Module], holders: Mapping[int, nn.Module]) -> int:
-    """The most modules held in the ring at once by calls running inside one another: each call holds a region
-    per module it brings in (its own, and those of the modules it ``holders`` for)."""
+    """The most ring regions held at once by calls running inside one another: each call holds one per module it
+    brings in."""
     held = Counter(id(module) for index, module in enumerate(modules) if index not in holders)
     held.update(id(holder) for holder in holders.values())
 
@@ -84,9 +77,9 @@ def stream_modules(
     spec: StreamSpec,
     options: SequentialOptions,
 ) -> SequentialOffloader:
-    """The engine that streams every tensor-owning module of ``root`` (``streamed_modules``, numbered so for the
-    spec's indices) as ``spec`` asks. The wrapper sets the spec's root, recurse and nesting itself. Raises for a
-    spec that does not fit, before anything is touched; ``enable`` starts it."""
+    """The engine that streams every tensor-owning module of ``root`` as ``spec`` asks, indices as in
+    ``streamed_modules``. It sets the spec's root, recurse and nesting itself. Raises for a spec that does not
+    fit, before anything is touched."""
     if spec.calls.root is not None or not spec.calls.recurse or spec.ring.nesting != 1:
         raise ValueError("the sequential wrapper sets the spec's root, recurse and nesting itself: leave them unset")
     modules = [module for _, module in streamed_modules(root)]
@@ -98,9 +91,8 @@ def stream_modules(
 
 
 class SequentialOffloader(BlockStreamer):
-    """A ``BlockStreamer`` whose units are every tensor-owning module of ``root`` (built by ``stream_modules``),
-    that keeps the most called modules on the device after the first pass (``SequentialOptions``). A module
-    with a transform is never kept there (see ``make_resident``)."""
+    """A ``BlockStreamer`` over every tensor-owning module that keeps the most-called ones on the device after the
+    first pass. A module with a transform is never kept (see ``make_resident``)."""
 
     def __init__(
         self,
@@ -116,7 +108,7 @@ class SequentialOffloader(BlockStreamer):
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
         super().enable(progress)
-        root = self.spec.calls.root  # the wrapper's root (``stream_modules``)
+        root = self.spec.calls.root
         if self.options.vram_limit_bytes > 0 and root is not None:
             self._promotion_hook = root.register_forward_hook(eager(self._promote_after_first_pass))
 
@@ -139,7 +131,7 @@ class SequentialOffloader(BlockStreamer):
             self._promotion_hook.remove()
             self._promotion_hook = None
         calls = Counter(index for index in self.last_order if index not in self.spec.transforms)
-        # Most calls first; among equals the smaller module, so more of them fit.
+        # Among equals the smaller module first, so more fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.blocks[i])))
         limit = self.options.vram_limit_bytes - self.ring.device_buffer_bytes  # the limit counts the ring too
         kept, used = [], 0

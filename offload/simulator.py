@@ -1,29 +1,12 @@
-"""Predicts the step time of a placement, by replaying its step with clocks (``simulate``, ``predict``).
+"""Predicts a placement's step time by replaying its step with clocks (``simulate``, ``predict``).
 
-The prediction replays what ``BlockStreamer`` does in one step, call by call: the
-same ring (``ByteRing``, the plan's bytes) placing each copy where the engine does,
-the same functions choosing what to copy ahead (``look_ahead``: the next streamed
-blocks of the call order, wrapping into the next step; ``copy_ahead``: in order,
-until one has no room), the same on-demand copy when a block arrives without a
-region. Device time follows the streams the engine uses:
+The replay uses the engine's own ring books and copy-ahead functions, so copies land where the engine puts them. Device
+time follows the engine's streams: one copy stream, in issue order, each copy waiting for the *released* time of every
+block it overwrites; one compute stream, each call arriving ``gap_ms`` after the last and starting once its copy is
+ready. With ``inline_copies`` (the CPU) copies run on the host between computes.
 
-* one copy stream, copies in the order they are issued; a copy starts when the
-  stream is free and every block whose bytes it overwrites has finished
-  computing (their *released* events);
-* one compute stream; call ``i`` arrives ``gap_ms[i]`` after the previous call
-  ended, starts when its copy is ready, and computes ``compute_ms[i]``;
-* resident blocks need no copy.
-
-With ``inline_copies`` (the CPU, where there is no copy stream) every copy runs on
-the host between two computes, as the engine really does there.
-
-The host is assumed to run ahead of the device, which is what the engine's
-event-only synchronisation allows (with pinned memory): even a copy issued when its
-block is called (prefetch 0) starts as soon as its slot is free, during the compute
-of the resident blocks before it. The step is taken in steady state (the third
-step), because the first step starts with empty slots and later ones start with
-copies the previous step issued for them.
-"""
+The host is assumed to run ahead of the device, as event-only synchronisation with pinned memory allows. The steady step
+is reported, since the first starts with an empty ring and later ones with copies issued for them."""
 
 from __future__ import annotations
 
@@ -34,7 +17,6 @@ from .costs import Prediction, StackCosts, slow_copies
 from .plan import OffloadPlan
 from .ring import ByteRing, copy_ahead, look_ahead, ring_granule
 
-#: The events a simulation replays, as the engine would run them (``simulate``'s ``trace``).
 Trace = list[tuple[object, ...]]
 
 
@@ -47,9 +29,8 @@ class _Step:
 
 
 class _Pipeline:
-    """BlockStreamer's bookkeeping, with clocks instead of tensors (see the module docstring).
-
-    It runs thousands of times per search, so each block's figures are read into lists once."""
+    """``BlockStreamer``'s bookkeeping with clocks instead of tensors. It runs thousands of times per search, so each
+    block's figures are read into lists once."""
 
     def __init__(self, costs: StackCosts, plan: OffloadPlan, inline_copies: bool, trace: Trace | None) -> None:
         self.costs = costs
@@ -59,7 +40,6 @@ class _Pipeline:
         self.inline = inline_copies
         self.sizes = costs.block_bytes
         self.copy_ms = [costs.copy_ms(block) for block in range(len(self.sizes))]
-        # What a call adds to its block's compute: the block's patches when it streams.
         self.extra_ms = [costs.patch_of(block) if block in self.streamed else 0.0 for block in range(len(self.sizes))]
         self.calls = list(zip(costs.gap_ms, costs.compute_ms, costs.calls, strict=True))
         largest = max((self.sizes[i] for i in plan.streamed), default=0)
@@ -67,7 +47,7 @@ class _Pipeline:
         self.ready_at: dict[int, float] = {}
         self.released_at: dict[int, float] = {}
         self.pending_bytes: dict[int, int] = {}  # copies not yet consumed by a call
-        self.expected = list(range(len(self.sizes)))  # the first step assumes list order
+        self.expected = list(range(len(self.sizes)))
         self.order: list[int] = []
         self.clock = 0.0  # the compute stream (the host, with inline copies)
         self.copy_free = 0.0  # the copy stream
@@ -84,8 +64,8 @@ class _Pipeline:
         return self.clock - step.start, step
 
     def state(self) -> tuple[object, ...]:
-        """What the next step depends on, its times taken from the clock (to a picosecond, so that sums
-        which differ in their last bits compare equal)."""
+        """What the next step depends on, times relative to the clock and rounded so that sums differing in their
+        last bits compare equal."""
 
         def since(moment: float) -> float:
             return round(moment - self.clock, 9)
@@ -96,7 +76,7 @@ class _Pipeline:
             tuple(in_ring),
             tuple(sorted(self.pending_bytes)),
             tuple((since(self.ready_at[b]), since(self.released_at.get(b, -math.inf))) for b, _ in in_ring),
-            0.0 if self.inline else since(self.copy_free),  # inline, copies run on the clock
+            0.0 if self.inline else since(self.copy_free),
             tuple(self.expected),
         )
 
@@ -126,7 +106,7 @@ class _Pipeline:
 
     def _prefetch(self, held: set[int]) -> None:
         if len(self.ring.regions) == len(self.streamed):
-            return  # every streamed block stays in the ring: nothing left to copy
+            return  # every streamed block stays in the ring
         upcoming = look_ahead(self.expected, len(self.order), self.streamed, self.prefetch)
         copy_ahead(upcoming, held, self.ring.regions, self._load)
 
@@ -155,10 +135,11 @@ class _Pipeline:
 def simulate(
     costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False, steps: int = 3, trace: Trace | None = None
 ) -> Prediction:
-    """The ``steps``-th step of ``plan`` (the first ``steps - 1`` warm the ring up).
+    """The ``steps``-th step of ``plan``, or, without ``trace``, the first that
+    repeats the one before.
 
-    ``trace`` hears every step's events in order, as the engine would run them: ``("copy", block, first
-    byte, end)`` into the ring, ``("begin", block)`` and ``("end", block)`` of each call."""
+    ``trace`` hears every step's events as the engine would run them: ``("copy", block, first byte, end)``, ``("begin",
+    block)`` and ``("end", block)``."""
     if plan.block_bytes != costs.block_bytes:
         raise ValueError("the plan and the costs describe different stacks")
     pipeline = _Pipeline(costs, plan, inline_copies, trace)
@@ -166,7 +147,7 @@ def simulate(
     for _ in range(steps):
         duration, step = pipeline.run_step()
         if trace is None:
-            # A step that ends in the state the previous one ended in is the steady step: every later one repeats it.
+            # A step ending in the previous step's state is the steady one.
             state, previous = pipeline.state(), state
             if state == previous:
                 break
@@ -174,10 +155,9 @@ def simulate(
 
 
 def predict(costs: StackCosts, plan: OffloadPlan, *, inline_copies: bool = False) -> Prediction:
-    """The step of ``plan``, and with ``slow_copies``, as the search reports the placement it chose."""
+    """The step of ``plan``, with its slow-copies step, as the search reports a chosen placement."""
     return with_slow_step(simulate(costs, plan, inline_copies=inline_copies), slow_copies(costs), inline_copies)
 
 
 def with_slow_step(found: Prediction, slow_costs: StackCosts, inline_copies: bool) -> Prediction:
-    """``found`` with its step under ``slow_costs`` (``slow_copies`` of the costs it was simulated with)."""
     return replace(found, slow_step_ms=simulate(slow_costs, found.plan, inline_copies=inline_copies).step_ms)

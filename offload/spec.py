@@ -1,8 +1,5 @@
-"""What a host asks of the engine, as one frozen value: ``StreamSpec``, in parts by concern. A host builds it
-once and hands it to ``stream_blocks`` or ``stream_modules``; every part the engine builds reads its own part.
-
-Frozen all the way down: mappings are stored read-only and sequences as tuples or frozensets, so a spec
-cannot change under an engine that runs from it."""
+"""What a host asks of the engine, as one frozen value: ``StreamSpec``, in parts by concern, handed once to
+``stream_blocks`` or ``stream_modules``. Frozen all the way down, so a spec cannot change under a running engine."""
 
 from __future__ import annotations
 
@@ -34,14 +31,12 @@ def _empty() -> Mapping[Any, Any]:
 
 @dataclass(frozen=True)
 class HostOptions:
-    """How streamed blocks are kept on the host (``HostBlocks``).
+    """How streamed blocks are kept on the host.
 
-    ``pin_budget`` caps the pinned host memory: blocks it refuses stream from pageable memory.
-    ``storage_dtype`` keeps floating-point parameters in another dtype on the host, cast back on the device.
-    ``pack_in_background``: ``enable`` returns without packing the blocks that can wait; a thread packs them.
-    ``parking``: where a stop with ``park`` leaves the host buffers, and where a start takes them over from.
-    ``contents``: per block, a name for what the host writes over its weights in its host buffer (None: none).
-    ``companions``: per block, tensors copied with it into the ring."""
+    ``pin_budget``: blocks it refuses stream from pageable memory. ``storage_dtype``: float parameters kept in another
+    dtype on the host, cast back on the device. ``pack_in_background``: ``enable`` leaves blocks that can wait to a
+    thread. ``parking``: where a parking stop leaves host buffers and a start takes them from. ``contents``: per block,
+    a name for what the host writes over its packed weights. ``companions``: per block, tensors copied with it."""
 
     pin_memory: bool = True
     pin_budget: PinnedMemoryBudget | None = None
@@ -59,15 +54,12 @@ class HostOptions:
 
 @dataclass(frozen=True)
 class RingOptions:
-    """The device ring (``DeviceRing``).
+    """The device ring.
 
-    ``prefetch``: how many blocks are copied ahead at most (0: each copy waits, kept for comparison).
-    ``ring_bytes`` sizes the ring (None: ``prefetch + 1`` blocks as large as the largest).
-    ``nesting``: how many streamed units run inside one another at most (each holds a region).
-    ``scratch_bytes``: device memory the transforms work in, allocated with the ring.
-    ``persistent_allocations``: a context around each device allocation kept from one call to the next, and
-    around its free: a host that records and replays each call's allocations (ComfyUI's compiler) keeps
-    them out."""
+    ``prefetch``: most blocks copied ahead (0: synchronous). ``ring_bytes``: its size (None: ``prefetch + 1`` of the
+    largest block). ``nesting``: most streamed units running inside one another. ``scratch_bytes``: for the transforms.
+    ``persistent_allocations``: a context around each lasting allocation and its free, for a host that replays each
+    call's allocations (ComfyUI's compiler)."""
 
     prefetch: int = 1
     ring_bytes: int | None = None
@@ -78,11 +70,10 @@ class RingOptions:
 
 @dataclass(frozen=True)
 class FileOptions:
-    """Weights that are views of their checkpoint file (``FileTier``).
+    """Weights that are views of their checkpoint file.
 
-    ``file_slice`` says where a tensor's bytes are in its file (None: in none). ``dtype_of`` gives the dtype
-    each plain tensor is computed in. ``read_each_step``: blocks with no host buffer, read from their file at
-    each copy through ``staging_slots`` host slots."""
+    ``file_slice``: where a tensor's bytes are in its file (None: in none). ``dtype_of``: each plain tensor's compute
+    dtype. ``read_each_step``: blocks with no host buffer, read at each copy through ``staging_slots`` slots."""
 
     file_slice: Callable[[torch.Tensor], FileSlice | None] | None = None
     dtype_of: DtypeOf | None = None
@@ -95,13 +86,11 @@ class FileOptions:
 
 @dataclass(frozen=True)
 class CallOptions:
-    """How the engine sees the blocks run (``BlockCalls``, ``calls.py``).
+    """How the engine sees the blocks run.
 
-    ``root``: the model, whose call begins and ends a step. ``recurse``: a unit is a block with its submodules
-    (False: one module's own tensors). ``call_order``: the order an earlier engine of the same model saw
-    (``last_order``), which the first step copies ahead in. ``holders``: per block, the module whose call brings
-    it in, where that is not the block itself. ``entry_methods``: per block, the methods of its own the model
-    runs it through instead of calling it."""
+    ``root``: its call brackets a step. ``recurse``: a unit is a block with submodules (False: one module's own
+    tensors). ``call_order``: an earlier engine's ``last_order``, for the first step. ``holders``: per block, the module
+    whose call brings it in. ``entry_methods``: per block, its methods the model runs instead of calling it."""
 
     root: nn.Module | None = None
     recurse: bool = True
@@ -118,11 +107,10 @@ class CallOptions:
 
 @dataclass(frozen=True)
 class StreamSpec:
-    """Everything an engine is asked to do, by concern.
+    """Everything an engine is asked to do.
 
-    ``transforms``: per block, a host's transform of its weights where they arrive in the ring, called on the
-    compute stream at each call, told whether this is the first call since the copy (``DeviceRing.transform``).
-    ``recorder`` times each copy and call on the device."""
+    ``transforms``: per block, a transform of its weights in the ring, called on the compute stream at each call and
+    told whether it is the first since the copy. ``recorder`` times copies and calls on the device."""
 
     host: HostOptions = HostOptions()
     ring: RingOptions = RingOptions()
@@ -137,8 +125,8 @@ class StreamSpec:
 
 @dataclass(frozen=True)
 class SequentialOptions:
-    """The sequential wrapper's own options: after the first pass, the most called modules stay on the device
-    while they fit ``vram_limit_bytes`` (0: none), and ``on_promote`` hears how many bytes moved there."""
+    """After the first pass, the most-called modules stay on the device within ``vram_limit_bytes`` (0: none);
+    ``on_promote`` hears the bytes moved."""
 
     vram_limit_bytes: int = 0
     on_promote: Callable[[int], None] | None = None

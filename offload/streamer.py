@@ -1,31 +1,18 @@
-"""Streams blocks that do not live on the device through one reusable device buffer, the ring, each copy issued
-ahead of use on a dedicated copy stream.
+"""Streams blocks that do not live on the device through one reusable device buffer, the ring, each copy issued ahead
+of use on a dedicated copy stream.
 
-How one step runs:
+Stream rules for one step:
 
-* Each streamed block's tensors live once, in one flat (pinned) host buffer; the module's parameters point at
-  views of it while the block is offloaded.
-* The ring is allocated once, sized in bytes: by default as ``prefetch + 1`` blocks as large as the largest
-  streamed one; a planner may give it whatever its budget leaves. Before block ``i`` runs, the next streamed
-  blocks of the expected call order are copied into it, each into a region of its own size, as far ahead as
-  the ring has room and at most ``prefetch`` blocks.
-* The compute stream waits on the block's *ready* event, not on the host, and the block's parameters are
-  pointed at its region for the duration of its call.
-* After the call the block records a *released* event on the compute stream; a copy that overwrites any of its
-  bytes waits on it first on the copy stream. That ordering prevents overwriting memory the compute stream has
-  not finished reading. Weights are only read, so nothing is copied back.
+* Each streamed block lives once, in a flat (pinned) host buffer; its parameters point at views of it while off the
+device. * Before block ``i`` runs, the next blocks in the expected call order are copied into the ring, as far ahead as
+it has room and at most ``prefetch`` blocks. * The compute stream waits on the block's *ready* event, never the host,
+and the parameters point at the block's region for the duration of its call. * After the call a *released* event is
+recorded on the compute stream; a copy that overwrites any of those bytes waits on it first, so nothing is overwritten
+before compute has read it. Weights are only read, never copied back.
 
-``stream_blocks`` checks a ``StreamSpec`` against the blocks and builds a ``BlockStreamer``, which owns the
-parts, each reading its part of the spec, and changes what is streamed (enable, disable, make resident, unpin):
-``HostBlocks`` (``host_blocks.py``: host buffers, pinning, parking), ``DeviceRing`` (``ring.py``),
-``FileTier`` (``file_tier.py``), and ``StepCalls`` with ``BlockCalls`` (``calls.py``: the hooks and what each
-call does).
-
-Stopping can *park* instead of restoring: blocks that came from the CPU keep their host buffers, which then are
-their only storage, in the spec's ``ParkingLot``. The next streamer enabled on the same modules with the same
-lot adopts a parked buffer while the modules still use exactly its views, so a host that hands a model from one
-streamer to the next (ComfyUI loads a new clone for every prompt) neither copies nor pins its weights again.
-"""
+Stopping can *park* instead of restoring: blocks from the CPU keep their host buffers, in the spec's ``ParkingLot``, and
+the next streamer on the same modules adopts them, so a host handing a model to a new clone each prompt neither copies
+nor pins its weights again."""
 
 from __future__ import annotations
 
@@ -45,8 +32,7 @@ from .spec import StreamSpec
 
 
 def check_spec(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
-    """Raises, before anything is touched, for streamed indices outside ``count`` blocks, blocks to read from their
-    file each step that are not streamed or have no file to read or no slot, a negative prefetch."""
+    """Raises, before anything is touched, for a spec that does not fit ``count`` blocks."""
     prefetch, files = spec.ring.prefetch, spec.files
     if prefetch < 0:
         raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
@@ -63,19 +49,16 @@ def check_spec(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
 def stream_blocks(
     blocks: Sequence[nn.Module], device: torch.device | str, streamed: Iterable[int], spec: StreamSpec
 ) -> BlockStreamer:
-    """The engine that streams ``blocks[i]`` for every ``i`` in ``streamed`` as ``spec`` asks; other blocks are
-    left alone. Raises for a spec that does not fit the blocks, before anything is touched; ``enable`` starts it."""
+    """The engine that streams ``blocks[i]`` for every ``i`` in ``streamed`` as ``spec`` asks. Raises for a spec that
+    does not fit, before anything is touched; ``enable`` starts it."""
     blocks, streamed = list(blocks), frozenset(streamed)
     check_spec(len(blocks), streamed, spec)
     return BlockStreamer(blocks, torch.device(device), streamed, spec)
 
 
 class BlockStreamer:
-    """Streams ``blocks[i]`` for every ``i`` in ``streamed``, as ``spec`` asks (``offload/spec.py``); built by
-    ``stream_blocks``, which checks the spec first.
-
-    Prefetch 0 is the synchronous mode kept for comparison: each copy is issued when its block is called and the
-    compute waits for it at once."""
+    """Streams ``blocks[i]`` for every ``i`` in ``streamed``, as ``spec`` asks; built by ``stream_blocks``. Prefetch
+    0 is the synchronous mode, kept for comparison."""
 
     def __init__(
         self, blocks: list[nn.Module], device: torch.device, streamed: frozenset[int], spec: StreamSpec
@@ -90,18 +73,16 @@ class BlockStreamer:
         self.host = HostBlocks(device, memory, spec.host, spec.files, recurse=spec.calls.recurse)
         self.ring = DeviceRing(device, self.host, spec.ring, spec.recorder)
         self.files = FileTier(self.host, self.ring, spec.recorder)
-        # The call order the first step expects: a host's earlier engine's ``last_order``, else list order.
         self.calls = StepCalls(len(blocks), spec.calls.call_order)
         self.steps = BlockCalls(self.ring, self.files, self.calls, spec.transforms)
         self._handles: list[Removable] = []
         self.enabled = False
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle
 
     def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Moves the streamed blocks into host buffers and installs the hooks; ``progress(done, total)`` hears
-        each block packed (a first load packs gigabytes). With ``pack_in_background`` the blocks that can wait are
-        only recorded here, and a thread packs them from now on, in the order the steps call them."""
+        """Packs the streamed blocks and installs the hooks; ``progress(done, total)`` hears each. With
+        ``pack_in_background`` a thread packs the blocks that can wait."""
         if self.enabled:
             return
         blocks = {index: self.blocks[index] for index in self.streamed}
@@ -113,22 +94,17 @@ class BlockStreamer:
         self._pack_in_call_order()
 
     def _pack_in_call_order(self) -> None:
-        """(Re)starts packing the waiting blocks in the background, in the order the steps call them."""
         upcoming = list(self.calls.upcoming(self.host.blocks, len(self.host.blocks)))
         self.host.background.start(upcoming, self.spec.files.file_slice)
 
     def finish_packing(self) -> None:
-        """Waits until every block waiting to be packed is (see ``HostOptions.pack_in_background``)."""
         self.host.background.finish()
         self.steps.sources_changed()
 
     def disable(self, park: bool = False) -> None:
-        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers.
-
-        ``park``: blocks that came from the CPU keep their host buffer as their storage instead (with a
-        storage dtype they point back at their originals), and a later ``enable`` on the same modules
-        adopts it; a pinned buffer stays counted by the pin budget until it is adopted or freed.
-        """
+        """Puts every streamed tensor back on its original device, bit for bit, and frees all buffers. ``park``:
+        blocks from the CPU keep their host buffer for a later ``enable`` to adopt, its pinned bytes still
+        counted."""
         if not self.enabled:
             return
         self.host.check_can_park(park)
@@ -143,15 +119,14 @@ class BlockStreamer:
         self.enabled = False
 
     def release_device_buffers(self) -> None:
-        """Frees the ring; it is allocated again by the next call that needs it."""
+        """Frees the ring; the next call that needs it allocates it again."""
         self.steps.finish_active()
         synchronize(self.device)
         self.ring.free()
 
     def make_resident(self, indices: Iterable[int]) -> None:
-        """Stops streaming these blocks: their tensors move to the device for good. Not for a block with a
-        transform: resident, its weights would be the module's only copy, and a transform in place would
-        change them for good."""
+        """Moves these blocks to the device for good. Refused for a block with a transform: resident, its weights
+        would be the only copy, and a transform in place would change them for good."""
         indices = list(indices)
         transformed = sorted(set(indices) & self.spec.transforms.keys())
         if transformed:
@@ -173,12 +148,11 @@ class BlockStreamer:
         self._pack_in_call_order()
 
     def give_back_pinned(self, nbytes: int) -> int:
-        """Unpins streamed blocks, last first, until ``nbytes`` of the pin budget are free again (for another
-        model that gets none); returns how many. Nothing while a step runs: its copies read these buffers.
-        The blocks go on streaming from the same memory, pageable."""
+        """Unpins blocks, last first, until ``nbytes`` are free for another model; returns how many. Nothing while a
+        step runs, since its copies read these buffers. The blocks stream on, pageable."""
         if self.calls.in_step or self.host.memory.share is None:
             return 0
-        synchronize(self.device)  # copies issued ahead (across the step boundary) read these buffers
+        synchronize(self.device)  # copies issued ahead across the step boundary read these buffers
         packing = self.host.background.running
         self.host.background.stop()
         freed = self.host.unpin_some(nbytes)
@@ -188,12 +162,11 @@ class BlockStreamer:
         return freed
 
     def wrote_content(self, indices: Iterable[int]) -> None:
-        """The host has written their ``contents`` into these blocks' host buffers (their tensors, on the host)."""
         self.host.wrote_content(indices)
 
     def allocate_device_buffers(self) -> None:
-        """Allocates the ring now rather than at the first block call, so running out of device
-        memory shows while the model is being placed, where the caller can still fall back."""
+        """Allocates the ring now, so running out of memory shows while the model is placed and the caller can still
+        fall back."""
         if self.host.blocks and self.ring.books is None:
             self.ring.allocate()
 
@@ -201,7 +174,7 @@ class BlockStreamer:
         """See ``BlockCalls.close_open_step``."""
         self.steps.close_open_step()
 
-    # -- what a host reads (``Runner`` documents each) -----------------------------------------
+    # -- what a host reads (``Runner`` documents each)
 
     @property
     def unit(self) -> str:
@@ -232,7 +205,6 @@ class BlockStreamer:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the streamer holds: its blocks' host buffers, their companions, the staging slots."""
         return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
 
     @property

@@ -1,14 +1,9 @@
-"""Host RAM as the kernel enforces it, and giving freed host memory back to it.
+"""Host RAM as the kernel enforces it, and giving freed host memory back.
 
-* ``HostRam``: the host's figures clamped to the memory cgroups the process is in. ``/proc/meminfo`` is not
-  namespaced: in a container with a memory limit it reports the host's RAM, while the kernel kills the process
-  at the limit of its cgroup or of any above it. The room left is the least, over those cgroups that set a
-  limit, of the limit less the group's working set (usage less inactive file pages, which the kernel reclaims
-  first). A limit at or above the host's RAM changes nothing; without a cgroup file system the host's figures
-  stand.
-* ``release_freed_host_memory``: glibc keeps freed heap memory in its arenas, so freeing a model's worth of
-  small weights (the originals once packed into host buffers) would leave the process's RSS as high as before.
-"""
+``/proc/meminfo`` is not namespaced: in a container it reports the host's RAM while the kernel kills the process at its
+cgroup's limit. So the room left is the least, over the process's limiting cgroups, of the limit less the working set
+(usage less inactive file pages, reclaimed first). glibc keeps freed heap memory in its arenas, so freeing a model's
+worth of small weights would otherwise leave the RSS as high as before."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from typing import NamedTuple
 
 
 class CgroupFiles(NamedTuple):
-    """A memory cgroup version's files: the limit, the usage, and the ``memory.stat`` field of inactive file pages."""
+    """A cgroup version's files: limit, usage, and the ``memory.stat`` field of inactive file pages."""
 
     limit: str
     usage: str
@@ -35,8 +30,8 @@ V1_FILES = CgroupFiles("memory.limit_in_bytes", "memory.usage_in_bytes", "total_
 
 
 class MemoryCgroup(NamedTuple):
-    """A memory cgroup the process is in: its directory, the mount point above which no ancestor is visible, and
-    its version's files."""
+    """A memory cgroup of the process: its directory, the mount above which no ancestor is visible, and its version's
+    files."""
 
     directory: Path
     mount: Path
@@ -45,15 +40,13 @@ class MemoryCgroup(NamedTuple):
 
 @dataclass(frozen=True)
 class ProcFiles:
-    """Where the kernel says which cgroups the process is in, and where their file systems are mounted."""
-
     cgroup: Path = Path("/proc/self/cgroup")
     mountinfo: Path = Path("/proc/self/mountinfo")
 
 
 @dataclass(frozen=True)
 class CgroupLimit:
-    """A memory cgroup of the process (or above it) that sets a limit, in bytes."""
+    """A memory cgroup of the process, or above it, that sets a limit (bytes)."""
 
     path: Path
     limit: int
@@ -66,8 +59,7 @@ class CgroupLimit:
 
 @dataclass(frozen=True)
 class HostRam:
-    """The host's total and available RAM as the process may use them; ``cgroup``: where memory cgroups limit
-    the process, the one with the least room."""
+    """Total and available RAM as the process may use them; ``cgroup``: the limiting group with the least room."""
 
     total: int
     available: int
@@ -94,12 +86,11 @@ def _stat_field(path: Path, field: str) -> int:
 
 
 def _unescape(field: str) -> str:
-    """A mountinfo path field: spaces, tabs, newlines and backslashes are written as octal escapes."""
+    """A mountinfo path field, whose spaces, tabs, newlines and backslashes are octal escapes."""
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field)
 
 
 def memory_cgroups(files: ProcFiles = ProcFiles()) -> list[MemoryCgroup]:
-    """Each memory cgroup the process is in: cgroup v2's, and v1's memory controller's."""
     memberships = []
     for line in (_read(files.cgroup) or "").splitlines():
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
@@ -120,13 +111,13 @@ def memory_cgroups(files: ProcFiles = ProcFiles()) -> list[MemoryCgroup]:
             else:
                 continue
             group = PurePosixPath(path)
-            if group.is_relative_to(root):  # else the group is outside what this mount shows
+            if group.is_relative_to(root):  # else outside what this mount shows
                 found.append(MemoryCgroup(mount / group.relative_to(root), mount, version))
     return found
 
 
 def cgroup_limits(host_total: int, files: ProcFiles = ProcFiles()) -> list[CgroupLimit]:
-    """The limits below ``host_total`` set by the process's memory cgroups and their visible ancestors."""
+    """The limits below ``host_total`` set by the process's memory cgroups and visible ancestors."""
     limits = []
     for directory, mount, names in memory_cgroups(files):
         for group in (directory, *[parent for parent in directory.parents if parent.is_relative_to(mount)]):
@@ -140,7 +131,6 @@ def cgroup_limits(host_total: int, files: ProcFiles = ProcFiles()) -> list[Cgrou
 
 
 def clamp_to_cgroups(host_total: int, host_available: int, files: ProcFiles = ProcFiles()) -> HostRam:
-    """``host_total`` and ``host_available`` (psutil's) clamped to what the process's memory cgroups allow."""
     limits = cgroup_limits(host_total, files)
     if not limits:
         return HostRam(host_total, host_available)
@@ -157,8 +147,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def release_freed_host_memory() -> None:
-    """Returns the heap memory freed so far to the system (glibc's ``malloc_trim``; a no-op elsewhere).
-    Costs a walk over the allocator's free lists: call it after freeing many weights, not per step."""
+    """Returns freed heap memory to the system (glibc's ``malloc_trim``; a no-op elsewhere). It walks the allocator's
+    free lists, so call it after freeing many weights, not per step."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -1,23 +1,12 @@
-"""The recorder: each block call's copy and compute span, timed on the device (``TimelineRecorder``), and what a
-recorded step is (``StepTimeline``: spans and file reads in milliseconds from the step's start, with the
-step's totals), which the planner's measured costs, the report and the panel read.
+"""The recorder: each block call's copy and compute span, timed on the device (``TimelineRecorder``), and a recorded
+step (``StepTimeline``, in ms from the step's start).
 
-A block call costs the recorder two marks on the compute stream (the compute reached the block; its kernels
-ended) and, for a block copied in, two on the copy stream, each an event record that never blocks the host.
-When the compute could start is not marked: the compute stream waits for nothing but the region's ready event,
-recorded right after the copy's end, so it started at the later of its arrival and that end. Reads of
-file-tier blocks run on a thread of their own, off any stream: they are timed on the host and placed against
-the host's start of the step they ended in.
-
-A finished step is read (one elapsed time per marker, no synchronization) only when someone asks: the listener,
-at the next step boundary once the device has finished it; ``latest()`` and ``steps``, which wait for the
-device. Records and their markers are pooled, so a run in its steady state creates none.
-
-Every step is recorded while someone watches (``watched``: the panel with a client connected); otherwise a
-recorder's first ``FIRST_STEPS_RECORDED`` steps, then at most one per ``unwatched_period_s``, enough for the
-planner and the report: a step not recorded makes no device call. Whether a step is recorded is decided when
-the step before it begins, so the copies issued ahead for it are recorded with it.
-"""
+A call costs two event records on the compute stream and, for a copied block, two on the copy stream; none blocks the
+host. The compute start is not marked: compute waits only on the ready event recorded right after the copy, so it
+started at the later of its arrival and the copy's end. File-tier reads run off any stream and are timed on the host.
+Steps are read only when asked, and records are pooled, so a steady run allocates none. While nobody watches, only the
+first steps and then one per ``unwatched_period_s`` are recorded, decided a step ahead so copies issued ahead are
+recorded with their step."""
 
 from __future__ import annotations
 
@@ -32,9 +21,7 @@ import torch
 from .device import Clock, Marker, peak_allocated, reset_peak_memory
 
 
-# Not frozen, though nothing changes a span once it is read: a frozen dataclass sets each field through
-# object.__setattr__, several times slower to build, and the panel has every step's spans built on the
-# sampling thread.
+# Not frozen: frozen dataclasses build several times slower, and spans are built on the sampling thread.
 @dataclass(slots=True)
 class BlockSpan:
     """A resolved call, in milliseconds from the start of its step."""
@@ -60,15 +47,12 @@ class ReadSpan:
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One forward pass of the model through its blocks."""
-
     step: int
     duration_ms: float
     spans: tuple[BlockSpan, ...]
     peak_allocated: int | None = None
     reads: tuple[ReadSpan, ...] = ()
-    # Of its copies, those from blocks still waiting to be packed: bytes and milliseconds. They do not show the
-    # bandwidth of the later steps (pageable memory, part by part).
+    # Copies from blocks not yet packed, which do not show later steps' bandwidth.
     unpacked_bytes: int = 0
     unpacked_copy_ms: float = 0.0
     copy_ms: float = field(init=False)
@@ -97,8 +81,8 @@ class StepTimeline:
 
     @property
     def packed_bandwidth_gbps(self) -> float | None:
-        """The host-to-device bandwidth of this step's copies from packed blocks, in GB/s: what the steps copy at
-        once packing is done (None when it copied none)."""
+        """Bandwidth of this step's copies from packed blocks, in GB/s: what steps copy at once packing is done (None
+        if it copied none)."""
         copy_ms = self.copy_ms - self.unpacked_copy_ms
         if copy_ms <= 0 or self.bytes_copied <= self.unpacked_bytes:
             return None
@@ -126,19 +110,18 @@ class StepTimeline:
 
 @dataclass(slots=True, eq=False)
 class CopyRecord:
-    """One host-to-device copy of a block, from its issue on the copy stream to its end (reused)."""
+    """One host-to-device copy, from its issue on the copy stream to its end (pooled)."""
 
     start: Marker
     end: Marker
     nbytes: int = 0
-    # From a block still waiting to be packed (``offload/background_packing.py``): part by part, from pageable
-    # memory, slower than the copies of later steps.
+    # From a block not yet packed: slower than later steps' copies.
     unpacked: bool = False
 
 
 @dataclass(slots=True, eq=False)
 class CallRecord:
-    """One call of one block: when compute reached it, when it ended, the copy it waited for (reused)."""
+    """One block call: compute arrival, end, and the copy it waited for (pooled)."""
 
     arrive: Marker
     end: Marker
@@ -148,44 +131,39 @@ class CallRecord:
 
 @dataclass(slots=True, eq=False)
 class _StepRecord:
-    """One step's markers and calls, until it is read (then reused for a later step)."""
+    """One step's markers and calls until read (pooled)."""
 
     start: Marker
     end: Marker
     index: int = 0
     calls: list[CallRecord] = field(default_factory=list)
     peak: int | None = None
-    host_start: float = 0.0  # time.perf_counter() at its start, for the reads
+    host_start: float = 0.0  # time.perf_counter(), for the reads
     reads: list[tuple[int, float, float, int]] = field(default_factory=list)
 
 
 class TimelineListener(Protocol):
-    """Hears the recorder's progress, on the thread that runs the model: it must return at once."""
+    """Hears the recorder's progress on the sampling thread, and must return at once."""
 
     def block_called(self, step: int, block: int) -> None: ...
 
     def step_resolved(self, timeline: StepTimeline) -> None: ...
 
 
-#: Recorded by every recorder, watched or not: the planner's costs come from a step after the first.
+#: Recorded watched or not: the planner's costs come from a step after the first.
 FIRST_STEPS_RECORDED = 3
-#: While nobody watches, at most one step recorded per this many seconds (after the first steps).
 UNWATCHED_PERIOD_S = 2.0
 
 
 def always_watched() -> bool:
-    """The recorder's default: every step is recorded (a caller that reads them all, the tests, a benchmark)."""
     return True
 
 
 class TimelineRecorder:
     """Collects the spans of each step; keeps the last ``keep`` read steps.
 
-    ``listener``, when set, hears every recorded block call and every recorded step once it is read (a live
-    view's feed). ``watched`` answers, a step ahead, whether every step must be recorded; when it says no,
-    steps are sampled (``FIRST_STEPS_RECORDED``, then one per ``unwatched_period_s``). ``clock`` makes every
-    device call the recorder makes (by default the device's own).
-    """
+    ``listener`` hears every recorded call and each step once read. ``watched`` answers, a step ahead, whether every
+    step must be recorded. ``clock`` makes every device call the recorder makes."""
 
     def __init__(self, device: torch.device, keep: int = 1, clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else Clock(device)
@@ -195,33 +173,32 @@ class TimelineRecorder:
         self.watched: Callable[[], bool] = always_watched
         self.unwatched_period_s = UNWATCHED_PERIOD_S
         self._in_step = False
-        self._next_recorded = True  # whether the step after the open one is recorded (decided as it opens)
-        self._last_recorded_at = -float("inf")  # when the last recorded step began (``time.perf_counter``)
+        self._next_recorded = True  # decided as the open step began
+        self._last_recorded_at = -float("inf")
         self._keep = keep
         self._steps: deque[StepTimeline] = deque(maxlen=keep)
         self._step_index = 0
         self._open: _StepRecord | None = None
-        self._pending: deque[_StepRecord] = deque()  # finished on the host, not read yet
+        self._pending: deque[_StepRecord] = deque()  # ended on the host, not read yet
         self._free_steps: list[_StepRecord] = []
         self._free_calls: list[CallRecord] = []
         self._free_copies: list[CopyRecord] = []
-        self._reads: list[tuple[int, float, float, int]] = []  # reads ended since the last step boundary
+        self._reads: list[tuple[int, float, float, int]] = []  # since the last step boundary
 
     @property
     def steps_ended(self) -> int:
-        """How many steps have ended while the recorder was enabled, recorded or not."""
         return self._step_index
 
     @property
     def steps(self) -> tuple[StepTimeline, ...]:
-        """The last ``keep`` finished steps, oldest first, waiting for the device if they still run."""
+        """The last ``keep`` finished steps, oldest first; waits for the device."""
         self._resolve(wait=True)
         return tuple(self._steps)
 
     def begin_step(self, stream: torch.Stream | None) -> None:
         if not self.enabled:
             return
-        if self._open is not None:  # a step that never ended (the recorder was off meanwhile): dropped
+        if self._open is not None:  # never ended (the recorder was off meanwhile)
             self._recycle(self._open)
             self._open = None
         self._settle()
@@ -232,7 +209,7 @@ class TimelineRecorder:
         self._in_step = True
         if not recorded:
             return
-        reset_peak_memory(self.device)  # the step's own peak, not the process's
+        reset_peak_memory(self.device)
         step = self._free_steps.pop() if self._free_steps else _StepRecord(*self._new_markers())
         step.index = self._step_index
         step.host_start = now
@@ -245,34 +222,33 @@ class TimelineRecorder:
         self._in_step = False
         self._step_index += 1
         step = self._open
-        if step is None:  # not recorded: its reads go with it
+        if step is None:
             self._reads = []
             return
         self.clock.mark(step.end, stream)
         step.peak = peak_allocated(self.device)
-        # Swapped, not copied: the reader's thread appends to whichever list it finds (both are read).
+        # Swapped, not copied: the reader's thread appends to whichever list it finds.
         step.reads, self._reads = self._reads, []
         self._pending.append(step)
         self._open = None
         self._settle()
 
     def _records(self, index: int, now: float) -> bool:
-        """Whether step ``index`` is recorded, asked ``now``, as the step before it begins."""
         if index < FIRST_STEPS_RECORDED or self.watched():
             return True
         return now - self._last_recorded_at >= self.unwatched_period_s
 
     def read_done(self, block: int, start: float, end: float, nbytes: int) -> None:
-        """A file-tier block's read ended (called on the reader's thread; times from ``time.perf_counter``)."""
+        """A file-tier read ended; called on the reader's thread, with ``time.perf_counter`` times."""
         if self.enabled:
             self._reads.append((block, start, end, nbytes))
 
     def copy_started(self, stream: torch.Stream | None, nbytes: int) -> CopyRecord | None:
-        # A copy issued now is for the open step or runs ahead for the next one: recorded if either is.
+        # A copy is for the open step or the next: recorded if either is.
         if not self.enabled or (self._open is None and not self._next_recorded):
             return None
         record = self._free_copies.pop() if self._free_copies else CopyRecord(*self._new_markers())
-        record.nbytes, record.unpacked = nbytes, False  # the copy's issuer says whether it is unpacked
+        record.nbytes, record.unpacked = nbytes, False  # the issuer sets unpacked
         self.clock.mark(record.start, stream)
         return record
 
@@ -294,11 +270,11 @@ class TimelineRecorder:
         return record
 
     def call_started(self, record: CallRecord | None, copy: CopyRecord | None, stream: torch.Stream | None) -> None:
-        """The call's compute is queued after the wait for ``copy`` (None when its block was on the device
-        already); nothing is marked on ``stream``: the start is read off the arrival and the copy's end."""
+        """The call's compute is queued after waiting for ``copy``. Nothing is marked: the start is derived from the
+        arrival and the copy's end."""
         if record is not None:
             record.copy = copy
-        elif copy is not None:  # copied ahead for a step that is not recorded: back to the pool, unread
+        elif copy is not None:  # copied ahead for an unrecorded step
             self._free_copies.append(copy)
 
     def call_finished(self, record: CallRecord | None, stream: torch.Stream | None) -> None:
@@ -306,7 +282,7 @@ class TimelineRecorder:
             self.clock.mark(record.end, stream)
 
     def latest(self) -> StepTimeline | None:
-        """The last finished step, waiting for the device if it is still running."""
+        """The last finished step; waits for the device."""
         self._resolve(wait=True)
         return self._steps[-1] if self._steps else None
 
@@ -314,8 +290,8 @@ class TimelineRecorder:
         return self.clock.new_marker(), self.clock.new_marker()
 
     def _settle(self) -> None:
-        """At a step boundary: the listener hears the steps the device has finished; without one, steps
-        nobody can ask for any more (older than the last ``keep``) are reused unread."""
+        """At a step boundary: the listener hears the finished steps; without one, steps older than the last ``keep``
+        are recycled unread."""
         if self.listener is not None:
             self._resolve(wait=False)
             return
@@ -337,8 +313,8 @@ class TimelineRecorder:
                 self.listener.step_resolved(timeline)
 
     def _read(self, step: _StepRecord) -> StepTimeline:
-        """The step's spans: each of its markers read once, against its start. Every marker of the step
-        was reached once its end was: a call's copy ended before the compute stream went past its wait."""
+        """The step's spans, each marker read once. All were reached once the end was: a call's copy ended before the
+        compute stream passed its wait."""
         at = self.clock.since(step.start)
         spans = []
         unpacked_bytes, unpacked_ms = 0, 0.0
