@@ -1,11 +1,12 @@
 """A parking lot per model for the engine's own tests, as the pack keeps one on each model's state
-(``nodes/patcher.py``'s ``ModelState``): streamers of one model park into it and adopt from it."""
+(``nodes/patcher.py``'s ``ModelState``): streamers of one model park into it and adopt from it. And where a
+streamer's host buffers lie, to tell whether the next streamer took them over."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from block_offload.offload import ParkingLot
+from block_offload.offload import BlockStreamer, ParkingLot
 
 _ATTRIBUTE = "block_offload_test_parking"
 
@@ -17,3 +18,12 @@ def lot_of(model: nn.Module) -> ParkingLot:
         lot = ParkingLot()
         model.__dict__[_ATTRIBUTE] = lot
     return lot
+
+
+def host_ptrs(streamer: BlockStreamer) -> dict[int, range]:
+    """Each streamed block's host buffer, as the range of addresses it covers."""
+    ranges = {}
+    for index in streamer.streamed:
+        host = streamer.host.blocks[index].host
+        ranges[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
+    return ranges

@@ -7,49 +7,15 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from harness.inprocess import async_offload, count_packs, offloaded, sample, wan
-from harness.parking import lot_of
-
-from block_offload.offload import (
-    BlockStreamer,
-    CallOptions,
-    HostOptions,
-    StreamSpec,
-    stream_blocks,
-)
+from harness.parking import host_ptrs
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")  # the nodes stream on the CPU too
-
-CPU = torch.device("cpu")
-
-
-STREAMED = (1, 2, 3)
-
-
-def host_ptrs(streamer: BlockStreamer) -> dict[int, range]:
-    """Each streamed block's host buffer, as the range of addresses it covers."""
-    ranges = {}
-    for index in streamer.streamed:
-        host = streamer.host.blocks[index].host
-        ranges[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
-    return ranges
-
-
-def streaming(model, device: torch.device = CPU, host: HostOptions | None = None) -> BlockStreamer:
-    streamer = stream_blocks(
-        model.blocks,
-        device,
-        STREAMED,
-        StreamSpec(host=replace(host or HostOptions(), parking=lot_of(model)), calls=CallOptions(root=model)),
-    )
-    streamer.enable()
-    return streamer
 
 
 def host_buffers(model) -> dict[int, int]:

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.parking import lot_of
+from harness.parking import host_ptrs, lot_of
 from harness.transformer_stack import forward_steps, transformer_stack
 
 from block_offload.offload import (
@@ -31,15 +31,6 @@ CPU = torch.device("cpu")
 
 
 STREAMED = (1, 2, 3)
-
-
-def host_ptrs(streamer: BlockStreamer) -> dict[int, range]:
-    """Each streamed block's host buffer, as the range of addresses it covers."""
-    ranges = {}
-    for index in streamer.streamed:
-        host = streamer.host.blocks[index].host
-        ranges[index] = range(host.data_ptr(), host.data_ptr() + host.numel())
-    return ranges
 
 
 def streaming(model, device: torch.device = CPU, host: HostOptions | None = None) -> BlockStreamer:
