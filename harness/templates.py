@@ -18,10 +18,8 @@ lists the outputs that differ: the decoded latents and the decoded frames (PNG),
 from __future__ import annotations
 
 import ast
-import fcntl
 import re
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -29,8 +27,9 @@ from typing import Any
 
 import torch
 
+from .big_model import one_at_a_time
 from .comfy_client import RunResult
-from .comfy_host import SETUP_DIR, ComfyHost
+from .comfy_host import ComfyHost
 from .template_models import TEMPLATE_FILES
 from .template_prompts import Prompt, add_taps, for_host, for_tiny_models
 
@@ -256,30 +255,12 @@ class TemplateRun:
     log: str
 
 
-#: The lock of :func:`one_template_run_at_a_time`, beside the hosts' shared models.
-RUN_LOCK = SETUP_DIR / "template-runs.lock"
-
-
-@contextmanager
-def one_template_run_at_a_time() -> Iterator[None]:
-    """Held across processes (the suites of both hosts and their workers run side by side): a template's server
-    holds its model as fp32 on the CPU, the Z-Image's 1.1 B parameters peaking near 8 GB, and three at once would
-    crowd a 24 GiB machine."""
-    RUN_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with RUN_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def run_template(host: ComfyHost, prompt: Prompt, prefix: str, timeout: float = 600.0) -> TemplateRun:
-    """Runs ``prompt`` on ``host`` with its decoders tapped (``template_prompts.add_taps``), its files
-    under ``prefix``, one template run at a time on this machine, its models unloaded after it (the next run
-    loads them again, as a cold prompt does). Two runs of a template are the same when :func:`same_outputs` of
-    their outputs is []."""
-    with one_template_run_at_a_time():
+    """Runs ``prompt`` on ``host`` with its decoders tapped (``template_prompts.add_taps``), its files under
+    ``prefix``, in the machine's turn for big models (``harness/big_model.py``), its models unloaded after it (the
+    next run loads them again, as a cold prompt does). Two runs of a template are the same when
+    :func:`same_outputs` of their outputs is []."""
+    with one_at_a_time():
         start = len(host.log_text())
         result = host.run(add_taps(prompt, prefix), timeout=timeout)
         log = host.log_text()[start:]

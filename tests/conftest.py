@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness import big_model
 from harness.browser import (
     NEWEST_FRONTEND,
     PINNED,
@@ -102,10 +103,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     skip_pack_setup(items)
     if not os.environ.get(ONE_HOST_ELSEWHERE_ENV):
         return
-    elsewhere = [item for item in items if item.get_closest_marker("one_host") is not None]
+    kept, elsewhere = [], []
+    for item in items:
+        (kept if item.get_closest_marker("one_host") is None else elsewhere).append(item)
     if elsewhere:
         config.hook.pytest_deselected(items=elsewhere)
-        items[:] = [item for item in items if item.get_closest_marker("one_host") is None]
+        items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def _big_model_takes_its_turn(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``big_model`` test waits for every other suite's to end (``harness/big_model.py``), and leaves the
+    session's server holding no model."""
+    if request.node.get_closest_marker("big_model") is None:
+        yield
+        return
+    with big_model.one_at_a_time():
+        yield
+        host = request.node.funcargs.get("comfy_host")
+        if isinstance(host, ComfyHost) and host.running:
+            big_model.drop_models(host)
 
 
 #: Each test's reports by phase (setup, call, teardown), for fixtures that share something only while tests pass.

@@ -17,6 +17,7 @@ import torch
 
 from harness import tiny_models as tm
 from harness import tiny_specs
+from harness.big_model import TINY_FLUX
 from harness.comfy_host import ComfyHost
 from harness.inprocess import async_offload, flux, sample, wan
 from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_lines, run
@@ -112,6 +113,7 @@ def test_async_block_offload_plans_which_of_its_blocks_stay(comfy: SimpleNamespa
     comfy.mm.unload_all_models()
 
 
+@TINY_FLUX
 @pytest.mark.usefixtures("allow_cpu_streaming")
 def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_placed(
     comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch

@@ -26,6 +26,7 @@ from conftest import HOST_VERSION
 
 from harness import tiny_models as tm
 from harness import tiny_quantized, tiny_specs
+from harness.big_model import TINY_FLUX
 from harness.inprocess import sample
 
 SEED = 42
@@ -241,7 +242,7 @@ def _lora_module_count(name: str) -> int:
     return sum(s.key.endswith((".lora_up.weight", ".lora_B.weight")) for s in tm.ARTIFACTS[name].specs())
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=TINY_FLUX) if n == tm.FLUX else n for n in ARCHS])
 def test_diffusion_model(
     comfy: SimpleNamespace, models: dict[str, Path], encode: Any, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:

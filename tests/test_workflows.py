@@ -20,7 +20,9 @@ import pytest
 from conftest import HOST_VERSION
 from safetensors.torch import load_file
 
+from harness import tiny_models as tm
 from harness import workflows
+from harness.big_model import TINY_FLUX
 from harness.comfy_host import REPO, ComfyHost
 
 EXAMPLES = REPO / "example_workflows"
@@ -28,6 +30,10 @@ EXAMPLES = REPO / "example_workflows"
 # (tests/test_streamed_templates.py): they keep their pipeline in a subgraph, which the checks below do not read.
 UI_FILES = [EXAMPLES / f"{name}.json" for name in workflows.WORKFLOWS]
 API_DIR = EXAMPLES / "api"
+#: The workflows that load the tiny Flux (``big_model``: they take turns with the other suites' such tests).
+FLUX_WORKFLOWS = frozenset(
+    name for name in workflows.WORKFLOWS if tm.FLUX_FILE in (API_DIR / f"{name}.json").read_text()
+)
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 PACK_NODES = {
@@ -285,7 +291,9 @@ def test_frontend_checks_catch_a_broken_graph(object_info: dict[str, Any]) -> No
 
 # ------------------------------------------------------------------------ running them
 @pytest.mark.usefixtures("tiny_models")
-@pytest.mark.parametrize("name", list(workflows.WORKFLOWS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=TINY_FLUX) if n in FLUX_WORKFLOWS else n for n in workflows.WORKFLOWS]
+)
 def test_api_workflow_runs_and_streams(comfy_host: ComfyHost, object_info: dict[str, Any], name: str) -> None:
     prompt = json.loads((API_DIR / f"{name}.json").read_text())
     skip_without_their_packs({node["class_type"] for node in prompt.values()}, object_info)

@@ -1,0 +1,61 @@
+"""Tests that hold a model of gigabytes take turns, across every suite and worker on the machine.
+
+The tiny Flux is 2 GB (its width is fixed at 3072), and a process that samples it through the nodes peaks near
+12 GiB; a template's server holds its models as fp32, the Z-Image's 1.1 B parameters near 8 GB. ``scripts/test.sh``
+runs both hosts' suites at once on a 24 GiB machine, so two such at the same time are enough for the kernel to kill
+a server. Each holds an exclusive lock on one file beside the hosts' shared models while it runs: a template run
+(``harness/templates.py``), or a whole test marked ``big_model``, which also leaves the session's server holding no
+model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from .comfy_host import SETUP_DIR, ComfyHost
+
+LOCK = SETUP_DIR / "big-model.lock"
+TINY_FLUX = pytest.mark.big_model(reason="it samples the 2 GB tiny Flux")
+
+_held = 0  # this process's depth of one_at_a_time: a second flock on a new descriptor would wait for itself
+
+
+@contextmanager
+def one_at_a_time() -> Iterator[None]:
+    """Waits for the other processes' big models to be let go, then holds the machine's turn until the block ends."""
+    global _held
+    if _held:
+        _held += 1
+        try:
+            yield
+        finally:
+            _held -= 1
+        return
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _held = 1
+        try:
+            yield
+        finally:
+            _held = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def drop_models(host: ComfyHost) -> None:
+    """Leaves ``host`` holding no model and no cached output. ComfyUI's worker reads ``/free``'s flags between
+    prompts, so they are done once a second prompt has run after them."""
+    host.free()
+    for _ in range(2):
+        result = host.run(_NO_MODEL, timeout=60)
+        assert result.ok, result.error_text()
+
+
+_NO_MODEL = {
+    "1": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
+    "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "tests/big_model/none"}},
+}
