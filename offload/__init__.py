@@ -2,8 +2,9 @@
 
 A host describes what it wants in one frozen ``StreamSpec`` and passes it to ``stream_blocks`` (a ``BlockStreamer`` over
 chosen blocks of a stack) or ``stream_modules`` (a ``SequentialOffloader`` over every tensor-owning module); it then
-uses either through ``Runner``. ``OffloadPlan`` says which blocks stay resident, ``best_plan`` picks the fastest one for
-a budget from measured ``StackCosts``, and ``find_blocks`` finds a model's blocks from its module tree."""
+uses either through ``Runner`` and reads its numbers as one ``StreamReport``. ``OffloadPlan`` says which blocks stay
+resident, ``best_plan`` picks the fastest one for a budget from measured ``StackCosts``, and ``find_blocks`` finds a
+model's blocks from its module tree."""
 
 from .cost_cache import CostCache, cache_key, cached_best_plan
 from .costs import Prediction, StackCosts, lower_bound_ms
@@ -33,7 +34,7 @@ from .plan import (
     step_aside,
 )
 from .planner import PREFETCH_CHOICES, BakeDecision, bake_decision, best_plan
-from .runner import Runner
+from .runner import PackProgress, Runner, StreamReport
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
 from .simulator import simulate
 from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
@@ -73,7 +74,9 @@ __all__ = [
     "ReadSpan",
     "Prediction",
     "ResidencyPolicy",
+    "PackProgress",
     "Runner",
+    "StreamReport",
     "SequentialOffloader",
     "StackCosts",
     "StepAside",
