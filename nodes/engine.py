@@ -19,14 +19,16 @@ from ..offload import (
     PROCESS_STATE,
     OffloadPlan,
     ParkingLot,
+    RingOptions,
     Runner,
+    StreamSpec,
     TimelineRecorder,
     read_bandwidth,
     release_freed_host_memory,
 )
 from . import extension
 from .blocks import Units, inside
-from .comfy_memory import PINNED_LIMIT_ENV
+from .comfy_memory import PINNED_LIMIT_ENV, outside_the_recording
 from .device_patches import (
     AdapterStaging,
     ArrivalPatches,
@@ -200,21 +202,17 @@ def start_engine(
     adapters = AdapterStaging.of(patching, units, recurse)
     arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    host = host_options(request, placement.plan, parking, adapters.companions, contents)
-    scratch_bytes = patch_scratch_bytes(model, placement.streamed, device, as_cast)
-    runner = make_runner(
-        model,
-        request,
-        placement.plan,
-        device,
-        recorder,
-        units,
-        last_order,
-        host,
-        file_options,
-        arrival.transforms(),
-        scratch_bytes,
+    spec = StreamSpec(
+        host=host_options(request, placement.plan, parking, adapters.companions, contents),
+        ring=RingOptions(
+            scratch_bytes=patch_scratch_bytes(model, placement.streamed, device, as_cast),
+            persistent_allocations=outside_the_recording(),
+        ),
+        files=file_options,
+        transforms=arrival.transforms(),
+        recorder=recorder,
     )
+    runner = make_runner(model, request, placement.plan, device, units, last_order, spec)
     adapters.bind(runner)
     started = time.perf_counter()
     runner.enable(pack_progress())
