@@ -7,7 +7,7 @@ resident, ``best_plan`` picks the fastest one for a budget from measured ``Stack
 model's blocks from its module tree."""
 
 from .cost_cache import CostCache, cache_key, cached_best_plan
-from .costs import Prediction, StackCosts, lower_bound_ms
+from .costs import Prediction, StackCosts, lower_bound_ms, simulate
 from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
 from .discovery import FoundBlocks, NoBlocksError, entry_methods, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
@@ -36,7 +36,6 @@ from .plan import (
 from .planner import PREFETCH_CHOICES, BakeDecision, bake_decision, best_plan
 from .runner import PackProgress, Runner, StreamReport
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
-from .simulator import simulate
 from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
 from .streamer import BlockStreamer, stream_blocks
 from .system_memory import HostRam, clamp_to_cgroups, release_freed_host_memory
