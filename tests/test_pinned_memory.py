@@ -143,11 +143,9 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     patched = async_offload(comfy, model, resident=1)
     with caplog.at_level(logging.INFO):
         assert torch.equal(sample(comfy, patched), reference)
-    runner = patched.offload_engine.runner
+    report = patched.offload_engine.runner.report()
     block = streamed_block_bytes(patched)
-    assert (
-        cudart.pinned == 0 and runner.report().waiting_bytes == STREAMED * block and runner.report().packed_bytes == 0
-    )
+    assert cudart.pinned == 0 and report.waiting_bytes == STREAMED * block and report.packed_bytes == 0
     (line,) = [r.getMessage() for r in caplog.records if "blocks resident" in r.getMessage()]
     clause = f"; {STREAMED * block / GIB:.2f} GiB pinned or packed in the background while the first steps run"
     assert clause in line, line
@@ -162,17 +160,13 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     assert torch.equal(sample(comfy, patched), reference)
     runner = patched.offload_engine.runner
     runner.finish_packing()
-    assert runner.report().waiting_bytes == 0 and runner.report().pinning_progress == (
-        STREAMED * block,
-        STREAMED * block,
-    )
+    report = runner.report()
+    assert report.waiting_bytes == 0 and report.pinning_progress == (STREAMED * block, STREAMED * block)
     assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
     later = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, later), reference)
-    assert (
-        later.offload_engine.runner.report().packed_bytes == 0
-        and later.offload_engine.runner.report().waiting_bytes == 0
-    )
+    report = later.offload_engine.runner.report()
+    assert report.packed_bytes == 0 and report.waiting_bytes == 0
     comfy.mm.unload_all_models()
 
 

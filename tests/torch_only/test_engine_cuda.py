@@ -216,10 +216,9 @@ def test_streamed_blocks_pin_exactly_their_bytes_and_give_them_back() -> None:
     before = pinned_bytes()
     streamer = stream_blocks(model.blocks, CUDA, range(3), StreamSpec())
     streamer.enable()
-    assert streamer.report().host_bytes & (streamer.report().host_bytes - 1), (
-        "a power of two would not show the rounding"
-    )
-    assert pinned_bytes() - before == streamer.report().host_bytes and not streamer.report().refused_pinning
+    report = streamer.report()
+    assert report.host_bytes & (report.host_bytes - 1), "a power of two would not show the rounding"
+    assert pinned_bytes() - before == report.host_bytes and not report.refused_pinning
     assert all(p.is_pinned() for p in model.blocks.parameters())
     streamer.disable()
     gc.collect()

@@ -97,10 +97,8 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     # next step: as far ahead as the copies (prefetch 2) and the staging slots (2) run.
     streamer.release_device_buffers()
     largest = max((streamer.host.blocks[i].read.file_bytes for i in read_each_step), default=0)
-    assert 3 * per_block <= streamer.report().bytes_read <= 3 * per_block + (2 + 2) * largest, (
-        streamer.report().bytes_read,
-        per_block,
-    )
+    bytes_read = streamer.report().bytes_read
+    assert 3 * per_block <= bytes_read <= 3 * per_block + (2 + 2) * largest, (bytes_read, per_block)
     host_buffers = sum(
         sum(t.numel() * t.element_size() for t in mapped.module.blocks[i].state_dict().values())
         for i in set(range(6)) - set(read_each_step)
@@ -289,9 +287,8 @@ def test_a_block_s_slices_are_read_by_several_threads_at_once_and_stream_bitwise
     streamer.enable()
     for out, expected in zip(forward_steps(mapped.module, x, steps=2), forward_steps(model, x, steps=2), strict=True):
         assert torch.equal(out, expected)
-    assert streamer.report().bytes_read >= streamer.report().file_tier_bytes > 2 * 8 * 2**20, (
-        streamer.report().bytes_read
-    )
+    report = streamer.report()
+    assert report.bytes_read >= report.file_tier_bytes > 2 * 8 * 2**20, report.bytes_read
     assert len(readers) >= 2, readers
     streamer.disable()
 
