@@ -168,6 +168,8 @@ class BlockStreamer:
         return self.ring.scratch
 
     def report(self) -> StreamReport:
+        """The engine's numbers now. It passes over every unit, so a host reads it where it logs or shows them, not
+        at each block call."""
         host, files, background = self.host, self.files, self.host.background
         companion_bytes, staging_bytes = host.companion_bytes, files.staging_bytes
         return StreamReport(
