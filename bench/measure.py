@@ -69,7 +69,7 @@ def placed(patcher) -> Placed:
     placement = engine.placement
     overlap = step.overlap if step is not None else None
     copied = step.bytes_copied if step is not None else None
-    file_bytes = engine.runner.file_tier_bytes
+    file_bytes = engine.runner.report().file_tier_bytes
     return Placed(
         placement.summary, key, streamed, overlap, engine.predicted_ms, placement.measuring, copied, file_bytes
     )
@@ -153,6 +153,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
             wall = time.perf_counter()
             loaded_and_stepped.close()  # the host's peak over the load and the steps, not the unload
             peak = sampled.peak if cuda else None
+            report = None if engine is None else engine.runner.report()
             done = Round(
                 started,
                 (first - started) * 1000,
@@ -163,7 +164,7 @@ def measure_round(comfy: Comfy, config: Config, inputs: dict, steps: int, need_b
                 host.rss_peak,
                 pinned_host_bytes(comfy),
                 None if engine is None else engine.packing_s * 1000,
-                None if engine is None else engine.runner.packed_bytes + engine.runner.background_packing[0],
+                None if report is None else report.packed_bytes + report.background_packing[0],
                 (loaded - started) * 1000,
                 None if first_step is None else first_step.copy_ms,
                 None if first_step is None else first_step.unpacked_copy_ms,

@@ -19,7 +19,7 @@ from unittest import mock
 
 from harness.planner_shapes import BUDGETS, SHAPES, budget_bytes
 
-from block_offload.offload import simulator
+from block_offload.offload.costs import _Pipeline
 from block_offload.offload.planner import best_plan
 
 
@@ -42,14 +42,14 @@ def time_search(shape: str, share: float, runs: int) -> tuple[list[float], int, 
 def simulated_calls(search: Callable[[], object]) -> int:
     """The block calls ``search`` simulates (the planner's pipeline replays one per call of each step)."""
     calls = 0
-    replay = simulator._Pipeline._call
+    replay = _Pipeline._call
 
-    def counted(self: simulator._Pipeline, *args: Any) -> None:
+    def counted(self: _Pipeline, *args: Any) -> None:
         nonlocal calls
         calls += 1
         replay(self, *args)
 
-    with mock.patch.object(simulator._Pipeline, "_call", counted):
+    with mock.patch.object(_Pipeline, "_call", counted):
         search()
     return calls
 

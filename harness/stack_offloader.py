@@ -86,7 +86,7 @@ class BlockOffloader:
         self.streamer.enable()
         self._move_unstreamed(self.device)
         self.streamer.allocate_device_buffers()
-        on_device = module_bytes(self.root) - plan.streamed_bytes + self.streamer.device_buffer_bytes
+        on_device = module_bytes(self.root) - plan.streamed_bytes + self.streamer.report().device_buffer_bytes
         if self.device_limit_bytes is not None and on_device > self.device_limit_bytes:
             raise torch.OutOfMemoryError(
                 f"simulated device limit: {on_device} bytes of weights and stream buffers, "

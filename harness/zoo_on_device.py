@@ -55,7 +55,7 @@ def run(names: Sequence[str], cpu: bool, dtype: torch.dtype | None) -> int:
                     outcomes.append(f"{node}: NOT STREAMED")
                     bad = True
                 elif torch.equal(latent, reference):
-                    outcomes.append(f"{node}: bitwise ({engine.runner.unit}s)")
+                    outcomes.append(f"{node}: bitwise ({engine.runner.report().unit}s)")
                 else:
                     outcomes.append(f"{node}: DIFFERS {differs(latent, reference)}")
                     bad = True

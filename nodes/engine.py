@@ -19,14 +19,16 @@ from ..offload import (
     PROCESS_STATE,
     OffloadPlan,
     ParkingLot,
+    RingOptions,
     Runner,
+    StreamSpec,
     TimelineRecorder,
     read_bandwidth,
     release_freed_host_memory,
 )
 from . import extension
 from .blocks import Units, inside
-from .comfy_memory import PINNED_LIMIT_ENV
+from .comfy_memory import PINNED_LIMIT_ENV, outside_the_recording
 from .device_patches import (
     AdapterStaging,
     ArrivalPatches,
@@ -80,19 +82,21 @@ class Engine:
     def note_packing(self) -> None:
         """Once background packing is done, logs what was packed and pinned, and the driver's refusals the start
         could not know yet. A short prompt may end first; the next one tells."""
-        packed, later = self.runner.background_packing
-        if self.packing_noted or not later or self.runner.waiting_bytes:
+        if self.packing_noted:
+            return
+        report = self.runner.report()
+        packed, later = report.background_packing
+        if not later or report.waiting_bytes:
             return
         self.packing_noted = True
-        pinned, _ = self.runner.pinning_progress
-        runner = self.runner
-        buffers = runner.host_bytes - runner.companion_bytes - runner.staging_bytes
+        pinned, _ = report.pinning_progress
+        buffers = report.host_bytes - report.companion_bytes - report.staging_bytes
         logging.info(
             f"Block Offload ({self.request.node}): {PACKING_DONE} {packed / GIB:.2f} GiB of streamed blocks, "
             f"{pinned / GIB:.2f} GiB of them pinned; {buffers / GIB:.2f} GiB copied into host buffers, the rest kept "
             "where the loader put them"
         )
-        self.note(pinning_notices(self.runner))
+        self.note(pinning_notices(report))
 
     def patch_history(self, before: PatchHistory | None) -> PatchHistory | None:
         """This engine's steps added to the earlier engines' that ran the same patches."""
@@ -123,7 +127,7 @@ class Engine:
 
     @property
     def read_ms(self) -> float | None:
-        return least_read_ms(self.runner, self.read_bandwidth)
+        return least_read_ms(self.runner.report(), self.read_bandwidth)
 
     @property
     def predicted_ms(self) -> float | None:
@@ -186,7 +190,7 @@ def start_engine(
     streamed = Units.streamed(model.model.diffusion_model, placement.plan)
     units, recurse = streamed.modules, streamed.recurse
     fast_disk = on_fast_disk(model)
-    held = sum(runner.host_bytes for runner in _live_runners() if runner.enabled)
+    held = sum(runner.report().host_bytes for runner in _live_runners() if runner.enabled)
     file_options, in_host = file_tier_options(request, units, recurse, fast_disk, held)
     baking = decide_baking(model, request, placement, units, file_options.read_each_step, in_host, history, parking)
     baked = baking.blocks if baking is not None else frozenset()
@@ -198,40 +202,38 @@ def start_engine(
     adapters = AdapterStaging.of(patching, units, recurse)
     arrival = ArrivalPatches(patching, units, recurse)
     recorder = TimelineRecorder(device)
-    host = host_options(request, placement.plan, parking, adapters.companions, contents)
-    scratch_bytes = patch_scratch_bytes(model, placement.streamed, device, as_cast)
-    runner = make_runner(
-        model,
-        request,
-        placement.plan,
-        device,
-        recorder,
-        units,
-        last_order,
-        host,
-        file_options,
-        arrival.transforms(),
-        scratch_bytes,
+    spec = StreamSpec(
+        host=host_options(request, placement.plan, parking, adapters.companions, contents),
+        ring=RingOptions(
+            scratch_bytes=patch_scratch_bytes(model, placement.streamed, device, as_cast),
+            persistent_allocations=outside_the_recording(),
+        ),
+        files=file_options,
+        transforms=arrival.transforms(),
+        recorder=recorder,
     )
+    runner = make_runner(model, request, placement.plan, device, units, last_order, spec)
     adapters.bind(runner)
     started = time.perf_counter()
-    runner.enable(pack_progress(lambda: runner.packed_bytes))
+    runner.enable(pack_progress())
     packing_s = time.perf_counter() - started
     release_freed_host_memory()  # the originals, now packed
     try:
         load_resident()
         if contents:  # before the ring is allocated, one weight at a time
-            runner.wrote_content(write_patches_to_host(patching, units, recurse, runner.needs_content, device))
+            needs = runner.report().needs_content
+            runner.wrote_content(write_patches_to_host(patching, units, recurse, needs, device))
         runner.allocate_device_buffers()
     except BaseException:
         # No engine is recorded, so give back every pin and buffer now.
         runner.disable()
         raise
     _live_runners().add(runner)
-    bandwidth = read_bandwidth(runner.file_slices())
-    summary = placement.summary + patching.describe() + packing_clause(runner, packing_s) + pageable_clause(runner)
+    bandwidth = read_bandwidth(runner.report().file_slices)
+    report = runner.report()  # after the measurement: packing went on meanwhile
+    summary = placement.summary + patching.describe() + packing_clause(report, packing_s) + pageable_clause(report)
     if request.dynamic_vram_twin:
-        summary += tiers_clause(runner, bandwidth, fast_disk)
+        summary += tiers_clause(report, bandwidth, fast_disk)
     if baking is not None and (baking.blocks or baking.saving_ms > 0):
         summary += baking.describe()
     engine = Engine(
@@ -247,7 +249,7 @@ def start_engine(
         packing_s=packing_s,
     )
     # The driver's refusals are final only once every block is packed (``note_packing`` tells them then).
-    engine.note(pinning_notices(runner, driver=not runner.waiting_bytes))
+    engine.note(pinning_notices(report, driver=not report.waiting_bytes))
     watcher = _engine_watcher()
     if watcher is not None:
         watcher.engine_started(engine)
@@ -256,5 +258,5 @@ def start_engine(
 
 
 def call_order_of(engine: Engine) -> CallOrder:
-    runner = engine.runner
-    return runner.unit, runner.units, runner.last_order
+    report = engine.runner.report()
+    return report.unit, report.units, report.last_order

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from comfy.model_patcher import ModelPatcher
@@ -19,12 +19,9 @@ from ..offload import (
     HostOptions,
     OffloadPlan,
     ParkingLot,
-    RingOptions,
     Runner,
     SequentialOptions,
     StreamSpec,
-    TimelineRecorder,
-    Transform,
     entry_methods,
     host_tier,
     stream_blocks,
@@ -36,7 +33,6 @@ from .comfy_memory import (
     PINNED_LIMIT_ENV,
     PINNED_MEMORY,
     host_buffer_room,
-    outside_the_recording,
     pinning_enabled,
 )
 from .dynamic_vram import file_slice, recorded_dtype
@@ -139,27 +135,20 @@ def make_runner(
     request: OffloadRequest,
     plan: OffloadPlan | None,
     device: torch.device,
-    recorder: TimelineRecorder,
     units: dict[int, nn.Module],
     last_order: CallOrder | None,
-    host: HostOptions,
-    files: FileOptions,
-    transforms: Mapping[int, Transform],
-    scratch_bytes: int,
+    spec: StreamSpec,
 ) -> Runner:
-    """The engine of ``units`` from one ``StreamSpec``: the sequential wrapper without a plan, else a block streamer."""
+    """The engine of ``units``: the sequential wrapper without a plan, else a block streamer. ``spec`` is complete but
+    for what the plan and the model say: how far the ring copies ahead, its size, and how the blocks are called."""
     diffusion_model = model.model.diffusion_model
-    persistent = outside_the_recording()
     if plan is None:
-        spec = StreamSpec(
-            host=host,
-            ring=RingOptions(prefetch=request.prefetch, scratch_bytes=scratch_bytes, persistent_allocations=persistent),
-            files=files,
+        spec = replace(
+            spec,
+            ring=replace(spec.ring, prefetch=request.prefetch),
             calls=CallOptions(
                 call_order=order_for(last_order, "module", len(units)), holders=read_by_parents(diffusion_model)
             ),
-            transforms=transforms,
-            recorder=recorder,
         )
         promotion = SequentialOptions(
             vram_limit_bytes=request.vram_limit_bytes, on_promote=functools.partial(_count_promoted, model.model)
@@ -167,22 +156,14 @@ def make_runner(
         return stream_modules(diffusion_model, device, spec, promotion)
     found = find_blocks(diffusion_model)
     blocks = found.blocks
-    spec = StreamSpec(
-        host=host,
-        ring=RingOptions(
-            prefetch=plan.prefetch,
-            ring_bytes=plan.ring_bytes or None,
-            scratch_bytes=scratch_bytes,
-            persistent_allocations=persistent,
-        ),
-        files=files,
+    spec = replace(
+        spec,
+        ring=replace(spec.ring, prefetch=plan.prefetch, ring_bytes=plan.ring_bytes or None),
         calls=CallOptions(
             root=diffusion_model,
             call_order=order_for(last_order, "block", len(blocks)),
             entry_methods=entry_methods(diffusion_model, found),
         ),
-        transforms=transforms,
-        recorder=recorder,
     )
     return stream_blocks([block for _, block in blocks], device, plan.streamed, spec)
 

@@ -225,7 +225,7 @@ class _Publisher:
 
     def placement_entry(self) -> dict[str, Any]:
         engine = self._engine()
-        pinning = pinning_progress(engine.runner) if engine is not None else None
+        pinning = pinning_progress(engine.runner.report()) if engine is not None else None
         return model_entry(self.facts, self.run.running, pinning)
 
     def run_timeline(self) -> dict[str, Any]:

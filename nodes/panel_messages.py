@@ -161,10 +161,10 @@ def full_step(step: StepTimeline, first_step: int) -> dict[str, Any]:
 
 def placement_letters(engine: Engine) -> str:
     """One letter per unit: resident, streamed from host memory, or from the checkpoint file."""
-    runner = engine.runner
-    streamed, from_file = runner.streamed, runner.read_each_step
+    report = engine.runner.report()
+    streamed, from_file = report.streamed, report.read_each_step
     return "".join(
-        FROM_FILE if i in from_file else STREAMED if i in streamed else RESIDENT for i in range(runner.units)
+        FROM_FILE if i in from_file else STREAMED if i in streamed else RESIDENT for i in range(report.units)
     )
 
 

@@ -23,9 +23,10 @@ from ..offload import (
     BakeDecision,
     CostCache,
     OffloadPlan,
-    Runner,
+    PackProgress,
     StackCosts,
     StepTimeline,
+    StreamReport,
     bake_decision,
     buffer_bytes,
     cache_key,
@@ -331,40 +332,40 @@ def cost_cache() -> CostCache:
 # -- the plan line
 
 
-def packing_clause(runner: Runner, seconds: float) -> str:
+def packing_clause(report: StreamReport, seconds: float) -> str:
     """The plan line's clause on what the start packed and how long it took, and what is still being packed in the
     background, so a slow first step explains itself."""
-    packed = runner.packed_bytes
+    packed = report.packed_bytes
     clause = f"; packed {packed / GIB:.2f} GiB into host buffers in {seconds:.2f} s" if packed else ""
-    _, later = runner.background_packing
+    _, later = report.background_packing
     if later:
         clause += f"; {later / GIB:.2f} GiB pinned or packed in the background while the first steps run"
-        progress = pinning_progress(runner)
+        progress = pinning_progress(report)
         clause += f" ({progress} so far)" if progress else ""
     return clause
 
 
-def pinning_progress(runner: Runner) -> str | None:
+def pinning_progress(report: StreamReport) -> str | None:
     """How far background pinning has got ("pinned 6.20 of 11.90 GiB"); None once done or when nothing is to be
     pinned."""
-    pinned, total = runner.pinning_progress
-    if not runner.waiting_bytes or not total:
+    pinned, total = report.pinning_progress
+    if not report.waiting_bytes or not total:
         return None
     return f"pinned {pinned / GIB:.2f} of {total / GIB:.2f} GiB"
 
 
-def pageable_clause(runner: Runner) -> str:
-    reasons = {"the pinned-memory cap": runner.refused_pinning, "the driver refused to pin": runner.failed_pinning}
+def pageable_clause(report: StreamReport) -> str:
+    reasons = {"the pinned-memory cap": report.refused_pinning, "the driver refused to pin": report.failed_pinning}
     said = [f"{len(units)} from pageable memory ({reason})" for reason, units in reasons.items() if units]
-    return f"; of {len(runner.streamed)} streamed {runner.unit}s, {', '.join(said)}" if said else ""
+    return f"; of {len(report.streamed)} streamed {report.unit}s, {', '.join(said)}" if said else ""
 
 
-def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> str:
-    read = runner.read_each_step
-    streamed = len(runner.streamed)
-    host = runner.host_bytes / GIB
+def tiers_clause(report: StreamReport, bandwidth: float | None, fast_disk: bool) -> str:
+    read = report.read_each_step
+    streamed = len(report.streamed)
+    host = report.host_bytes / GIB
     in_ram = streamed - len(read)
-    held = f"{in_ram} of the {streamed} streamed {runner.unit}s in host memory ({host:.2f} GiB of host buffers)"
+    held = f"{in_ram} of the {streamed} streamed {report.unit}s in host memory ({host:.2f} GiB of host buffers)"
     if fast_disk:
         kept = f"{PINNED_LIMIT_ENV} keeps" if os.environ.get(PINNED_LIMIT_ENV) else f"set {PINNED_LIMIT_ENV} to keep"
         held += f" (ComfyUI chose fast-disk for this checkpoint: no host buffers; {kept} some in RAM)"
@@ -374,12 +375,12 @@ def tiers_clause(runner: Runner, bandwidth: float | None, fast_disk: bool) -> st
     if cgroup is not None and not fast_disk:
         held += f" (within this process's memory limit, {cgroup.limit / GIB:.2f} GiB: cgroup {cgroup.path})"
     read_from = (
-        f"{len(read)} read from the checkpoint file each step through {runner.staging_bytes / GIB:.2f} GiB of "
-        f"staging slots ({runner.file_tier_bytes / GIB:.2f} GiB as stored"
+        f"{len(read)} read from the checkpoint file each step through {report.staging_bytes / GIB:.2f} GiB of "
+        f"staging slots ({report.file_tier_bytes / GIB:.2f} GiB as stored"
     )
-    threads = file_source.read_threads(source.handle for source in runner.file_slices())
+    threads = file_source.read_threads(source.handle for source in report.file_slices)
     read_from += f", read by {threads_said(threads)}"
-    read_ms = least_read_ms(runner, bandwidth)
+    read_ms = least_read_ms(report, bandwidth)
     if read_ms is not None and bandwidth:
         read_from += f", {bandwidth / 1e9:.2f} GB/s as the page cache holds it now: {read_ms:.1f} ms per step at least"
     return f"; {held}, {read_from})"
@@ -393,15 +394,15 @@ def threads_said(threads: int) -> str:
     return "one thread, the file's disk being rotational (several readers would make it seek)"
 
 
-def least_read_ms(runner: Runner, bandwidth: float | None) -> float | None:
-    return runner.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
+def least_read_ms(report: StreamReport, bandwidth: float | None) -> float | None:
+    return report.file_tier_bytes / bandwidth * 1e3 if bandwidth else None
 
 
-def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
+def pinning_notices(report: StreamReport, driver: bool = True) -> list[str]:
     """A notice for each reason some streamed weights went to pageable RAM; the caller logs each once."""
     notices = []
-    of = f"of {len(runner.streamed)} streamed {runner.unit}s"
-    refused = runner.refused_pinning
+    of = f"of {len(report.streamed)} streamed {report.unit}s"
+    refused = report.refused_pinning
     if refused:
         notices.append(
             f"Pinned memory cap reached ({(PINNED_MEMORY.limit or 0) / GIB:.2f} GiB, shared with ComfyUI and the "
@@ -409,7 +410,7 @@ def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
             f"pageable RAM, which copies more slowly. Unloading other models frees pinned memory; "
             f"{PINNED_LIMIT_ENV} sets the pack's own cap."
         )
-    failed = runner.failed_pinning if driver else {}
+    failed = report.failed_pinning if driver else {}
     if failed:
         notices.append(
             f"The driver refused to pin {len(failed)} {of} ({sum(failed.values()) / GIB:.2f} GiB): they stream from "
@@ -425,16 +426,16 @@ def pinning_notices(runner: Runner, driver: bool = True) -> list[str]:
 UPDATES = 50
 
 
-def pack_progress(packed_bytes: Callable[[], int]) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` for ``Runner.enable``: a ComfyUI progress bar, shown only once ``packed_bytes()``
-    says something was really packed, updated at most ``UPDATES`` times."""
+def pack_progress() -> PackProgress:
+    """A ``progress`` for ``Runner.enable``: a ComfyUI progress bar, shown only once something was really packed,
+    updated at most ``UPDATES`` times."""
     bar: comfy.utils.ProgressBar | None = None
     shown = 0
 
-    def progress(done: int, total: int) -> None:
+    def progress(done: int, total: int, packed_bytes: int) -> None:
         nonlocal bar, shown
         if bar is None:
-            if not packed_bytes():
+            if not packed_bytes:
                 return  # taken over or left in its file: no bar
             bar = comfy.utils.ProgressBar(total)
         step = max(1, total // UPDATES)

@@ -2,11 +2,12 @@
 
 A host describes what it wants in one frozen ``StreamSpec`` and passes it to ``stream_blocks`` (a ``BlockStreamer`` over
 chosen blocks of a stack) or ``stream_modules`` (a ``SequentialOffloader`` over every tensor-owning module); it then
-uses either through ``Runner``. ``OffloadPlan`` says which blocks stay resident, ``best_plan`` picks the fastest one for
-a budget from measured ``StackCosts``, and ``find_blocks`` finds a model's blocks from its module tree."""
+uses either through ``Runner`` and reads its numbers as one ``StreamReport``. ``OffloadPlan`` says which blocks stay
+resident, ``best_plan`` picks the fastest one for a budget from measured ``StackCosts``, and ``find_blocks`` finds a
+model's blocks from its module tree."""
 
 from .cost_cache import CostCache, cache_key, cached_best_plan
-from .costs import Prediction, StackCosts, lower_bound_ms
+from .costs import Prediction, StackCosts, lower_bound_ms, simulate
 from .device import PROCESS_STATE, MemorySnapshot, device_ms, device_name, memory_snapshot, unsupported_torch
 from .discovery import FoundBlocks, NoBlocksError, entry_methods, find_blocks
 from .file_source import FileChangedError, FileSlice, read_bandwidth
@@ -33,9 +34,8 @@ from .plan import (
     step_aside,
 )
 from .planner import PREFETCH_CHOICES, BakeDecision, bake_decision, best_plan
-from .runner import Runner
+from .runner import PackProgress, Runner, StreamReport
 from .sequential import ModuleState, SequentialOffloader, buffer_bytes, stream_modules, streamed_modules
-from .simulator import simulate
 from .spec import CallOptions, FileOptions, HostOptions, RingOptions, SequentialOptions, StreamSpec, Transform
 from .streamer import BlockStreamer, stream_blocks
 from .system_memory import HostRam, clamp_to_cgroups, release_freed_host_memory
@@ -73,7 +73,9 @@ __all__ = [
     "ReadSpan",
     "Prediction",
     "ResidencyPolicy",
+    "PackProgress",
     "Runner",
+    "StreamReport",
     "SequentialOffloader",
     "StackCosts",
     "StepAside",

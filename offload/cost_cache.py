@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .costs import Prediction, StackCosts
+from .costs import Prediction, StackCosts, predict
 from .plan import OffloadPlan, ResidencyPolicy
 from .planner import best_plan
-from .simulator import predict
 
 
 def cache_key(device_name: str, architecture: str, block_bytes: Sequence[int]) -> str:

@@ -15,6 +15,7 @@ from .background_packing import BackgroundPacking
 from .layout import BlockLayout
 from .parking import ParkedBuffer, ParkedInPlace, leave, signature
 from .pinning import HostMemory, pinned_allocation_bytes, unpin_host_buffer
+from .runner import PackProgress
 from .spec import FileOptions, HostOptions
 from .streamed_block import PackedCompanions, StreamedBlock
 
@@ -50,10 +51,8 @@ class HostBlocks:
     def unit(self) -> str:
         return "block" if self.recurse else "module"
 
-    def pack_all(
-        self, blocks: Mapping[int, nn.Module], progress: Callable[[int, int], None] | None, later: bool = False
-    ) -> None:
-        """Packs ``blocks`` in index order; ``progress(done, total)`` hears each. On any failure (including a host
+    def pack_all(self, blocks: Mapping[int, nn.Module], progress: PackProgress | None, later: bool = False) -> None:
+        """Packs ``blocks`` in index order; ``progress`` hears each. On any failure (including a host
         interrupt raised from ``progress``) every block packed so far gets its own memory back. ``later``: blocks
         that can wait are left to the packing thread."""
         self.packed_bytes = self.background.packed_bytes = self.background.total_bytes = 0
@@ -63,7 +62,7 @@ class HostBlocks:
                 if not (later and self.pack_later(index, blocks[index])):
                     self.pack(index, blocks[index])
                 if progress is not None:
-                    progress(done, len(order))
+                    progress(done, len(order), self.packed_bytes)
         except BaseException:
             self.let_go(park=False)
             raise

@@ -1,7 +1,7 @@
 """Decisions from predicted steps: the fastest placement within a budget (``best_plan``), and whether to bake
 streamed blocks' patches into their host buffers once (``bake_decision``).
 
-Each candidate is replayed by ``simulator.simulate``; lower bounds skip candidates that cannot change the choice. A
+Each candidate is replayed by ``costs.simulate``; lower bounds skip candidates that cannot change the choice. A
 greedy search grows resident sets block by block, finding the positions that hide the most copy time, which fixed
 policies miss when blocks differ."""
 
@@ -11,10 +11,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .costs import Prediction, StackCosts, StepFloor, least_step_ms, slow_copies
+from .costs import Prediction, StackCosts, StepFloor, least_step_ms, simulate, slow_copies, with_slow_step
 from .plan import GIB, OffloadPlan, ResidencyPolicy, resident_indices
 from .ring import ring_capacity
-from .simulator import simulate, with_slow_step
 
 #: Predictions this close (relative) count as equal.
 TIE = 1e-6

@@ -2,8 +2,8 @@
 size, placed one after the other in copy order.
 
 Sizing it in bytes rather than in blocks lets copies run as far ahead as memory allows, and small blocks take less of
-it. ``ByteRing`` keeps the books, shared with the planner's simulator along with ``look_ahead`` and ``copy_ahead``;
-``DeviceRing`` owns the memory, events and views, and issues the copies on the copy stream."""
+it. ``ByteRing`` keeps the books, shared with the planner's replay (``costs.simulate``) along with ``look_ahead`` and
+``copy_ahead``; ``DeviceRing`` owns the memory, events and views, and issues the copies on the copy stream."""
 
 from __future__ import annotations
 

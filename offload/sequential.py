@@ -5,7 +5,7 @@ through the block machinery. After the first pass the most-called modules stay o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from enum import Enum
 
@@ -16,8 +16,9 @@ from torch.utils.hooks import RemovableHandle
 from .calls import eager
 from .layout import BlockLayout, module_stored_bytes
 from .plan import stream_buffer_bytes
+from .runner import PackProgress
 from .spec import SequentialOptions, StreamSpec
-from .streamer import BlockStreamer, check_spec
+from .streamer import BlockStreamer
 
 
 class ModuleState(str, Enum):
@@ -85,9 +86,7 @@ def stream_modules(
     modules = [module for _, module in streamed_modules(root)]
     nesting = _nesting(root, modules, spec.calls.holders)
     spec = replace(spec, calls=replace(spec.calls, root=root, recurse=False), ring=replace(spec.ring, nesting=nesting))
-    streamed = frozenset(range(len(modules)))
-    check_spec(len(modules), streamed, spec)
-    return SequentialOffloader(modules, torch.device(device), streamed, spec, options)
+    return SequentialOffloader(modules, device, frozenset(range(len(modules))), spec, options)
 
 
 class SequentialOffloader(BlockStreamer):
@@ -97,7 +96,7 @@ class SequentialOffloader(BlockStreamer):
     def __init__(
         self,
         modules: list[nn.Module],
-        device: torch.device,
+        device: torch.device | str,
         streamed: frozenset[int],
         spec: StreamSpec,
         options: SequentialOptions,
@@ -106,7 +105,7 @@ class SequentialOffloader(BlockStreamer):
         self.options = options
         self._promotion_hook: RemovableHandle | None = None
 
-    def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def enable(self, progress: PackProgress | None = None) -> None:
         super().enable(progress)
         root = self.spec.calls.root
         if self.options.vram_limit_bytes > 0 and root is not None:
@@ -130,7 +129,7 @@ class SequentialOffloader(BlockStreamer):
         if self._promotion_hook is not None:
             self._promotion_hook.remove()
             self._promotion_hook = None
-        calls = Counter(index for index in self.last_order if index not in self.spec.transforms)
+        calls = Counter(index for index in self.calls.expected if index not in self.spec.transforms)
         # Among equals the smaller module first, so more fit.
         ranked = sorted(calls, key=lambda i: (-calls[i], _own_bytes(self.blocks[i])))
         limit = self.options.vram_limit_bytes - self.ring.device_buffer_bytes  # the limit counts the ring too

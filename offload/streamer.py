@@ -16,34 +16,19 @@ nor pins its weights again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from .calls import BlockCalls, Removable, StepCalls
 from .device import synchronize
-from .file_source import FileSlice
 from .file_tier import FileTier
 from .host_blocks import HostBlocks
 from .pinning import HostMemory, can_pin_memory
 from .ring import DeviceRing
+from .runner import PackProgress, StreamReport
 from .spec import StreamSpec
-
-
-def check_spec(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
-    """Raises, before anything is touched, for a spec that does not fit ``count`` blocks."""
-    prefetch, files = spec.ring.prefetch, spec.files
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
-    bad = sorted(i for i in streamed if not 0 <= i < count)
-    if bad:
-        raise ValueError(f"streamed block indices {bad} are outside 0..{count - 1}")
-    extra = sorted(files.read_each_step - streamed)
-    if extra:
-        raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
-    if files.read_each_step and (files.file_slice is None or files.staging_slots < 1):
-        raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")
 
 
 def stream_blocks(
@@ -51,9 +36,7 @@ def stream_blocks(
 ) -> BlockStreamer:
     """The engine that streams ``blocks[i]`` for every ``i`` in ``streamed`` as ``spec`` asks. Raises for a spec that
     does not fit, before anything is touched; ``enable`` starts it."""
-    blocks, streamed = list(blocks), frozenset(streamed)
-    check_spec(len(blocks), streamed, spec)
-    return BlockStreamer(blocks, torch.device(device), streamed, spec)
+    return BlockStreamer(list(blocks), device, frozenset(streamed), spec)
 
 
 class BlockStreamer:
@@ -61,10 +44,11 @@ class BlockStreamer:
     0 is the synchronous mode, kept for comparison."""
 
     def __init__(
-        self, blocks: list[nn.Module], device: torch.device, streamed: frozenset[int], spec: StreamSpec
+        self, blocks: list[nn.Module], device: torch.device | str, streamed: frozenset[int], spec: StreamSpec
     ) -> None:
+        _check(len(blocks), streamed, spec)
         self.blocks = blocks
-        self.device = device
+        self.device = device = torch.device(device)
         self.streamed = streamed
         self.spec = spec
         budget = spec.host.pin_budget
@@ -80,8 +64,8 @@ class BlockStreamer:
 
     # -- lifecycle
 
-    def enable(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Packs the streamed blocks and installs the hooks; ``progress(done, total)`` hears each. With
+    def enable(self, progress: PackProgress | None = None) -> None:
+        """Packs the streamed blocks and installs the hooks; ``progress`` hears each. With
         ``pack_in_background`` a thread packs the blocks that can wait."""
         if self.enabled:
             return
@@ -174,27 +158,7 @@ class BlockStreamer:
         """See ``BlockCalls.close_open_step``."""
         self.steps.close_open_step()
 
-    # -- what a host reads (``Runner`` documents each)
-
-    @property
-    def unit(self) -> str:
-        return self.host.unit
-
-    @property
-    def units(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def last_order(self) -> tuple[int, ...]:
-        return tuple(self.calls.expected)
-
-    @property
-    def read_each_step(self) -> frozenset[int]:
-        return self.host.read_each_step
-
-    @property
-    def needs_content(self) -> frozenset[int]:
-        return self.host.needs_content
+    # -- what a host reads
 
     def companions(self, index: int) -> tuple[torch.Tensor, ...] | None:
         return self.ring.companions(index)
@@ -203,53 +167,44 @@ class BlockStreamer:
     def scratch(self) -> torch.Tensor | None:
         return self.ring.scratch
 
-    @property
-    def host_bytes(self) -> int:
-        return self.host.buffer_bytes + self.companion_bytes + self.staging_bytes
+    def report(self) -> StreamReport:
+        """The engine's numbers now. It passes over every unit, so a host reads it where it logs or shows them, not
+        at each block call."""
+        host, files, background = self.host, self.files, self.host.background
+        companion_bytes, staging_bytes = host.companion_bytes, files.staging_bytes
+        return StreamReport(
+            unit=host.unit,
+            units=len(self.blocks),
+            streamed=self.streamed,
+            read_each_step=host.read_each_step,
+            needs_content=host.needs_content,
+            last_order=tuple(self.calls.expected),
+            host_bytes=host.buffer_bytes + companion_bytes + staging_bytes,
+            companion_bytes=companion_bytes,
+            staging_bytes=staging_bytes,
+            device_buffer_bytes=self.ring.device_buffer_bytes,
+            packed_bytes=host.packed_bytes,
+            background_packing=background.progress,
+            waiting_bytes=background.waiting_bytes,
+            pinning_progress=background.pinning_progress,
+            refused_pinning=host.pageable_because("cap"),
+            failed_pinning=host.pageable_because("driver"),
+            file_tier_bytes=files.file_bytes,
+            bytes_read=files.bytes_read,
+            file_slices=files.file_slices(),
+        )
 
-    @property
-    def companion_bytes(self) -> int:
-        return self.host.companion_bytes
 
-    @property
-    def device_buffer_bytes(self) -> int:
-        return self.ring.device_buffer_bytes
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.files.staging_bytes
-
-    @property
-    def packed_bytes(self) -> int:
-        return self.host.packed_bytes
-
-    @property
-    def waiting_bytes(self) -> int:
-        return self.host.background.waiting_bytes
-
-    @property
-    def background_packing(self) -> tuple[int, int]:
-        return self.host.background.progress
-
-    @property
-    def pinning_progress(self) -> tuple[int, int]:
-        return self.host.background.pinning_progress
-
-    @property
-    def refused_pinning(self) -> dict[int, int]:
-        return self.host.pageable_because("cap")
-
-    @property
-    def failed_pinning(self) -> dict[int, int]:
-        return self.host.pageable_because("driver")
-
-    @property
-    def file_tier_bytes(self) -> int:
-        return self.files.file_bytes
-
-    @property
-    def bytes_read(self) -> int:
-        return self.files.bytes_read
-
-    def file_slices(self) -> tuple[FileSlice, ...]:
-        return self.files.file_slices()
+def _check(count: int, streamed: frozenset[int], spec: StreamSpec) -> None:
+    """Raises, before anything is touched, for a spec that does not fit ``count`` blocks."""
+    prefetch, files = spec.ring.prefetch, spec.files
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 (synchronous) or more, got {prefetch}")
+    bad = sorted(i for i in streamed if not 0 <= i < count)
+    if bad:
+        raise ValueError(f"streamed block indices {bad} are outside 0..{count - 1}")
+    extra = sorted(files.read_each_step - streamed)
+    if extra:
+        raise ValueError(f"blocks {extra} are to be read from their file each step but are not streamed")
+    if files.read_each_step and (files.file_slice is None or files.staging_slots < 1):
+        raise ValueError("blocks read from their file each step need a file_slice and at least one staging slot")

@@ -52,7 +52,7 @@ def assert_streams_bitwise(comfy: SimpleNamespace, spec: tiny_dit.TinyDiT, model
     assert engine.recorder.steps_ended == tiny_dit.STEPS, (spec.name, node, engine.recorder.steps_ended)
     step = engine.recorder.latest()  # the last step: the call order learned, every streamed unit copied again
     copied = {span.block for span in step.spans if span.bytes_copied}
-    streamed = set(engine.runner.streamed) & {span.block for span in step.spans}
+    streamed = set(engine.runner.report().streamed) & {span.block for span in step.spans}
     # Every block streams (Async Block Offload keeps none here): more than the two a ring of prefetch 1 holds, so
     # each is copied again at each step; the first may have been copied as the step before ended.
     assert len(streamed) > 2 and copied <= streamed and len(streamed - copied) <= 1, (
@@ -73,7 +73,7 @@ def test_every_node_streams_the_model_bitwise(comfy: SimpleNamespace, name: str)
     reference = tiny_dit.sample(spec, model)
     for node in NODES:
         engine = assert_streams_bitwise(comfy, spec, model, node)
-        assert engine.runner.unit == ("module" if node == SEQUENTIAL else "block")
+        assert engine.runner.report().unit == ("module" if node == SEQUENTIAL else "block")
     assert torch.equal(tiny_dit.sample(spec, model), reference), "the loader's MODEL changed"
     comfy.mm.unload_all_models()
 
@@ -172,7 +172,7 @@ def test_the_block_nodes_stream_a_model_without_block_lists_module_by_module(
         request = engine.request
         assert request.sequential and "WanModel has no lists of repeated blocks" in request.notice
         assert "module by module" in caplog.text
-        assert engine.runner.unit == "module" and request.notice in engine.notices  # the panel shows it
+        assert engine.runner.report().unit == "module" and request.notice in engine.notices  # the panel shows it
         assert "WanModel, no block lists: every module streamed" in engine.summary
 
 
@@ -198,7 +198,7 @@ def test_a_block_swapped_by_an_object_patch_streams_as_swapped(comfy: SimpleName
     latent = tiny_dit.sample(spec, swapped)
     assert torch.equal(latent, reference), differs(latent, reference)
     engine = swapped.offload_engine
-    assert engine.runner.blocks[1] is swapped_block and 1 in engine.runner.streamed
+    assert engine.runner.blocks[1] is swapped_block and 1 in engine.runner.report().streamed
     comfy.mm.unload_all_models()
     assert diffusion_model.blocks[1] is not swapped_block  # the patch is taken off with the load
 
@@ -225,7 +225,7 @@ def test_a_layer_inside_a_streamed_block_swapped_by_an_object_patch_streams_as_s
         latent = tiny_dit.sample(spec, swapped)
     assert torch.equal(latent, reference), differs(latent, reference)
     engine = swapped.offload_engine
-    assert not outside and 1 in engine.runner.streamed and engine.runner.blocks[1].ffn is replacement
+    assert not outside and 1 in engine.runner.report().streamed and engine.runner.blocks[1].ffn is replacement
     comfy.mm.unload_all_models()
     assert diffusion_model.blocks[1].ffn is layer  # the patch is taken off with the load
 

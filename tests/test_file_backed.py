@@ -99,22 +99,22 @@ class Forwards:
     def _called(self, *_: object) -> None:
         self.count += 1
         engine = self._model.offload_engine
-        self.read_before.append(engine.runner.bytes_read if engine else 0)
+        self.read_before.append(engine.runner.report().bytes_read if engine else 0)
 
     def remove(self) -> None:
         self._handle.remove()
 
 
-def assert_reads_match_the_file_tier(runner, forwards: Forwards, prefetch: int, first_pass_known: bool) -> None:
+def assert_reads_match_the_file_tier(report, forwards: Forwards, prefetch: int, first_pass_known: bool) -> None:
     """Each pass read every file-tier unit once, as stored, and nothing else, but for the reads made ahead for
     the next pass (as far as the copies and the staging slots run). The first pass of a sequential wrapper
     guesses the modules' call order (their list order) and may read some twice: exact from the second on."""
-    per_pass = runner.file_tier_bytes
-    ahead = (prefetch + STAGING_SLOTS) * runner.staging_bytes // STAGING_SLOTS
-    after_first = runner.bytes_read - forwards.read_before[1]
+    per_pass = report.file_tier_bytes
+    ahead = (prefetch + STAGING_SLOTS) * report.staging_bytes // STAGING_SLOTS
+    after_first = report.bytes_read - forwards.read_before[1]
     assert abs(after_first - (forwards.count - 1) * per_pass) <= ahead, (after_first, per_pass, ahead)
     if first_pass_known:
-        total = runner.bytes_read
+        total = report.bytes_read
         assert forwards.count * per_pass <= total <= forwards.count * per_pass + ahead, (total, per_pass, ahead)
 
 
@@ -146,15 +146,15 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     assert torch.equal(latent, reference), differs(latent, reference)
 
     engine = streaming.offload_engine
-    runner = engine.runner
-    read = runner.read_each_step
-    assert len(read) >= len(runner.streamed) // 2, f"{len(read)} of {len(runner.streamed)} read from the file"
-    assert runner.host_bytes - runner.staging_bytes <= cap, (runner.host_bytes, runner.staging_bytes, cap)
-    assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
+    report = engine.runner.report()
+    read = report.read_each_step
+    assert len(read) >= len(report.streamed) // 2, f"{len(read)} of {len(report.streamed)} read from the file"
+    assert report.host_bytes - report.staging_bytes <= cap, (report.host_bytes, report.staging_bytes, cap)
+    assert_reads_match_the_file_tier(report, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
     assert "read from the checkpoint file each step" in engine.summary, engine.summary
     from block_offload.nodes.placement import threads_said
 
-    threads = read_threads(source.handle for source in runner.file_slices())
+    threads = read_threads(source.handle for source in report.file_slices)
     assert f"as stored, read by {threads_said(threads)}, " in engine.summary, engine.summary
     # The panel: the three tiers in the placement strip, the plan line, a read lane in the last step.
     status = comfy.panel.snapshot()
@@ -166,8 +166,8 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     engine.note_cold_reads()
     assert len([n for n in engine.notices if "page cache no longer holds it" in n]) == 1, engine.notices
     # ComfyUI counted what the engine allocates on the device: the ring, and (fp32 stored) the cast staging.
-    assert 0 < runner.device_buffer_bytes <= engine.placement.buffer_bytes, (
-        runner.device_buffer_bytes,
+    assert 0 < report.device_buffer_bytes <= engine.placement.buffer_bytes, (
+        report.device_buffer_bytes,
         engine.placement,
     )
     comfy.mm.unload_all_models()
@@ -204,23 +204,23 @@ def test_host_memory_at_the_peak_is_the_cap_and_the_buffers(
     with peak_during(os.getpid()) as peak:
         streaming = offloaded(comfy, ASYNC, model)
         sample(comfy, streaming)
-    runner = streaming.offload_engine.runner
-    host_buffers = runner.host_bytes - runner.staging_bytes
-    device_side = streaming.loaded_size() + runner.device_buffer_bytes
-    bound = (cap if cap is not None else host_buffers) + runner.staging_bytes + device_side + 0.1 * model_bytes
+    report = streaming.offload_engine.runner.report()
+    host_buffers = report.host_bytes - report.staging_bytes
+    device_side = streaming.loaded_size() + report.device_buffer_bytes
+    bound = (cap if cap is not None else host_buffers) + report.staging_bytes + device_side + 0.1 * model_bytes
     with capsys.disabled():
         print(
             f"\n{tiny_specs.WAN21_WIDE_SIZES['WAN21_LAYERS']}-block Wan, "
             f"{model_bytes / 2**20:.1f} MiB in fp16 (stored fp32), cap "
             f"{'none' if cap is None else f'{cap / 2**20:.1f} MiB'}: RssAnon +{peak.anon_growth / 2**20:.1f} MiB "
-            f"at the peak (host buffers {host_buffers / 2**20:.1f}, staging {runner.staging_bytes / 2**20:.1f}, "
+            f"at the peak (host buffers {host_buffers / 2**20:.1f}, staging {report.staging_bytes / 2**20:.1f}, "
             f"device side {device_side / 2**20:.1f} MiB; bound {bound / 2**20:.1f}); "
-            f"{len(runner.read_each_step)} of {len(runner.streamed)} blocks read from the file"
+            f"{len(report.read_each_step)} of {len(report.streamed)} blocks read from the file"
         )
     if cap is None:
-        assert not runner.read_each_step, "no cap: every block fits in host memory"
+        assert not report.read_each_step, "no cap: every block fits in host memory"
     else:
-        assert host_buffers <= cap and runner.read_each_step
+        assert host_buffers <= cap and report.read_each_step
     assert peak.anon_growth <= bound, (peak.anon_growth, bound)
     comfy.mm.unload_all_models()
 
@@ -249,9 +249,9 @@ def test_in_a_container_the_twin_s_host_buffers_stay_within_its_memory_limit(
         pytest.skip(f"no memory cgroup can be made here: {why}")
     assert torch.equal(latent, reference), differs(latent, reference)
     engine = streaming.offload_engine
-    runner = engine.runner
-    assert runner.host_bytes - runner.staging_bytes <= room, (runner.host_bytes, runner.staging_bytes, room)
-    assert len(runner.read_each_step) >= len(runner.streamed) // 2, (len(runner.read_each_step), runner.streamed)
+    report = engine.runner.report()
+    assert report.host_bytes - report.staging_bytes <= room, (report.host_bytes, report.staging_bytes, room)
+    assert len(report.read_each_step) >= len(report.streamed) // 2, (len(report.read_each_step), report.streamed)
     assert f"memory limit, {(RAM_HEADROOM + room) / GIB:.2f} GiB: cgroup {group}" in engine.summary, engine.summary
     comfy.mm.unload_all_models()
 
@@ -292,10 +292,10 @@ def test_lora_before_and_after_and_a_strength_change_on_blocks_read_from_the_fil
         streaming = build()
         latent = sample(comfy, streaming)
         assert torch.equal(latent, references[strength]), f"{case}: {differs(latent, references[strength])}"
-        runner = streaming.offload_engine.runner
-        assert runner.read_each_step == runner.streamed, case
+        report = streaming.offload_engine.runner.report()
+        assert report.read_each_step == report.streamed, case
         # No host buffer of weights: the staging slots, and the LoRA's adapters staged with their blocks.
-        assert runner.companion_bytes > 0 and runner.host_bytes == runner.staging_bytes + runner.companion_bytes, case
+        assert report.companion_bytes > 0 and report.host_bytes == report.staging_bytes + report.companion_bytes, case
     comfy.mm.unload_all_models()
 
 
@@ -315,9 +315,9 @@ def test_a_quantized_checkpoint_streams_its_stored_bytes_from_the_file(
         latent = sample(comfy, streaming)
         forwards.remove()
         assert torch.equal(latent, reference), f"{node}: {differs(latent, reference)}"
-        runner = streaming.offload_engine.runner
-        assert runner.read_each_step, f"{node}: nothing read from the file"
-        assert_reads_match_the_file_tier(runner, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
+        report = streaming.offload_engine.runner.report()
+        assert report.read_each_step, f"{node}: nothing read from the file"
+        assert_reads_match_the_file_tier(report, forwards, prefetch=1, first_pass_known=node != SEQUENTIAL)
         comfy.mm.unload_all_models()
 
 
@@ -340,8 +340,8 @@ def test_a_lora_on_quantized_blocks_read_from_the_file_computes_as_the_classic_l
                 streaming = with_lora(comfy, offloaded(comfy, node, model), 1.0)
             latent = sample(comfy, streaming)
             assert torch.equal(latent, reference), f"{node}, {order}: {differs(latent, reference)}"
-            runner = streaming.offload_engine.runner
-            assert runner.read_each_step, f"{node}, {order}: nothing read from the file"
+            report = streaming.offload_engine.runner.report()
+            assert report.read_each_step, f"{node}, {order}: nothing read from the file"
             comfy.mm.unload_all_models()
 
 
@@ -419,8 +419,8 @@ def test_lora_changes_on_a_twin_write_no_host_byte(
     streaming = offloaded(comfy, node, model)
     first = with_lora(comfy, streaming, 1.0)
     assert torch.equal(sample(comfy, first), references[1.0])
-    runner = first.offload_engine.runner
-    assert runner.read_each_step and runner.streamed - runner.read_each_step, "both tiers"
+    report = first.offload_engine.runner.report()
+    assert report.read_each_step and report.streamed - report.read_each_step, "both tiers"
     packed = count_packs(monkeypatch)
     for strength, patcher in [
         (0.5, with_lora(comfy, streaming, 0.5)),  # another strength
@@ -449,14 +449,14 @@ def test_a_later_engine_starts_from_the_call_order_its_model_last_ran(
     first = offloaded(comfy, SEQUENTIAL, model)
     sample(comfy, first)
     engine = first.offload_engine
-    order = engine.runner.last_order
+    order = engine.runner.report().last_order
     assert list(order) != sorted(order), "the modules' calls follow their list order: nothing to learn"
     second = with_lora(comfy, first, 0.5)
     forwards = Forwards(second)
     sample(comfy, second)
     forwards.remove()
     assert second.offload_engine is not engine, "the patch set changed: another engine"
-    assert_reads_match_the_file_tier(second.offload_engine.runner, forwards, prefetch=1, first_pass_known=True)
+    assert_reads_match_the_file_tier(second.offload_engine.runner.report(), forwards, prefetch=1, first_pass_known=True)
     comfy.mm.unload_all_models()
 
 
@@ -506,13 +506,16 @@ def test_a_lora_that_stays_is_baked_once_into_the_host_buffers_and_a_change_pack
             break
         assert "patches applied at each call: baking them into the host buffers would save" in engine.summary
         comfy.mm.unload_all_models()
-    runner = engine.runner
+    report = engine.runner.report()
     assert not [notice for notice in engine.notices if "planned resident" in notice], engine.notices
     assert baked[0] == frozenset() and baked[-1], (baked, engine.summary)
-    assert baked[-1] == runner.streamed - runner.read_each_step, "every host-tier block, no file-tier block"
+    assert baked[-1] == report.streamed - report.read_each_step, "every host-tier block, no file-tier block"
     assert "patches baked once into the host buffers of" in engine.summary
     # Patched where they arrive: the file-tier blocks only (their patches are the engine's ``transforms``).
-    assert set(runner.spec.transforms) == set(runner.read_each_step), (runner.spec.transforms, runner.read_each_step)
+    assert set(engine.runner.spec.transforms) == set(report.read_each_step), (
+        engine.runner.spec.transforms,
+        report.read_each_step,
+    )
 
     packed = count_packs(monkeypatch)
     written: list[str] = []
@@ -564,17 +567,17 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     assert torch.equal(latent, reference), differs(latent, reference)
     assert streaming.fast_disk and streaming.clone().fast_disk and with_lora(comfy, streaming, 1.0).fast_disk
     engine = streaming.offload_engine
-    runner = engine.runner
-    assert runner.read_each_step == runner.streamed and runner.host_bytes == runner.staging_bytes > 0
+    report = engine.runner.report()
+    assert report.read_each_step == report.streamed and report.host_bytes == report.staging_bytes > 0
     assert "ComfyUI chose fast-disk for this checkpoint: no host buffers" in engine.summary, engine.summary
-    device_side = streaming.loaded_size() + runner.device_buffer_bytes
+    device_side = streaming.loaded_size() + report.device_buffer_bytes
     # The slack is the run's own memory (the sampler, Python state): +2.5 to +10.7 MiB above the rest here,
     # 3 to 11 % of the model, and once (a CI run, 2026-11-28) 66 KB over 15 %; a host copy of the weights would
     # be 100 %.
-    bound = runner.staging_bytes + device_side + 0.2 * model_bytes
+    bound = report.staging_bytes + device_side + 0.2 * model_bytes
     print(
         f"fast-disk, {node}: RssAnon +{peak.anon_growth / 2**20:.1f} MiB at the peak (staging "
-        f"{runner.staging_bytes / 2**20:.1f}, device side {device_side / 2**20:.1f}, "
+        f"{report.staging_bytes / 2**20:.1f}, device side {device_side / 2**20:.1f}, "
         f"model {model_bytes / 2**20:.1f} MiB)"
     )
     assert peak.anon_growth <= bound, (peak.anon_growth, bound)
@@ -583,7 +586,7 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     cap_host_buffers(monkeypatch, cap)  # the user's own cap: host buffers up to it
     kept = offloaded(comfy, node, model)
     assert torch.equal(sample(comfy, kept), reference)
-    runner = kept.offload_engine.runner
-    assert 0 < runner.host_bytes - runner.staging_bytes <= cap and runner.read_each_step
+    report = kept.offload_engine.runner.report()
+    assert 0 < report.host_bytes - report.staging_bytes <= cap and report.read_each_step
     assert f"{PINNED_LIMIT_ENV} keeps some in RAM" in kept.offload_engine.summary
     comfy.mm.unload_all_models()

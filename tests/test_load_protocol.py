@@ -135,7 +135,9 @@ def host_buffers(patcher) -> dict[int, tuple[int, ...]]:
     of its host views, a host buffer's or, kept where they lie (pageable on the CPU), its own tensors'."""
     runner = patcher.offload_engine.runner
     runner.finish_packing()
-    return {index: tuple(t.data_ptr() for t in runner.host.blocks[index].host_views) for index in runner.streamed}
+    return {
+        index: tuple(t.data_ptr() for t in runner.host.blocks[index].host_views) for index in runner.report().streamed
+    }
 
 
 def on_buffers(patcher, buffers: dict[int, tuple[int, ...]]) -> bool:
@@ -244,7 +246,7 @@ def test_a_real_unload_leaves_nothing_pinned_or_parked(calls: ComfyCalls, handed
     comfy.mm.load_models_gpu([node])
     runner, buffers = node.offload_engine.runner, host_buffers(node)
     engine = weakref.ref(node.offload_engine)
-    in_place = all(runner.host.blocks[index].in_place for index in runner.streamed)
+    in_place = all(runner.host.blocks[index].in_place for index in runner.report().streamed)
     calls.take()
     if handed_over:
         node.detach(unpatch_all=False)
@@ -431,7 +433,11 @@ def test_a_load_out_of_memory_after_a_hand_over_is_undone_as_an_unload(
     first = streaming_load(calls, "first")
     assert torch.equal(sample(comfy, first), references["plain"])
     engine = first.offload_engine
-    fits = first.model.model_loaded_weight_memory + engine.runner.device_buffer_bytes + engine.plan.block_bytes[0] // 2
+    fits = (
+        first.model.model_loaded_weight_memory
+        + engine.runner.report().device_buffer_bytes
+        + engine.plan.block_bytes[0] // 2
+    )
     monkeypatch.setattr(comfy.patcher, "start_engine", limited(comfy.patcher.start_engine, fits))
     more = calls.named(async_offload(comfy, first, resident=3), "more")
     calls.take()

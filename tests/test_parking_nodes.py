@@ -38,7 +38,7 @@ def test_consecutive_prompts_stream_the_same_memory(comfy: SimpleNamespace) -> N
     patched = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, patched), reference)
     engine = patched.offload_engine
-    streamed = sorted(engine.runner.streamed)
+    streamed = sorted(engine.runner.report().streamed)
     first = block_weights(patched, streamed)
     assert all(state.in_place and state.host.numel() == 0 for state in engine.runner.host.blocks.values())
     assert torch.equal(sample(comfy, patched), reference)
@@ -240,9 +240,12 @@ def test_lora_adapters_are_read_from_the_ring_where_they_came_with_their_block(
     streamed = [
         (key, ptrs) for key, ptrs in calls if any(key.startswith(name + ".") for name in engine.placement.streamed)
     ] + [("in scratch", ptrs) for ptrs in in_scratch]
-    assert in_scratch and runner.companion_bytes > 0  # the tiny Wan's LoRA is a plain one
+    assert in_scratch and runner.report().companion_bytes > 0  # the tiny Wan's LoRA is a plain one
     # ComfyUI counted the ring the adapters made larger.
-    assert runner.device_buffer_bytes <= engine.placement.buffer_bytes, (runner.device_buffer_bytes, engine.placement)
+    assert runner.report().device_buffer_bytes <= engine.placement.buffer_bytes, (
+        runner.report().device_buffer_bytes,
+        engine.placement,
+    )
     assert all(ptrs and all(ptr in inside for ptr in ptrs) for _, ptrs in streamed), streamed[:3]
     comfy.mm.unload_all_models()
 

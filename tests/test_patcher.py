@@ -150,10 +150,10 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
     streaming = offloaded(comfy, node, merge(first, second, 0.5)[0])
     assert torch.equal(sample(comfy, streaming), reference)
     runner = streaming.offload_engine.runner
-    assert runner.streamed
+    assert runner.report().streamed
     # The second model's weights, the merge's adapters, are copied from where they lie: no second copy of them
     # (before: a host buffer as large as the streamed blocks).
-    assert runner.companion_bytes == 0
+    assert runner.report().companion_bytes == 0
     comfy.mm.unload_all_models()
     assert torch.equal(sample(comfy, first), plain), "the input MODEL changed"
     comfy.mm.unload_all_models()
@@ -187,7 +187,7 @@ def test_a_compute_dtype_set_on_the_model_computes_as_comfyui(
     after = compute_dtype(offloaded(comfy, node, load()), "fp16")[0]
     for streaming in (before, after):
         assert torch.equal(sample(comfy, streaming), reference)
-        assert streaming.offload_engine.runner.streamed
+        assert streaming.offload_engine.runner.report().streamed
         comfy.mm.unload_all_models()
 
 
@@ -226,7 +226,7 @@ def test_a_patcher_class_that_takes_its_flags_by_keyword_streams(comfy: SimpleNa
     for _ in range(2):  # a first load, then a load after ComfyUI's unload
         assert torch.equal(sample(comfy, streamed), reference)
         engine = streamed.offload_engine
-        assert engine is not None and engine.runner.streamed, "the node did not stream"
+        assert engine is not None and engine.runner.report().streamed, "the node did not stream"
         assert isinstance(streamed, type(model))
         comfy.mm.unload_all_models()
         assert streamed.offload_engine is None and streamed.loaded_size() == 0
@@ -323,10 +323,10 @@ def test_the_sequential_wrappers_buffers_are_in_comfyuis_books(comfy: SimpleName
         model, storage_dtype="bf16", vram_limit_gb=0.0, prefetch_modules=2, pin_memory=True
     ).result[0]
     comfy.mm.load_models_gpu([wrapped])
-    pool = wrapped.offload_engine.runner.device_buffer_bytes
+    pool = wrapped.offload_engine.runner.report().device_buffer_bytes
     assert pool > 0 and wrapped.model.model_offload_buffer_memory == pool
     sample(comfy, wrapped)
-    assert wrapped.offload_engine.runner.device_buffer_bytes == pool
+    assert wrapped.offload_engine.runner.report().device_buffer_bytes == pool
     comfy.mm.unload_all_models()
     assert wrapped.model.model_offload_buffer_memory == 0
 
@@ -437,7 +437,7 @@ def test_the_sequential_wrapper_streams_every_module_with_and_without_a_lora(com
     patchers = [wrapped, comfy.sd.load_lora_for_models(wrapped, None, lora, 1.0, 0)[0]]
     for patcher, reference in zip(patchers, references, strict=True):
         assert torch.equal(sample(comfy, patcher), reference)
-        assert patcher.offload_engine is not None and patcher.offload_engine.runner.streamed
+        assert patcher.offload_engine is not None and patcher.offload_engine.runner.report().streamed
     comfy.mm.unload_all_models()
 
 
@@ -503,7 +503,7 @@ def test_a_patch_resizing_a_weight_comfyui_never_patches_is_ignored_as_comfyui_i
     comfy.mm.unload_all_models()
     streaming = offloaded(comfy, node, patched)
     assert torch.equal(sample(comfy, streaming), reference)
-    assert streaming.offload_engine.runner.streamed
+    assert streaming.offload_engine.runner.report().streamed
     comfy.mm.unload_all_models()
 
 
@@ -560,7 +560,7 @@ def test_a_hook_lora_on_streamed_blocks_is_refused_before_it_samples(
         assert streaming.offload_engine is None, f"{attempt}: refused before anything was placed"
         assert torch.equal(sample_with_a_hook_lora(comfy, streaming, None), plain), attempt
         engine = streaming.offload_engine
-        assert engine is not None and engine.runner.streamed, f"{attempt}: it streamed"
+        assert engine is not None and engine.runner.report().streamed, f"{attempt}: it streamed"
     # Hooks registered on the MODEL as ComfyUI loaded it, its engine running: refused before the first step.
     hooks = importlib.import_module("comfy.hooks")
     streaming.register_all_hook_patches(

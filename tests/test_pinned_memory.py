@@ -143,9 +143,9 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     patched = async_offload(comfy, model, resident=1)
     with caplog.at_level(logging.INFO):
         assert torch.equal(sample(comfy, patched), reference)
-    runner = patched.offload_engine.runner
+    report = patched.offload_engine.runner.report()
     block = streamed_block_bytes(patched)
-    assert cudart.pinned == 0 and runner.waiting_bytes == STREAMED * block and runner.packed_bytes == 0
+    assert cudart.pinned == 0 and report.waiting_bytes == STREAMED * block and report.packed_bytes == 0
     (line,) = [r.getMessage() for r in caplog.records if "blocks resident" in r.getMessage()]
     clause = f"; {STREAMED * block / GIB:.2f} GiB pinned or packed in the background while the first steps run"
     assert clause in line, line
@@ -160,11 +160,13 @@ def test_a_first_load_streams_at_once_and_cancel_while_pinning_leaves_the_model_
     assert torch.equal(sample(comfy, patched), reference)
     runner = patched.offload_engine.runner
     runner.finish_packing()
-    assert runner.waiting_bytes == 0 and runner.pinning_progress == (STREAMED * block, STREAMED * block)
+    report = runner.report()
+    assert report.waiting_bytes == 0 and report.pinning_progress == (STREAMED * block, STREAMED * block)
     assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
     later = async_offload(comfy, model, resident=1)
     assert torch.equal(sample(comfy, later), reference)
-    assert later.offload_engine.runner.packed_bytes == 0 and later.offload_engine.runner.waiting_bytes == 0
+    report = later.offload_engine.runner.report()
+    assert report.packed_bytes == 0 and report.waiting_bytes == 0
     comfy.mm.unload_all_models()
 
 
@@ -233,7 +235,7 @@ def test_the_streamed_blocks_are_pinned_while_comfyui_loads_the_resident_ones(
 
     def note_pinned(*_: object) -> None:
         if not first_call:
-            first_call.append(patched.offload_engine.runner.pinning_progress[0])
+            first_call.append(patched.offload_engine.runner.report().pinning_progress[0])
 
     hook = patched.model.diffusion_model.blocks[1].register_forward_pre_hook(note_pinned)
     assert torch.equal(sample(comfy, patched), reference)
@@ -328,7 +330,7 @@ def test_a_lora_added_while_pinning_runs_computes_as_comfyui_and_the_books_stay_
         """ComfyUI's books hold what the driver has registered (the blocks pinned so far, and the LoRA adapters the
         engine streams with them, pinned at its start) and the reservations of the blocks still waiting, which
         nothing else may take meanwhile; the engine reports its blocks' progress."""
-        pinned, total = patcher.offload_engine.runner.pinning_progress
+        pinned, total = patcher.offload_engine.runner.report().pinning_progress
         books = comfy.mm.TOTAL_PINNED_MEMORY
         assert total == STREAMED * block and pinned <= cudart.pinned, (pinned, total, cudart.pinned)
         assert books == cudart.pinned + total - pinned, (books, cudart.pinned, total, pinned)
@@ -345,7 +347,7 @@ def test_a_lora_added_while_pinning_runs_computes_as_comfyui_and_the_books_stay_
     with_lora.offload_engine.runner.finish_packing()
     assert torch.equal(sample(comfy, with_lora), lora_reference)  # every block pinned
     books_are_true(with_lora)
-    assert with_lora.offload_engine.runner.pinning_progress == (STREAMED * block, STREAMED * block)
+    assert with_lora.offload_engine.runner.report().pinning_progress == (STREAMED * block, STREAMED * block)
     assert torch.equal(sample(comfy, patched), plain_reference)
     books_are_true(patched)
     comfy.mm.unload_all_models()
@@ -365,14 +367,14 @@ def test_comfyuis_own_pins_and_available_ram_leave_the_pack_less(
     monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 64 * MIB - int(2.5 * block))
     assert torch.equal(sample(comfy, patched), reference)
     runner = patched.offload_engine.runner
-    assert len(runner.refused_pinning) == 2 and cudart.pinned == 2 * block
+    assert len(runner.report().refused_pinning) == 2 and cudart.pinned == 2 * block
     assert comfy.mm.TOTAL_PINNED_MEMORY <= comfy.mm.MAX_PINNED_MEMORY
     comfy.mm.unload_all_models()
     monkeypatch.setattr(comfy.mm, "TOTAL_PINNED_MEMORY", 0)
     # Available RAM below ComfyUI's headroom: nothing is pinned.
     monkeypatch.setattr(comfy.pinned, "ram_admits", lambda nbytes: False)
     assert torch.equal(sample(comfy, patched), reference)
-    assert len(patched.offload_engine.runner.refused_pinning) == STREAMED and cudart.pinned == 0
+    assert len(patched.offload_engine.runner.report().refused_pinning) == STREAMED and cudart.pinned == 0
 
 
 def test_the_available_ram_check_is_comfyuis(comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -405,7 +407,7 @@ def test_a_failed_registration_is_cleared_and_the_blocks_stream_from_pageable_me
     assert cudart.failures == 2 and len(cudart.cleared) == 2
     # The refused buffers were filled before they were offered, and are kept as they are: one copy each.
     assert engine.runner.host.background.packed_bytes == STREAMED * streamed_block_bytes(patched)
-    assert len(engine.runner.failed_pinning) == STREAMED and not engine.runner.refused_pinning
+    assert len(engine.runner.report().failed_pinning) == STREAMED and not engine.runner.report().refused_pinning
     assert comfy.pinned.PINNED_MEMORY.used == 0 and comfy.mm.TOTAL_PINNED_MEMORY == 0
     (notice,) = engine.notices
     assert notice.startswith(f"The driver refused to pin {STREAMED} of {STREAMED} streamed blocks")
@@ -422,10 +424,10 @@ def test_a_second_model_gets_half_of_a_budget_the_first_filled(
     first, second, reference, block = two_experts_in_one_experts_pins(comfy, monkeypatch)
     high, low = async_offload(comfy, first, resident=1), async_offload(comfy, second, resident=1)
     assert torch.equal(sample(comfy, high), reference)
-    assert not high.offload_engine.runner.refused_pinning and cudart.pinned == STREAMED * block
+    assert not high.offload_engine.runner.report().refused_pinning and cudart.pinned == STREAMED * block
     assert torch.equal(sample(comfy, low), reference)
-    assert len(low.offload_engine.runner.refused_pinning) == STREAMED // 2
-    assert len(high.offload_engine.runner.refused_pinning) == STREAMED // 2  # gave back its second half
+    assert len(low.offload_engine.runner.report().refused_pinning) == STREAMED // 2
+    assert len(high.offload_engine.runner.report().refused_pinning) == STREAMED // 2  # gave back its second half
     assert cudart.pinned == STREAMED * block == comfy.mm.TOTAL_PINNED_MEMORY
     assert torch.equal(sample(comfy, high), reference)
 
@@ -459,7 +461,7 @@ def test_a_clone_placing_otherwise_takes_over_what_an_earlier_clone_half_pinned(
     gate.let(4 * STREAMED)
     later.offload_engine.runner.finish_packing()
     streamed = STREAMED - 1
-    assert later.offload_engine.runner.pinning_progress == (streamed * block, streamed * block)
+    assert later.offload_engine.runner.report().pinning_progress == (streamed * block, streamed * block)
     assert cudart.pinned == streamed * block == comfy.mm.TOTAL_PINNED_MEMORY
     assert [index for index in range(1, 5) if registered(index)] == [2, 3, 4] and registered(2) == kept
     assert torch.equal(sample(comfy, later), reference) and torch.equal(sample(comfy, earlier), reference)
@@ -483,7 +485,7 @@ def test_two_experts_loading_at_once_share_the_budget_while_their_blocks_wait(
     gate.let(4 * STREAMED)
     for expert in (high, low):
         expert.offload_engine.runner.finish_packing()
-    refused = [len(expert.offload_engine.runner.refused_pinning) for expert in (high, low)]
+    refused = [len(expert.offload_engine.runner.report().refused_pinning) for expert in (high, low)]
     assert refused == [STREAMED // 2, STREAMED // 2], refused
     assert cudart.pinned == comfy.mm.TOTAL_PINNED_MEMORY == budget
     assert torch.equal(sample(comfy, high), reference) and torch.equal(sample(comfy, low), reference)

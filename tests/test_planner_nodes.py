@@ -152,7 +152,7 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     plan = engine.placement.plan
     assert "chosen by the planner" in engine.placement.summary, engine.placement.summary  # from the costs given
     assert plan.ring_bytes > 0 and "GiB ring" in engine.placement.summary, engine.placement.summary
-    assert engine.runner.device_buffer_bytes == plan.slot_bytes == engine.placement.buffer_bytes
+    assert engine.runner.report().device_buffer_bytes == plan.slot_bytes == engine.placement.buffer_bytes
     assert plan.resident_bytes + plan.slot_bytes <= budget_gb * GIB - outside
     # The panel shows the ring's size rather than the block count that only caps it.
     status = engine.recorder.listener.status(None)

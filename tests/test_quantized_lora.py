@@ -55,10 +55,10 @@ def auto(comfy: SimpleNamespace, node: str, model: object) -> object:
 def streamed_modules_of(patched: object) -> dict[int, torch.nn.Module]:
     """The modules with weights of the engine's streamed units, by id."""
     runner = patched.offload_engine.runner
-    if runner.unit == "module":
-        units = [runner.blocks[index] for index in runner.streamed]
+    if runner.report().unit == "module":
+        units = [runner.blocks[index] for index in runner.report().streamed]
         return {id(module): module for module in units}
-    blocks = [runner.blocks[index] for index in runner.streamed]
+    blocks = [runner.blocks[index] for index in runner.report().streamed]
     return {id(m): m for block in blocks for m in block.modules() if list(m.parameters(recurse=False))}
 
 

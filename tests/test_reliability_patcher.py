@@ -59,7 +59,7 @@ def test_interrupt_inside_a_streamed_block_leaves_the_model_usable(comfy: Simple
     reference = sample(comfy, model)
     patched = async_offload(comfy, model, resident=1, prefetch=2)
     assert torch.equal(sample(comfy, patched), reference)
-    buffers = patched.offload_engine.runner.device_buffer_bytes
+    buffers = patched.offload_engine.runner.report().device_buffer_bytes
     interrupted = []
 
     def interrupt(*_: object) -> None:
@@ -76,7 +76,7 @@ def test_interrupt_inside_a_streamed_block_leaves_the_model_usable(comfy: Simple
         streamer = interrupted[-1]
         assert streamer is patched.offload_engine.runner and streamer.streamed == STREAMED_FROM_1
         assert_idle(streamer)
-        assert streamer.device_buffer_bytes == buffers
+        assert streamer.report().device_buffer_bytes == buffers
     assert torch.equal(sample(comfy, patched), reference)
     # The interrupted engines were replaced by later loads and are gone, buffers and all.
     gone = [weakref.ref(streamer) for streamer in interrupted]
@@ -96,7 +96,7 @@ def test_out_of_memory_falls_back_to_more_streaming(
     reference = sample(comfy, model)
     fits = async_offload(comfy, model, resident=1)
     comfy.mm.load_models_gpu([fits])
-    loaded, buffers = fits.loaded_size(), fits.offload_engine.runner.device_buffer_bytes
+    loaded, buffers = fits.loaded_size(), fits.offload_engine.runner.report().device_buffer_bytes
     block = fits.offload_engine.plan.block_bytes[0]
     comfy.mm.unload_all_models()
     limit_device(comfy, monkeypatch, loaded + buffers + block // 2)
@@ -117,7 +117,7 @@ def test_out_of_memory_falls_back_to_more_streaming(
         == sum(comfy.patcher.LoadEntry.of(entry).module_mem for entry in load_list(patched))
         == loaded
     )
-    assert engine.runner.device_buffer_bytes == buffers
+    assert engine.runner.report().device_buffer_bytes == buffers
 
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -211,7 +211,7 @@ def streaming(comfy: SimpleNamespace, loader, node=async_offload) -> tuple[objec
 
 def assert_released(engine: weakref.ref, streamer) -> None:
     assert engine() is None, "the engine outlived its model's unloading"
-    assert not streamer.enabled and streamer.device_buffer_bytes == 0 and streamer.host_bytes == 0
+    assert not streamer.enabled and streamer.report().device_buffer_bytes == 0 and streamer.report().host_bytes == 0
 
 
 def test_unload_models_as_free_does_leaves_nothing(comfy: SimpleNamespace) -> None:

@@ -81,9 +81,9 @@ def test_a_streamed_step_allocates_what_the_resident_step_allocates(
     streaming = every_block_streamed(comfy, node, model)
     streamed = steps_of(comfy, streaming)
     runner = streaming.offload_engine.runner
-    assert runner.streamed and streaming.offload_engine.recorder.latest().spans, "nothing streamed"
+    assert runner.report().streamed and streaming.offload_engine.recorder.latest().spans, "nothing streamed"
     if kind.startswith("file tier"):
-        assert runner.read_each_step, "no block was read from the file"
+        assert runner.report().read_each_step, "no block was read from the file"
     for index in range(STEADY + 1, STEPS + 1):
         assert streamed[index].own == resident[index].own, f"step {index}: {diff(streamed[index], resident[index])}"
         assert not resident[index].format_patch
@@ -156,7 +156,7 @@ def test_the_engines_device_buffers_are_allocated_outside_the_compilers_recordin
     finally:
         handle.remove()
     assert released
-    ring = streaming.offload_engine.runner.device_buffer_bytes
+    ring = streaming.offload_engine.runner.report().device_buffer_bytes
     buffers = [(op, shape, dtype) for op, shape, dtype in steps[0].paused if dtype == torch.uint8]
     assert sum(shape[0] for _, shape, _ in buffers) == ring, (buffers, ring)
     assert steps[STEADY + 1].paused == steps[0].paused  # the ring again, after its release

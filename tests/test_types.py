@@ -51,6 +51,8 @@ def test_the_repository_is_ruff_clean() -> None:
 def test_both_engines_offer_everything_the_runner_protocol_declares() -> None:
     """The nodes hold an engine as a ``Runner``: whatever they call on it, the protocol declares and both engines
     have (mypy checks the calls against the protocol; this, the engines against it)."""
+    import dataclasses
+
     import torch
 
     from harness.transformer_stack import transformer_stack
@@ -59,13 +61,16 @@ def test_both_engines_offer_everything_the_runner_protocol_declares() -> None:
         CallOptions,
         Runner,
         SequentialOptions,
+        StreamReport,
         StreamSpec,
         stream_blocks,
         stream_modules,
     )
 
     declared = {name for name in vars(Runner) if not name.startswith("_")}
-    assert {"needs_content", "wrote_content", "read_each_step", "companions"} <= declared
+    assert {"report", "wrote_content", "companions"} <= declared
+    reported = {field.name for field in dataclasses.fields(StreamReport)}
+    assert {"needs_content", "read_each_step"} <= reported
     model = transformer_stack(num_blocks=2, dim=8)
     for engine in (
         stream_blocks(model.blocks, torch.device("cpu"), [1], StreamSpec(calls=CallOptions(root=model))),
@@ -73,6 +78,7 @@ def test_both_engines_offer_everything_the_runner_protocol_declares() -> None:
     ):
         missing = sorted(name for name in declared if not hasattr(engine, name))
         assert not missing, f"{type(engine).__name__} lacks {missing}"
+        assert isinstance(engine.report(), StreamReport)
 
 
 def test_the_seam_takes_only_the_typed_spec(tmp_path: Path) -> None:

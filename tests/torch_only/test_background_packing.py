@@ -111,9 +111,9 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
     streamer = _streamer(model, HostOptions(pin_budget=budget), RingOptions(prefetch=1), recorder=recorder)
     streamer.enable()
     # Nothing packed, nothing pinned, yet the whole first step runs, every block copied from the model's tensors.
-    assert _waiting(streamer) == list(range(BLOCKS)) and streamer.packed_bytes == 0 and cudart.pinned == 0
-    total = streamer.waiting_bytes
-    assert streamer.pinning_progress == (0, total) and budget.used == total  # reserved as it began
+    assert _waiting(streamer) == list(range(BLOCKS)) and streamer.report().packed_bytes == 0 and cudart.pinned == 0
+    total = streamer.report().waiting_bytes
+    assert streamer.report().pinning_progress == (0, total) and budget.used == total  # reserved as it began
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     first = recorder.latest()
     assert len(first.spans) == BLOCKS and first.unpacked_bytes == first.bytes_copied > 0
@@ -123,9 +123,9 @@ def test_the_first_step_runs_before_any_block_is_packed_and_every_mix_is_bitwise
         _wait_for(streamer, BLOCKS - packed)
         assert torch.equal(forward_steps(model, x, steps=1)[0], reference), packed
     streamer.finish_packing()
-    assert not streamer.host.background.running and streamer.waiting_bytes == 0 and not _packing_threads()
-    assert streamer.pinning_progress == (total, total) and cudart.pinned == total == budget.used
-    assert streamer.packed_bytes == 0 and streamer.host.background.packed_bytes == total
+    assert not streamer.host.background.running and streamer.report().waiting_bytes == 0 and not _packing_threads()
+    assert streamer.report().pinning_progress == (total, total) and cudart.pinned == total == budget.used
+    assert streamer.report().packed_bytes == 0 and streamer.host.background.packed_bytes == total
     assert all(_pinned_where_it_lies(streamer, cudart, index) for index in range(BLOCKS))
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     assert recorder.latest().unpacked_bytes == 0 and recorder.latest().packed_bandwidth_gbps is not None
@@ -155,8 +155,8 @@ def test_a_registration_refused_halfway_leaves_the_rest_pageable(
     # Asked for the next block's tensors where they lie, then for a buffer of its own, refused both times, and
     # not asked again: the rest are packed pageable and stream from there.
     assert cudart.failures == 2 and cudart.pinned == first == budget.used
-    assert sorted(streamer.failed_pinning) == list(range(1, BLOCKS)) and not streamer.refused_pinning
-    assert streamer.pinning_progress == (first, first)
+    assert sorted(streamer.report().failed_pinning) == list(range(1, BLOCKS)) and not streamer.report().refused_pinning
+    assert streamer.report().pinning_progress == (first, first)
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
     assert budget.used == 0
@@ -332,7 +332,7 @@ def test_a_prompt_interrupted_while_packing_hands_its_packed_blocks_to_the_next(
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     gate.let(BLOCKS)
     second.finish_packing()
-    assert second.waiting_bytes == 0 and cudart.pinned == budget.used == second.pinning_progress[1]
+    assert second.report().waiting_bytes == 0 and cudart.pinned == budget.used == second.report().pinning_progress[1]
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
     second.disable()
     assert budget.used == 0 and cudart.registered == {}
@@ -381,7 +381,10 @@ def _anon_growth(background: bool) -> tuple[int, int]:
             forward_steps(model, x, steps=1)
         streamer.finish_packing()
         forward_steps(model, x, steps=1)
-    assert streamer.waiting_bytes == 0 and streamer.packed_bytes + streamer.host.background.packed_bytes >= 8 * block
+    assert (
+        streamer.report().waiting_bytes == 0
+        and streamer.report().packed_bytes + streamer.host.background.packed_bytes >= 8 * block
+    )
     streamer.disable()
     return peak.anon_growth, block
 

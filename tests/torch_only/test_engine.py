@@ -20,7 +20,9 @@ from harness.stream_spies import StreamSpy
 from harness.transformer_stack import assert_same_tensors, forward_steps, fp8_stack, snapshot, transformer_stack
 
 from block_offload.offload import (
+    BlockStreamer,
     CallOptions,
+    FileOptions,
     HostOptions,
     ModuleState,
     OffloadPlan,
@@ -99,7 +101,7 @@ def test_blocks_called_twice_out_of_order_or_skipped() -> None:
     )
     streamer.enable()
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=3))
-    assert streamer.last_order == tuple(schedule)
+    assert streamer.report().last_order == tuple(schedule)
     assert [span.block for span in recorder.latest().spans] == schedule
     streamer.disable()
 
@@ -118,7 +120,7 @@ def test_a_step_that_raises_or_is_interrupted_teaches_no_call_order(error: BaseE
     )
     streamer.enable()
     assert torch.equal(forward_steps(model, x, steps=1)[0], reference)
-    full = streamer.last_order
+    full = streamer.report().last_order
 
     def stop(module: torch.nn.Module, args: tuple) -> None:
         raise error
@@ -128,7 +130,7 @@ def test_a_step_that_raises_or_is_interrupted_teaches_no_call_order(error: BaseE
         forward_steps(model, x, steps=1)
     handle.remove()
     streamer.close_open_step()  # what the nodes do after an interrupt, which PyTorch's always-called hooks miss
-    assert full == tuple(range(6)) and streamer.last_order == full
+    assert full == tuple(range(6)) and streamer.report().last_order == full
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
 
@@ -171,9 +173,9 @@ def test_exception_inside_a_block_leaves_the_engine_usable() -> None:
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
     # Releasing the device buffers between runs frees the pool; the next call allocates it again.
     streamer.release_device_buffers()
-    assert streamer.device_buffer_bytes == 0 and all(streamer.ring.region_of(i) is None for i in (1, 2, 3))
+    assert streamer.report().device_buffer_bytes == 0 and all(streamer.ring.region_of(i) is None for i in (1, 2, 3))
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
-    assert streamer.device_buffer_bytes == streamer.ring.capacity
+    assert streamer.report().device_buffer_bytes == streamer.ring.capacity
     streamer.disable()
 
 
@@ -189,7 +191,7 @@ def test_enable_tells_its_progress_and_an_exception_there_packs_nothing_for_good
     )
     heard: list[tuple[int, int]] = []
 
-    def interrupted(done: int, total: int) -> None:
+    def interrupted(done: int, total: int, packed_bytes: int) -> None:
         heard.append((done, total))
         if done == 2:
             raise KeyboardInterrupt
@@ -199,8 +201,8 @@ def test_enable_tells_its_progress_and_an_exception_there_packs_nothing_for_good
     assert heard == [(1, 3), (2, 3)] and not streamer.enabled and not streamer.host.blocks
     assert_same_tensors(model, before, CPU)
     heard.clear()
-    streamer.enable(lambda done, total: heard.append((done, total)))
-    assert heard == [(1, 3), (2, 3), (3, 3)] and streamer.packed_bytes == sum(
+    streamer.enable(lambda done, total, packed_bytes: heard.append((done, total)))
+    assert heard == [(1, 3), (2, 3), (3, 3)] and streamer.report().packed_bytes == sum(
         streamer.host.blocks[i].storage.nbytes for i in (1, 2, 3)
     )
     assert all(torch.equal(out, reference) for out in forward_steps(model, x))
@@ -233,7 +235,7 @@ def test_sequential_wrapper_promotes_frequent_modules_within_the_limit() -> None
     kept = [m for m in wrapper.blocks if wrapper.state(m) is ModuleState.KEPT]
     assert kept, "nothing was promoted"
     own = [t for m in kept for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
-    assert wrapper.device_buffer_bytes == slots
+    assert wrapper.report().device_buffer_bytes == slots
     assert sum(t.numel() * t.element_size() for t in own) <= limit - slots
     # Block 1 runs three times per pass, so its modules are promoted before any other.
     assert all(any(m is k for k in model.blocks[1].modules()) for m in kept)
@@ -322,7 +324,7 @@ def test_streaming_keeps_no_second_copy_in_ram() -> None:
     )
     streamer.enable()
     after = _anon()
-    assert streamer.host_bytes >= module_bytes(model.blocks) > 0.9 * size
+    assert streamer.report().host_bytes >= module_bytes(model.blocks) > 0.9 * size
     # The originals are freed as their packed copies replace them; only slots are new.
     grown = (after - before) / 2**20
     assert after - before < 0.25 * size, f"RssAnon grew by {grown:.0f} MiB for a {size / 2**20:.0f} MiB model"
@@ -368,7 +370,7 @@ def test_the_device_bytes_the_engine_reports_are_the_bytes_it_allocates(storage_
     largest = max(BlockLayout.of(block).nbytes for block in model.blocks)
     staging = max(BlockLayout.of(block, storage_dtype).nbytes for block in model.blocks) if storage_dtype else 0
     assert sorted(counter.storages.values()) == sorted([largest * 3] + ([staging] if staging else []))
-    assert streamer.device_buffer_bytes == sum(counter.storages.values())
+    assert streamer.report().device_buffer_bytes == sum(counter.storages.values())
     assert largest > module_bytes(model.blocks[1])  # the alignment padding, counted
     streamer.disable()
 
@@ -407,7 +409,9 @@ def test_companions_travel_with_their_block_and_are_device_views_during_its_call
     assert seen == {1: True, 2: True, 3: True}
     assert streamer.companions(0) is None, "a resident block has none"
     weights = sum(module_bytes(model.blocks[i]) for i in (1, 2, 3))
-    assert streamer.host_bytes >= weights + sum(t.numel() * t.element_size() for ts in companions.values() for t in ts)
+    assert streamer.report().host_bytes >= weights + sum(
+        t.numel() * t.element_size() for ts in companions.values() for t in ts
+    )
     for hook in hooks:
         hook.remove()
     streamer.disable()
@@ -615,4 +619,32 @@ def test_the_sequential_wrapper_sets_its_own_root_recurse_and_nesting() -> None:
     ):
         with pytest.raises(ValueError, match="sets the spec's root, recurse and nesting itself"):
             stream_modules(model, CPU, spec, SequentialOptions())
+    assert_same_tensors(model, before, CPU)
+
+
+def test_a_spec_that_does_not_fit_is_refused_however_the_engine_is_built() -> None:
+    """The entry point and the class itself refuse the same specs with the same errors, before anything is
+    touched."""
+    model = transformer_stack(num_blocks=2, dim=8)
+    before = snapshot(model)
+    refused = [
+        ([1], StreamSpec(ring=RingOptions(prefetch=-1)), "prefetch must be 0 (synchronous) or more, got -1"),
+        ([1, 2], StreamSpec(), "streamed block indices [2] are outside 0..1"),
+        (
+            [1],
+            StreamSpec(files=FileOptions(read_each_step=frozenset({0}))),
+            "blocks [0] are to be read from their file each step but are not streamed",
+        ),
+        (
+            [1],
+            StreamSpec(files=FileOptions(read_each_step=frozenset({1}))),
+            "blocks read from their file each step need a file_slice and at least one staging slot",
+        ),
+    ]
+    for streamed, spec, error in refused:
+        with pytest.raises(ValueError) as through_entry:
+            stream_blocks(model.blocks, CPU, streamed, spec)
+        with pytest.raises(ValueError) as through_class:
+            BlockStreamer(list(model.blocks), CPU, frozenset(streamed), spec)
+        assert str(through_entry.value) == str(through_class.value) == error
     assert_same_tensors(model, before, CPU)

@@ -94,7 +94,7 @@ def test_peak_memory_is_resident_plus_slots_plus_activations() -> None:
     offloader.apply(OffloadPlan.build(offloader.block_bytes(), resident_count=2, prefetch=prefetch))
     torch.cuda.synchronize()
     placed = torch.cuda.memory_allocated() - before
-    slots = offloader.streamer.device_buffer_bytes
+    slots = offloader.streamer.report().device_buffer_bytes
     assert slots == (prefetch + 1) * block
     # Exactly the engine's: every tensor here is a multiple of the allocator's 512-byte rounding, and each
     # large one fills its segment or leaves more than the 1 MiB beyond which the allocator splits it off.
@@ -216,8 +216,9 @@ def test_streamed_blocks_pin_exactly_their_bytes_and_give_them_back() -> None:
     before = pinned_bytes()
     streamer = stream_blocks(model.blocks, CUDA, range(3), StreamSpec())
     streamer.enable()
-    assert streamer.host_bytes & (streamer.host_bytes - 1), "a power of two would not show the rounding"
-    assert pinned_bytes() - before == streamer.host_bytes and not streamer.refused_pinning
+    report = streamer.report()
+    assert report.host_bytes & (report.host_bytes - 1), "a power of two would not show the rounding"
+    assert pinned_bytes() - before == report.host_bytes and not report.refused_pinning
     assert all(p.is_pinned() for p in model.blocks.parameters())
     streamer.disable()
     gc.collect()
@@ -241,7 +242,7 @@ def test_pageable_blocks_still_overlap_their_copies() -> None:
             ),
         )
         streamer.enable()
-        assert streamer.refused_pinning == {} and not any(p.is_pinned() for p in model.blocks.parameters())
+        assert streamer.report().refused_pinning == {} and not any(p.is_pinned() for p in model.blocks.parameters())
         timings[name] = time_forward(model, x)
         streamer.disable()
     print(f"pageable: prefetch 1 {timings['async']:.2f} ms, synchronous {timings['sync']:.2f} ms")

@@ -84,7 +84,7 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     views = {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()}
     streamer = _streamer(mapped, read_each_step, ring=RingOptions(prefetch=2))
     streamer.enable()
-    per_block = streamer.file_tier_bytes
+    per_block = streamer.report().file_tier_bytes
     assert per_block == sum(
         mapped.file_slice(tensor).nbytes
         for index in read_each_step
@@ -97,13 +97,14 @@ def test_blocks_read_from_the_file_each_step_give_the_resident_output(tmp_path: 
     # next step: as far ahead as the copies (prefetch 2) and the staging slots (2) run.
     streamer.release_device_buffers()
     largest = max((streamer.host.blocks[i].read.file_bytes for i in read_each_step), default=0)
-    assert 3 * per_block <= streamer.bytes_read <= 3 * per_block + (2 + 2) * largest, (streamer.bytes_read, per_block)
+    bytes_read = streamer.report().bytes_read
+    assert 3 * per_block <= bytes_read <= 3 * per_block + (2 + 2) * largest, (bytes_read, per_block)
     host_buffers = sum(
         sum(t.numel() * t.element_size() for t in mapped.module.blocks[i].state_dict().values())
         for i in set(range(6)) - set(read_each_step)
     )
     slots = 2 * max((streamer.host.blocks[i].read.nbytes for i in read_each_step), default=0)
-    assert streamer.host_bytes <= host_buffers + slots + 6 * 256 * 8  # alignment padding per tensor
+    assert streamer.report().host_bytes <= host_buffers + slots + 6 * 256 * 8  # alignment padding per tensor
     streamer.disable()
     # The module holds its file's views again: nothing was copied into memory of its own.
     assert {name: tensor.data_ptr() for name, tensor in mapped.module.state_dict().items()} == views
@@ -124,7 +125,7 @@ def test_staging_slots_are_faulted_in_before_the_driver_registers_them(
     try:
         streamer = _streamer(mapped, range(2), host=HostOptions(pin_memory=True))
         streamer.enable()
-        assert streamer.staging_bytes > 2 * 32 * 2**20 and fake.pinned == streamer.staging_bytes
+        assert streamer.report().staging_bytes > 2 * 32 * 2**20 and fake.pinned == streamer.report().staging_bytes
         assert list(fake.resident_at_registration.values()) == [1.0, 1.0]
         assert torch.equal(forward_steps(mapped.module, x, steps=1)[0], forward_steps(model, x, steps=1)[0])
         streamer.disable()
@@ -144,7 +145,7 @@ def test_a_file_stored_in_fp32_is_read_as_stored_and_cast_on_the_device(tmp_path
         mapped, range(1, 6, 2), ring=RingOptions(prefetch=1), dtype_of=lambda module, name: torch.bfloat16
     )
     streamer.enable()
-    assert streamer.file_tier_bytes == sum(
+    assert streamer.report().file_tier_bytes == sum(
         t.numel() * 4 for i in range(1, 6, 2) for t in mapped.module.blocks[i].state_dict().values()
     )
     # The blocks outside the stream are the host's to cast (ComfyUI casts what it loads).
@@ -286,7 +287,8 @@ def test_a_block_s_slices_are_read_by_several_threads_at_once_and_stream_bitwise
     streamer.enable()
     for out, expected in zip(forward_steps(mapped.module, x, steps=2), forward_steps(model, x, steps=2), strict=True):
         assert torch.equal(out, expected)
-    assert streamer.bytes_read >= streamer.file_tier_bytes > 2 * 8 * 2**20, streamer.bytes_read
+    report = streamer.report()
+    assert report.bytes_read >= report.file_tier_bytes > 2 * 8 * 2**20, report.bytes_read
     assert len(readers) >= 2, readers
     streamer.disable()
 
@@ -408,7 +410,7 @@ def test_on_cuda_the_file_tier_streams_bitwise_through_pinned_slots(tmp_path: Pa
         recorder=recorder,
     )
     streamer.enable()
-    assert streamer.staging_bytes > 0 and streamer.files.pinned
+    assert streamer.report().staging_bytes > 0 and streamer.files.pinned
     for out in forward_steps(mapped.module, x, steps=4):
         assert torch.equal(out, reference)
     # Each step reads blocks 1, 3, 5, 7. A read counts in the step open when it ends: on a GPU the host ends a step
@@ -456,17 +458,17 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
 
     plus_one = dict.fromkeys(range(3), "plus one")
     first = streamer(plus_one)
-    assert first.needs_content == {0, 1, 2}
-    for index in first.needs_content:
+    assert first.report().needs_content == {0, 1, 2}
+    for index in first.report().needs_content:
         for tensor in mapped.module.blocks[index].parameters():
             tensor.data.add_(1.0)  # the host buffer's views, on the host
-    first.wrote_content(first.needs_content)
-    assert first.needs_content == frozenset() and same_outputs(written_reference)
+    first.wrote_content(first.report().needs_content)
+    assert first.report().needs_content == frozenset() and same_outputs(written_reference)
     packed = hosts(first)
     first.disable(park=True)
 
     again = streamer(plus_one)
-    assert again.needs_content == frozenset() and hosts(again) == packed  # adopted as they are
+    assert again.report().needs_content == frozenset() and hosts(again) == packed  # adopted as they are
     assert same_outputs(written_reference)
     again.disable(park=True)
 
@@ -477,7 +479,7 @@ def test_content_written_into_host_buffers_parks_under_its_name_and_other_conten
     plain.disable(park=True)
 
     into_plain = streamer({0: "plus one"})
-    assert into_plain.needs_content == {0} and hosts(into_plain) == kept  # adopted, to be written
+    assert into_plain.report().needs_content == {0} and hosts(into_plain) == kept  # adopted, to be written
     with pytest.raises(ValueError, match="no originals in a file"):
         into_plain.host.options = replace(into_plain.host.options, contents={0: "plus one", 3: "plus one"})
         into_plain.wrote_content([3])  # read from the file at each step: it has no host buffer to hold content

@@ -203,7 +203,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     budget = PinnedMemoryBudget()
     first = streaming(model, cuda, HostOptions(pin_budget=budget))
     used = budget.used
-    assert used == first.host_bytes > 0
+    assert used == first.report().host_bytes > 0
     packed = host_ptrs(first)
     assert forward_steps(model, x.to(cuda))[-1].cpu().equal(reference)
     first.disable(park=True)
@@ -211,7 +211,7 @@ def test_pinned_buffers_are_adopted_without_a_second_reservation() -> None:
     gc.collect()
     assert budget.used == used
     second = streaming(model, cuda, HostOptions(pin_budget=budget))
-    assert host_ptrs(second) == packed and budget.used == used and not second.refused_pinning
+    assert host_ptrs(second) == packed and budget.used == used and not second.report().refused_pinning
     assert forward_steps(model, x.to(cuda))[-1].cpu().equal(reference)
     second.disable(park=True)
     del second, model

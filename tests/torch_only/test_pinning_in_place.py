@@ -83,7 +83,9 @@ def _pinned_in_place_growth(cudart: FakeCudart) -> tuple[int, int]:
         and streamer.host.background.packed_bytes == streamer.host.background.total_bytes > 0
     )
     storages = _storages(model.blocks)
-    assert cudart.registered == storages and budget.used == sum(storages.values()) == streamer.pinning_progress[0]
+    assert (
+        cudart.registered == storages and budget.used == sum(storages.values()) == streamer.report().pinning_progress[0]
+    )
     streamer.disable()
     assert cudart.registered == {} and budget.used == 0
     return peak.anon_growth, ring
@@ -196,7 +198,7 @@ def test_giving_pins_back_unpins_blocks_in_place_and_they_stream_on(cudart: Fake
     streamer = _started(model, budget)
     last = streamer.host.blocks[BLOCKS - 1].pinned_bytes
     assert streamer.give_back_pinned(1) == last
-    assert sorted(streamer.refused_pinning) == [BLOCKS - 1] and budget.used == cudart.pinned
+    assert sorted(streamer.report().refused_pinning) == [BLOCKS - 1] and budget.used == cudart.pinned
     assert not (_storages(model.blocks[BLOCKS - 1]).keys() & cudart.registered.keys())
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
@@ -215,8 +217,8 @@ def test_blocks_that_get_no_pins_stream_from_their_own_tensors_uncopied(cudart: 
     assert all(
         state.in_place and not state.pinned and state.host.numel() == 0 for state in streamer.host.blocks.values()
     )
-    assert sorted(streamer.refused_pinning) == list(range(BLOCKS)) and cudart.calls == 0 and budget.used == 0
-    assert streamer.host.buffer_bytes == 0 and streamer.waiting_bytes == 0
+    assert sorted(streamer.report().refused_pinning) == list(range(BLOCKS)) and cudart.calls == 0 and budget.used == 0
+    assert streamer.host.buffer_bytes == 0 and streamer.report().waiting_bytes == 0
     assert all(torch.equal(out, reference) for out in forward_steps(model, x, steps=2))
     streamer.disable()
     assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == before

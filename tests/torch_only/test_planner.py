@@ -28,9 +28,8 @@ from block_offload.offload import (
     stream_blocks,
 )
 from block_offload.offload.cost_cache import CostCache, cache_key, cached_best_plan
-from block_offload.offload.costs import Prediction, StackCosts, lower_bound_ms
+from block_offload.offload.costs import Prediction, StackCosts, lower_bound_ms, simulate
 from block_offload.offload.planner import PREFETCH_CHOICES, bake_decision, best_plan
-from block_offload.offload.simulator import simulate
 
 CPU = torch.device("cpu")
 

@@ -136,7 +136,7 @@ def test_a_spent_pin_budget_streams_from_pageable_memory(monkeypatch: pytest.Mon
     )
     streamer.enable()
     block = BlockLayout.of(model.blocks[1]).nbytes
-    assert streamer.refused_pinning == {1: block, 2: block, 3: block}
+    assert streamer.report().refused_pinning == {1: block, 2: block, 3: block}
     assert torch.equal(forward(model, x), reference)
     streamer.disable()
     assert budget.used == 0
@@ -200,13 +200,13 @@ def test_pin_budget_on_cuda_pins_what_fits_and_frees_it_all() -> None:
     streamer.enable()
     model.embed.to(cuda)
     model.head.to(cuda)
-    assert set(streamer.refused_pinning) == {2, 3} and budget.used == 2 * block
+    assert set(streamer.report().refused_pinning) == {2, 3} and budget.used == 2 * block
     assert all(p.is_pinned() for p in model.blocks[0].parameters())
     assert not any(p.is_pinned() for p in model.blocks[3].parameters())
     assert torch.equal(forward(model, x), reference)
     # The pinned buffers go back to torch's host allocator (which may keep them cached for reuse).
     pinned = [weakref.ref(streamer.host.blocks[i].host) for i in (0, 1)]
     streamer.disable()
-    assert budget.used == 0 and streamer.host_bytes == 0
+    assert budget.used == 0 and streamer.report().host_bytes == 0
     assert [ref() for ref in pinned] == [None, None]
     assert not any(p.is_pinned() for p in model.parameters())
