@@ -234,8 +234,8 @@ elif [[ $call == 10 ]]; then
   # Where ComfyUI streams the blocks itself (LTX-2 and MiniMax H3 under Dynamic VRAM): its prefetch against the node
   # on the same Dynamic VRAM model and against its classic offload, each model on a card it does not fit, from its
   # file. One round of 8 steps (a distilled model's 4-step prompt and an 8-step one): each row loads the model once
-  # (call 8's Flux took 4-7 s a load, 38 s to write and load its 23.8 GB); about 110 s for LTX-2.3's 19.7 GB and
-  # 200 s for MiniMax H3's 33.1 GB, the file written on the device.
+  # (call 8's Flux took 4-7 s a load, 38 s to write and load its 23.8 GB); about 110 s for LTX-2.3's 20.9 GB and
+  # 200 s for MiniMax H3's 34.0 GB, the file written on the device.
   prefetch_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --budgets --rounds 1 --steps 8 --out "$out/bench"
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto on a Dynamic"
     "${prefetch_rows[@]}")
