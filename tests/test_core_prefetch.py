@@ -106,3 +106,23 @@ def test_a_prefetching_model_of_code_the_node_does_not_know_streams_as_any_model
     assert engine.request.core_prefetch == ""
     assert comfy.placement.IN_PLACE_OF_CORE_PREFETCH not in engine.summary, engine.summary
     comfy.mm.unload_all_models()
+
+
+def test_a_listed_class_whose_code_makes_no_prefetch_queue_streams_as_any_model(
+    comfy: SimpleNamespace, small_card: DynamicVram, tmp_path: Path
+) -> None:
+    """Qwen-Image's class is listed for the versions whose code prefetches it (2.1 on); 0.33's makes no queue, so
+    it streams as before, bitwise, its plan line without the clause."""
+    from block_offload.nodes.dynamic_vram import CORE_PREFETCHING
+
+    spec = ZOO["Qwen-Image"]
+    model = small_card.load_tiny_dit(spec, tmp_path)
+    assert type(model.model.diffusion_model).__name__ in CORE_PREFETCHING
+    reference = tiny_dit.sample(spec, model)
+    comfy.mm.unload_all_models()
+    streaming = async_offload(comfy, model, resident=1)
+    assert torch.equal(tiny_dit.sample(spec, streaming), reference)
+    engine = streaming.offload_engine
+    assert engine.request.core_prefetch == "" and engine.request.dynamic_vram_twin
+    assert comfy.placement.IN_PLACE_OF_CORE_PREFETCH not in engine.summary, engine.summary
+    comfy.mm.unload_all_models()
