@@ -111,7 +111,7 @@ def write_checkpoint(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], de
         quant = tiny_quantized.SAFETENSORS_QUANT[checkpoint.quant]
         if quant.config_in_metadata or quant.markers:
             raise ValueError(f"{checkpoint.quant}: the benchmark writes ComfyUI's per-layer formats only")
-        quantize = layer_quantizer(quant)
+        quantize = layer_quantizer(quant, checkpoint.quantized_under)
     # What each key is written as (a quantized layer: its data, scale and config), shapes from the meta device.
     written_from, layout = {}, []
     for key, meta in shapes.items():
@@ -126,13 +126,22 @@ def write_checkpoint(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], de
             drawn.update(quantized_weights({key: shapes[key]}, device, dtype, quantize))
         return drawn.pop(name)
 
-    safetensors_writer.save_safetensors(path, layout, tensor_for, {})
+    safetensors_writer.save_safetensors(path, layout, tensor_for, dict(checkpoint.metadata))
     return path
 
 
-def layer_quantizer(quant: tiny_quantized.SafetensorsQuant) -> Callable[[str, torch.Tensor], dict]:
-    """``quantized_weights``' ``quantize`` for a per-layer format: a weight's key to its layer's tensors."""
-    return lambda key, weight: quant.layer(key.removesuffix(".weight"), weight)
+def layer_quantizer(
+    quant: tiny_quantized.SafetensorsQuant, under: tuple[str, ...] = ()
+) -> Callable[[str, torch.Tensor], dict]:
+    """``quantized_weights``' ``quantize`` for a per-layer format: a weight's key to its layer's tensors; only keys
+    starting with one of ``under`` where it names some, the others kept as they are."""
+
+    def quantize(key: str, weight: torch.Tensor) -> dict:
+        if under and not key.startswith(under):
+            return {key: weight}
+        return quant.layer(key.removesuffix(".weight"), weight)
+
+    return quantize
 
 
 @contextlib.contextmanager
@@ -300,6 +309,8 @@ def make_inputs(checkpoint: Checkpoint, shapes: dict[str, torch.Tensor], device:
     inputs["t"] = torch.full((1,), 0.5, device=device)
     if checkpoint.guidance:
         inputs["guidance"] = torch.full((1,), 3.5, device=device)
+    if checkpoint.latent_shapes:
+        inputs["latent_shapes"] = [torch.Size(shape) for shape in checkpoint.latent_shapes]
     return inputs
 
 

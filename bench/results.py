@@ -20,8 +20,15 @@ AUTO = "Partial GPU Residency, auto"
 ALL_STREAMED = "Async Block Offload, every block streamed"
 #: Appended to the method of a row measured a second time in the same rounds, as a noise control.
 AGAIN = " (again)"
-#: The first prompts timed from the file (the load and this many steps): a distilled model's, and a full one's.
-FIRST_PROMPT_STEPS = (4, 20)
+#: The first prompt of a distilled model, timed from the file (the load and this many steps); the other one timed is
+#: a round's whole prompt (``first_prompt_steps``).
+DISTILLED_STEPS = 4
+
+
+def first_prompt_steps(steps_per_round: int) -> tuple[int, ...]:
+    """The first prompts a table shows: a distilled model's 4 steps, and the round's whole prompt."""
+    return tuple(sorted({DISTILLED_STEPS, steps_per_round}))
+
 
 # The issue's targets.
 WAN_BOUND_RATIO = 1.10  # Wan-shaped, 0 resident: within 1.10x of the lower bound
@@ -170,7 +177,9 @@ class Measurement:
             "max_ms": self.max_ms,
             "steady_steps": len(self.steady_ms),
             "load_first_ms": self.load_first_ms,
-            "first_prompt_ms": {steps: self.first_prompt_ms(steps) for steps in FIRST_PROMPT_STEPS},
+            "first_prompt_ms": {
+                steps: self.first_prompt_ms(steps) for steps in first_prompt_steps(self.steps_per_round)
+            },
             "packing_ms": self.packing_ms,
             "wall_ms": self.wall_ms,
             "steps_per_round": self.steps_per_round,
@@ -368,6 +377,7 @@ def _seconds(ms: float | None) -> float | None:
 def markdown(run: ModelRun) -> str:
     """The model's table and its checks, as the docs show them."""
     steps = run.measurements[0].steps_per_round if run.measurements else 0
+    prompts = first_prompt_steps(steps)
     lines = [
         f"### {run.title}",
         "",
@@ -381,10 +391,10 @@ def markdown(run: ModelRun) -> str:
         lines += ["**Too noisy to tell 3 % apart:** " + "; ".join(noise) + ".", ""]
     lines += [
         "| method | budget | s/step (median) | min-max | x resident | x lower bound | x ComfyUI | load + 1st step s "
-        + "".join(f"| first {n}-step prompt s " for n in FIRST_PROMPT_STEPS)
+        + "".join(f"| first {n}-step prompt s " for n in prompts)
         + f"| of which packing s | {steps}-step wall s | peak VRAM GiB | peak host RAM GiB, anon / resident "
         "| pinned GiB | streamed GiB/step | overlap | predicted s | prediction error |",
-        "| --- | --- " + "| ---: " * (15 + len(FIRST_PROMPT_STEPS)) + "|",
+        "| --- | --- " + "| ---: " * (15 + len(prompts)) + "|",
     ]
     for row, m in zip(run.rows(), run.measurements, strict=True):
         peak = None if row["peak_vram_bytes"] is None else row["peak_vram_bytes"] / GIB
@@ -399,7 +409,7 @@ def markdown(run: ModelRun) -> str:
             f"{row['x_lower_bound']:.2f}",
             _cell(row["x_comfyui"], ".2f"),
             f"{row['load_first_ms'] / 1000:.2f}",
-            *(_cell(_seconds(m.first_prompt_ms(n)), ".2f") for n in FIRST_PROMPT_STEPS),
+            *(_cell(_seconds(m.first_prompt_ms(n)), ".2f") for n in prompts),
             _cell(packing, ".2f"),
             f"{row['wall_ms'] / 1000:.2f}",
             _cell(peak, ".2f"),

@@ -10,6 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
+from .dit_spec import TinyDiT
 
 #: Checkpoints as users store them, and the dtypes ComfyUI computes in on a GPU (fp16 for Wan on recent
 #: NVIDIA cards, bf16 elsewhere).
@@ -41,6 +44,7 @@ class DynamicVram:
         from comfy.model_patcher import ModelPatcher
 
         self.comfy = comfy
+        self.monkeypatch = monkeypatch
         self.flag = memory_management
         assert comfy_aimdo.control.init("cuda"), "comfy-aimdo's file reader did not load"
         monkeypatch.setattr(comfy.mm, "unet_manual_cast", lambda *args, **kwargs: None)
@@ -74,6 +78,27 @@ class DynamicVram:
         model = self.comfy.sd.load_diffusion_model(str(path), model_options={"dtype": dtype})
         model.__class__ = self.patcher_class
         return model
+
+    def load_tiny_dit(self, spec: TinyDiT, folder: Path):
+        """The dynamic MODEL of ``spec``'s tiny model (``harness.tiny_dit``, float32), written to a file in ``folder``
+        and loaded from it. ComfyUI's detection cannot tell a tiny config from its keys where the class fixes some
+        widths, so while the test runs it is told the spec's config for that file's keys, the node's reload of the
+        file included."""
+        from comfy import model_detection
+
+        from . import tiny_dit
+
+        with self.aimdo(False):  # built the classic way: under the flag ComfyUI's layers wait for a state dict
+            built = tiny_dit.build(spec).model.diffusion_model
+        path = folder / f"{spec.name}.safetensors"
+        save_file({key: tensor.contiguous() for key, tensor in built.state_dict().items()}, str(path))
+        keys, detect = frozenset(built.state_dict()), model_detection.model_config_from_unet
+
+        def spec_config(state_dict, *args, **kwargs):
+            return tiny_dit.model_config(spec) if frozenset(state_dict) == keys else detect(state_dict, *args, **kwargs)
+
+        self.monkeypatch.setattr(model_detection, "model_config_from_unet", spec_config)
+        return self.load(path, torch.float32)
 
     def load_classic(self, path: Path, dtype: torch.dtype):
         """The same file loaded as with --disable-dynamic-vram: the reference."""

@@ -7,6 +7,7 @@ streamed blocks."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import itertools
 import logging
@@ -20,6 +21,7 @@ import torch
 from comfy.model_patcher import ModelPatcher, get_key_weight
 
 from ..offload import PROCESS_STATE, FileSlice
+from ..offload.discovery import class_code
 from .blocks import inside
 from .loaded_patch import as_loaded, compute_dtype, string_to_seed
 from .patches import is_plain
@@ -33,6 +35,22 @@ class DynamicVramError(ValueError):
 def uses_dynamic_vram(model: ModelPatcher) -> bool:
     is_dynamic = getattr(model, "is_dynamic", None)  # absent on 0.3.75
     return bool(is_dynamic is not None and is_dynamic())
+
+
+#: ComfyUI's diffusion models whose own code prefetches their blocks under Dynamic VRAM (``comfy.model_prefetch``):
+#: LTX-2, MiniMax H3, and Qwen-Image 2.1 in later versions. Their twin runs without it, its patcher being classic.
+CORE_PREFETCHING = frozenset({"LTXAVModel", "MiniMaxH3Model", "QwenImageTransformer2DModel"})
+
+
+def core_prefetching(model: ModelPatcher) -> str:
+    """The class of a Dynamic VRAM model's diffusion model where ComfyUI prefetches its blocks itself: one of
+    ``CORE_PREFETCHING`` whose code makes a prefetch queue in this ComfyUI. "" for any other, a class of code the
+    pack does not know included: it streams as every model does."""
+    cls = type(model.model.diffusion_model)
+    if not uses_dynamic_vram(model) or cls.__name__ not in CORE_PREFETCHING:
+        return ""
+    calls = (node.attr for tree in class_code(cls) for node in ast.walk(tree) if isinstance(node, ast.Attribute))
+    return cls.__name__ if "make_prefetch_queue" in calls else ""
 
 
 def on_fast_disk(model: ModelPatcher) -> bool:

@@ -40,6 +40,7 @@ from .dynamic_vram import (
     back_to_file,
     cast_unloaded_to_recorded_dtypes,
     classic_clone,
+    core_prefetching,
     keep_fast_disk,
     load_in_recorded_dtype,
     own_classic_path,
@@ -76,7 +77,12 @@ def with_offload(model: ModelPatcher, request: OffloadRequest) -> ModelPatcher:
         logging.info(f"Block Offload: {request.node} replaces the earlier {previous.node} on this model")
     patched = classic_clone(model, request.node)
     own = own_classic_path(model)
-    request = dataclasses.replace(request, dynamic_vram_twin=uses_dynamic_vram(model) and not own, own_classic_path=own)
+    request = dataclasses.replace(
+        request,
+        dynamic_vram_twin=uses_dynamic_vram(model) and not own,
+        own_classic_path=own,
+        core_prefetch=core_prefetching(model),
+    )
     patched.__class__ = _offload_class(type(patched))
     patched.set_attachments(ATTACHMENT, request)
     return patched

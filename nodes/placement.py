@@ -76,6 +76,14 @@ class Fallback:
     notice: str
 
 
+#: The plan line's clause where the node streams a model ComfyUI would prefetch itself: the default until both are
+#: timed on a GPU (docs/benchmarks.md, "Against ComfyUI's own block prefetch").
+IN_PLACE_OF_CORE_PREFETCH = (
+    "; streamed in place of ComfyUI's own block prefetch (off for this copy): about as many bytes copied per step, "
+    "less host memory pinned; not yet measured on a GPU"
+)
+
+
 def place(
     request: OffloadRequest, model: ModelPatcher, budget: float, loader_need: Callable[[frozenset[str]], int]
 ) -> Placement:
@@ -89,6 +97,8 @@ def place(
     buffers = placement.buffer_bytes + staging + patches
     over = _over_budget(request, placement, budget, lambda: loader_need(placement.streamed) + buffers)
     summary = f"{placement.summary}{over}; weights from {request.loader}"
+    if request.core_prefetch:
+        summary += IN_PLACE_OF_CORE_PREFETCH
     if request.pin_memory and not pinning_enabled():
         summary += "; streamed from pageable memory: ComfyUI runs with --disable-pinned-memory"
     return dataclasses.replace(placement, summary=summary, buffer_bytes=buffers, over_budget=bool(over))

@@ -33,6 +33,7 @@ class OffloadRequest:
     auto_placement: bool = False  # planned from measured costs; ``policy`` until measured
     dynamic_vram_twin: bool = False
     own_classic_path: str = ""  # the patcher class that makes its own classic clone (ComfyUI-GGUF's)
+    core_prefetch: str = ""  # the diffusion model's class where ComfyUI would prefetch its blocks itself
     notice: str = ""  # why a block node streams module by module
 
     def module_by_module(self, notice: str) -> OffloadRequest:

@@ -30,6 +30,10 @@
 #   CALL 9: the model switch (issue 49): Wan 2.2's two experts in every prompt, Wan 2.1 14B-shaped, on a 16 GiB card
 #          (harness/card.py), through real servers (bench/model_switch.py): ComfyUI alone against the node, under
 #          Dynamic VRAM, then under classic loading; the first prompt (both experts loaded) and the warm ones.
+#   CALL 10: against ComfyUI's own block prefetch (issue 74): LTX-2.3 22B-shaped fp8 on a 16 GiB card, then MiniMax
+#          H3-shaped int8 on a 24 GiB card, each from its file, one round of 8 steps: ComfyUI 0.33 Dynamic VRAM (its
+#          prefetch on), ComfyUI classic, and the node on the Dynamic VRAM model (load + 1st step, the first 4- and
+#          8-step prompts, the steady step, peak VRAM, host RAM).
 # Set BLOCK_OFFLOAD_COMMIT to the commit sent: the device's copy of the checkout may carry an older .git.
 #
 # Every part runs under a time cap that keeps the whole call within --seconds (default 510), so what ran
@@ -47,11 +51,11 @@ dry=0
 seconds=510
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    1|2|3|4|5|6|7|8|9) call="$1"; shift ;;
+    1|2|3|4|5|6|7|8|9|10) call="$1"; shift ;;
     --out) out="$2"; shift 2 ;;
     --seconds) seconds="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 9, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
+    *) echo "gpu_campaign: unknown argument '$1'; use 1 to 10, --out DIR, --seconds N, --dry-run" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$out"
@@ -65,6 +69,8 @@ if [[ $dry == 1 ]]; then
   bench_size=(--smoke)
   # The head-to-head's code is the same for any number of rounds and steps: the fewest that give every column.
   flux_runs=(--rounds 1 --steps 2)
+  # Dynamic VRAM's rows need CUDA: on the CPU the node on the classic model runs the node's code in their stead.
+  prefetch_rows=("Partial GPU Residency, auto")
 else
   [[ -f .gpu/env.sh ]] || { echo "gpu_campaign: no .gpu/env.sh; run ../shared/gpu/bundle.sh 0.33.0 here and carry .gpu/" >&2; exit 2; }
   # A warm machine keeps the folder unpacked by an earlier call, but not its files: unpack it again.
@@ -75,6 +81,7 @@ else
   export BLOCK_OFFLOAD_SERVER_ARGS="--front-end-root $repo/.gpu/fe"
   bench_size=()
   flux_runs=(--rounds 2 --steps 6)
+  prefetch_rows=()
 fi
 export PYTHONUNBUFFERED=1
 
@@ -223,6 +230,24 @@ elif [[ $call == 8 ]]; then
   # VRAM model's blocks are packed, warm and cold (about 40 s: 27 reads of 4 GiB and its writing; the table is
   # printed only at the end, so the cap leaves room for a slow cold mapping copy).
   part file-reads 60 "${file_reads[@]}"
+elif [[ $call == 10 ]]; then
+  # Where ComfyUI streams the blocks itself (LTX-2 and MiniMax H3 under Dynamic VRAM): its prefetch against the node
+  # on the same Dynamic VRAM model and against its classic offload, each model on a card it does not fit, from its
+  # file. One round of 8 steps (a distilled model's 4-step prompt and an 8-step one): each row loads the model once
+  # (call 8's Flux took 4-7 s a load, 38 s to write and load its 23.8 GB); about 110 s for LTX-2.3's 20.9 GB and
+  # 200 s for MiniMax H3's 34.0 GB, the file written on the device.
+  prefetch_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --budgets --rounds 1 --steps 8 --out "$out/bench"
+    --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto on a Dynamic"
+    "${prefetch_rows[@]}")
+  if [[ $dry == 1 ]]; then
+    # Both tiny models in one process: on this CPU most of a part's time is importing ComfyUI.
+    part ltx23-and-minimax-h3 "$(( seconds - (SECONDS - start) ))" "${prefetch_bench[@]}" \
+      --models ltx23_22b_fp8 minimax_h3_int8 --cards 16
+  else
+    part ltx23-22b-fp8-16gib 200 "${prefetch_bench[@]}" --models ltx23_22b_fp8 --cards 16
+    part minimax-h3-int8-24gib "$(( seconds - (SECONDS - start) ))" "${prefetch_bench[@]}" --models minimax_h3_int8 \
+      --cards 24
+  fi
 elif [[ $call == 9 ]]; then
   # Wan 2.2's switch as users meet it on a 16 GiB card: every prompt runs the high-noise expert, then the
   # low-noise one, each server on its own, the card carved out of the GPU (checked first by its test).

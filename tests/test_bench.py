@@ -25,7 +25,14 @@ from harness import tiny_quantized
 from harness.comfy_host import HOST_DIR, REPO
 from harness.dynamic_vram import DynamicVram
 
-from bench.checkpoints import CHECKPOINTS, FLUX12B_FP8, FLUX12B_Q8_0, SMOKE_CHECKPOINTS
+from bench.checkpoints import (
+    CHECKPOINTS,
+    FLUX12B_FP8,
+    FLUX12B_Q8_0,
+    LTX23_22B_FP8,
+    MINIMAX_H3_INT8,
+    SMOKE_CHECKPOINTS,
+)
 from bench.comfy_models import GGUF_PACK, load_file, load_model, q8_0
 from bench.configs import Config
 from bench.measure import OUT_OF_MEMORY, Placed, measure_all
@@ -97,24 +104,30 @@ PINNING_WAYS = (
 )
 
 
-@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
-def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_first(tmp_path: Path) -> None:
-    """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first
-    (docs/records/gpu-campaign.md's order: 8, the first prompt), each part with tiny shapes, exits 0 and leaves its
-    figures in the report: what the next GPU runs cannot break unseen, the node's row of the head-to-head included (a
-    share budget for the card)."""
+def campaign_dry_run(out: Path, *call: str) -> str:
+    """``scripts/gpu_campaign.sh [CALL] --dry-run`` into ``out``: its report, once it exited 0."""
     from harness.comfy_host import resolve_comfyui_path
 
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_campaign.sh"), "--dry-run", "--out", str(tmp_path)],
+        ["bash", str(REPO / "scripts" / "gpu_campaign.sh"), *call, "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PYTHON": sys.executable, "COMFYUI_PATH": str(resolve_comfyui_path())},
         cwd=REPO,
     )
-    report = (tmp_path / "campaign.md").read_text()
+    report = (out / "campaign.md").read_text()
     assert done.returncode == 0, report + done.stderr[-2000:]
+    return report
+
+
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
+def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_first(tmp_path: Path) -> None:
+    """``scripts/gpu_campaign.sh --dry-run`` with no call named: the call a lent GPU runs first
+    (docs/records/gpu-campaign.md's order: 8, the first prompt), each part with tiny shapes, exits 0 and leaves its
+    figures in the report: what the next GPU runs cannot break unseen, the node's row of the head-to-head included (a
+    share budget for the card)."""
+    report = campaign_dry_run(tmp_path)
     assert report.startswith("### GPU campaign call 8,"), report
     for part in ("flux12b-12gib-first-prompt", "pinning", "file-reads"):
         assert f"#### {part}: exit 0" in report, report
@@ -125,6 +138,25 @@ def test_the_gpu_campaign_dry_run_runs_every_part_of_the_call_a_lent_gpu_runs_fi
     assert "| ComfyUI, async offload on | 50% (" in report and "| Partial GPU Residency, auto | 50% (" in report, report
     assert all(f"\n{way}: " in report for way in PINNING_WAYS), report
     assert "| warm |" in report and "| cold |" in report and "the mapping copied, 1 thread" in report, report
+
+
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="the GPU campaign runs ComfyUI 0.33 (Dynamic VRAM)")
+def test_the_gpu_campaign_dry_run_of_call_10_has_its_rows_and_columns(tmp_path: Path) -> None:
+    """Call 10 (against ComfyUI's own block prefetch, issue 74) on the CPU: tiny LTX-2 and MiniMax H3 from their
+    files (MiniMax H3's blocks int8 as in the call; the tiny LTX-2's layers are too small to quantize), each row's
+    first 4- and 8-step prompts, steady step, peak VRAM and host RAM. Dynamic VRAM's rows need CUDA: the report
+    says they were skipped, and the node on the classic model runs the node's code in their stead."""
+    report = campaign_dry_run(tmp_path, "10")
+    assert report.startswith("### GPU campaign call 10,") and "#### ltx23-and-minimax-h3: exit 0" in report, report
+    columns = "| load + 1st step s | first 4-step prompt s | first 8-step prompt s |"
+    for model in (LTX23_22B_FP8, MINIMAX_H3_INT8):
+        table = (tmp_path / "bench" / f"{model}.md").read_text()
+        assert columns in table and "| peak VRAM GiB | peak host RAM GiB, anon / resident |" in table, table
+        for row in (RESIDENT, f"{COMFYUI}, async offload on", AUTO):
+            assert f"\n| {row} |" in table, (row, table)
+        assert "Dynamic VRAM rows skipped: smoke runs on the CPU" in table, table
+    data = json.loads((tmp_path / "bench" / f"{MINIMAX_H3_INT8}.json").read_text())
+    assert data["meta"]["block weights"].startswith("QuantizedTensor"), data["meta"]
 
 
 @pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="Dynamic VRAM came with ComfyUI 0.33")
@@ -166,18 +198,45 @@ def test_every_row_loads_the_checkpoint_file_as_comfyui_loads_it(
     assert linears and all(layer.weight is not None for layer in linears)
 
 
+#: The checkpoints whose layout ComfyUI's own classes give (built on the meta device, so ComfyUI is imported).
+FROM_COMFYUI_CLASSES = (LTX23_22B_FP8, MINIMAX_H3_INT8)
+
+
 @NO_COMFYUI
 def test_the_real_checkpoints_have_the_real_models_sizes() -> None:
     """The shape descriptions the GPU run builds from, counted without building anything."""
     params = {
         name: sum(t.numel() for t in checkpoint.shapes(torch.bfloat16).values())
         for name, checkpoint in CHECKPOINTS.items()
+        if name not in FROM_COMFYUI_CLASSES
     }
     # Wan 2.1 T2V 14B: 14.29e9 parameters; Flux.1-dev: 11.90e9; Qwen-Image: 20.43e9 (their published sizes).
     flux = pytest.approx(11.90e9, rel=2e-3)
     assert params == {"wan14b": pytest.approx(14.29e9, rel=2e-3), "flux12b": flux, "qwen20b": pytest.approx(20.43e9,
                       rel=2e-3), FLUX12B_FP8: flux, FLUX12B_Q8_0: flux}  # fmt: skip
     assert set(SMOKE_CHECKPOINTS) == set(CHECKPOINTS)
+
+
+@pytest.mark.skipif(HOST_VERSION.startswith("0.3."), reason="LTX-2 and MiniMax H3 came after ComfyUI 0.3.75")
+def test_the_checkpoints_comfyui_prefetches_have_its_classes_real_sizes(comfy: SimpleNamespace) -> None:
+    """LTX-2.3 and MiniMax H3 as ComfyUI 0.33 builds them at their default sizes (docs/benchmarks.md's figures), and
+    ComfyUI's detection reads the file's keys and metadata back into the same config."""
+    params = {
+        name: sum(t.numel() for t in CHECKPOINTS[name].shapes(torch.bfloat16).values()) for name in FROM_COMFYUI_CLASSES
+    }
+    assert params == {
+        LTX23_22B_FP8: pytest.approx(19.72e9, rel=1e-3),
+        MINIMAX_H3_INT8: pytest.approx(33.12e9, rel=1e-3),
+    }
+    from comfy import model_detection
+
+    for name in FROM_COMFYUI_CLASSES:
+        checkpoint = CHECKPOINTS[name]
+        shapes = checkpoint.shapes(torch.bfloat16)
+        metadata = dict(checkpoint.metadata) or None
+        config = model_detection.model_config_from_unet(shapes, "", metadata=metadata).unet_config
+        switches = json.loads(checkpoint.metadata["config"])["transformer"] if checkpoint.metadata else {}
+        assert switches.items() <= config.items(), (name, config)
 
 
 def test_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path: Path) -> None:
