@@ -47,8 +47,7 @@ from .dynamic_vram import (
     patch_loaded_as_dynamic_vram,
     uses_dynamic_vram,
 )
-from .engine import Engine, call_order_of, start_engine
-from .engine_runner import PatchHistory
+from .engine import Engine, PatchHistory, call_order_of, start_engine
 from .patches import refuse_patches_on_packed_weights, refuse_reshaping_patches, refuse_weight_hooks
 from .placement import Fallback, Placement, describe, place, remember_costs
 from .request import OffloadRequest
