@@ -5,7 +5,8 @@ after the LoRA toggle and ModelSampling patch and before the sampler; says what 
 changes nothing the second time; follows a model out of the subgraphs it leaves; names apart the models in parts of
 the workflow switched off (bypassed or muted), which get their node too; and leaves alone, naming them, the models it
 cannot stream safely (a merge whose input also goes elsewhere, a node of ours already there, on or switched off, no
-loader).
+loader). And on every official template of the newest template package it streams what samples and nothing else,
+damages no link, and puts its node over no other (``test_every_official_template_...``).
 """
 
 from __future__ import annotations
@@ -428,6 +429,19 @@ def test_models_switched_off_get_their_node_and_are_named_apart(page: Any) -> No
     assert sum(len(nodes) for _, nodes in our_nodes(page)) == 2
 
 
+def test_a_detector_loaded_as_a_model_is_left_alone_and_named(
+    page: Any, templates_with_a_loader: dict[str, dict[str, Any]]
+) -> None:
+    """SAM3 loaded through Load Checkpoint feeds SAM3_Detect, which gives masks and boxes: no sampler, so no node,
+    and the message names it."""
+    before = load(page, templates_with_a_loader["utility_image_segment_sam3"])
+    text = run_action(page)
+    assert "now stream" not in text, text
+    assert "Left as it is: sam3.1_multiplex_fp16.safetensors goes only to SAM3 Detect (#" in text, text
+    assert "which does not sample." in text, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
 # ------------------------------------------------------------------------------------------- every official template
 
 # One template through the action as a user meets it: opened, the command the menus run, run a second time, the
@@ -590,8 +604,8 @@ def templates_with_a_loader() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.skipif(
     HOST_VERSION.startswith("0.3."),
-    reason="the newest templates are made for a newer ComfyUI: most use nodes 0.3.75 lacks (ComfySwitchNode, the "
-    "LTX-2, SAM3 and guider nodes), which its frontend (1.32.9) loads as placeholders; the other tests here run on it",
+    reason="the newest templates are made for a newer ComfyUI: most use nodes 0.3.75 lacks (ComfySwitchNode, "
+    "ComfyMathExpression and more), which its frontend (1.32.9) loads as placeholders; the other tests here run on it",
 )
 def test_every_official_template_streams_its_diffusion_models_and_nothing_else(
     page: Any, served_frontend: ServedFrontend, templates_with_a_loader: dict[str, dict[str, Any]]

@@ -2,9 +2,11 @@
 // loader to what samples with it, in the root graph and inside every subgraph (ComfyUI's official templates keep
 // their whole pipeline in one). Each path is walked from the loader through its chain of model patches (LoRA
 // loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else), into the subgraphs
-// the model goes into and out of those it leaves, and the node goes where the chain ends, before it branches: LoRAs
-// and patches stay upstream of the streaming clone, as ComfyUI applies them. What the action cannot do safely it
-// leaves as it is and names. The whole edit is one undo step.
+// the model goes into and out of those it leaves, to what samples with it (schedulers, which only read it, are
+// passed by), and the node goes where the chain ends, before it branches: LoRAs and patches stay upstream of the
+// streaming clone, as ComfyUI applies them. The node sits in free space beside the chain. What the action cannot do
+// safely (a model that reaches no sampler: a detector's) it leaves as it is and names. The whole edit is one undo
+// step.
 
 import { app } from "../../scripts/app.js";
 
@@ -319,7 +321,7 @@ function isFree(graph, node, pos) {
 // person would put it: right of the end, under or over it, left of the first target, under or over that.
 function freeSpotBeside(graph, node, end, targets) {
   const [width, height] = node.size ?? [0, 0];
-  const [left, top, right, bottom] = boxOf(end);
+  const [, top, right, bottom] = boxOf(end);
   const spots = [
     [right + GAP, end.pos[1]],
     [end.pos[0], bottom + GAP + titleHeight()],
@@ -353,18 +355,19 @@ function makeRoomRightOf(graph, node, end) {
   return [right + GAP, end.pos[1]];
 }
 
-// A free spot at last: the nearest one on a grid around the end (a node spanning the place made room in stays).
+// A free spot at last (a node spanning the place made room in stays): the nearest on a grid around the end.
 function nearestFreeSpot(graph, node, end) {
-  for (let ring = 1; ring < 200; ring++) {
-    for (let dx = -ring; dx <= ring; dx++) {
-      for (const dy of [-ring, ring]) {
-        for (const spot of [[end.pos[0] + dx * GAP * 2, end.pos[1] + dy * GAP * 2], [end.pos[0] + dy * GAP * 2, end.pos[1] + dx * GAP * 2]]) {
+  const [x, y] = end.pos;
+  const step = 2 * GAP;
+  for (let ring = 1; ; ring++) {
+    for (let along = -ring; along <= ring; along++) {
+      for (const side of [-ring, ring]) {
+        for (const spot of [[x + along * step, y + side * step], [x + side * step, y + along * step]]) {
           if (isFree(graph, node, spot)) return spot;
         }
       }
     }
   }
-  return [end.pos[0], end.pos[1] + (end.size?.[1] ?? 80) + 2 * GAP];
 }
 
 function place(graph, node, end, targets) {
@@ -384,7 +387,9 @@ function idsInUse(root) {
     for (const node of graph.nodes) nodes.add(Number(node.id));
     const all = graph.links instanceof Map ? graph.links.keys() : Object.keys(graph.links ?? {});
     for (const id of all) links.add(Number(id));
-    for (const node of graph.nodes) for (const input of node.inputs ?? []) if (input?.link != null) links.add(Number(input.link));
+    for (const node of graph.nodes) {
+      for (const input of node.inputs ?? []) if (input?.link != null) links.add(Number(input.link));
+    }
   }
   return { nodes, links };
 }
@@ -412,7 +417,9 @@ function raiseIdCounters(root) {
 function linkEnds(graph) {
   const ends = new Map();
   const all = graph.links instanceof Map ? graph.links.values() : Object.values(graph.links ?? {});
-  for (const link of all) if (link) ends.set(link.id, `${link.origin_id}:${link.origin_slot}>${link.target_id}:${link.target_slot}`);
+  for (const link of all) {
+    if (link) ends.set(link.id, `${link.origin_id}:${link.origin_slot}>${link.target_id}:${link.target_slot}`);
+  }
   return ends;
 }
 
