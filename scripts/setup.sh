@@ -5,7 +5,8 @@
 # With COMFYUI_PATH naming a ComfyUI of your own, that one alone ("own": .venv-own/, used in place).
 #   .host/      the base directory ComfyUI runs in: custom_nodes/ links this pack;
 #               .host/hosts.tsv lists the prepared hosts (name, venv, ComfyUI folder), default first;
-#               .host/frontends/VERSION/ the newest ComfyUI frontend, for tests/test_browser.py.
+#               .host/frontends/VERSION/ the newest ComfyUI frontend, for tests/test_browser.py;
+#               .host/templates/VERSION/ the newest official templates, for tests/test_stream_action.py.
 # A second run does nothing but check.
 set -euo pipefail
 
@@ -151,22 +152,23 @@ fi
 # frontend then skip saying so.
 newest_frontend="$(sed -n 's/^NEWEST_FRONTEND = "\(.*\)"$/\1/p' "$repo/harness/browser.py")"
 [[ -n "$newest_frontend" ]] || die "harness/browser.py names no NEWEST_FRONTEND = \"x.y.z\"."
-fetch_frontend() {
-  local version="$1" dest="$2" python="$3" tmp
+# fetch_wheel_folder WHAT PACKAGE==VERSION FOLDER CHECK DEST PYTHON: downloads the wheel and keeps only its FOLDER/
+# (which must hold CHECK) in DEST; offline, it says what is skipped and fails nothing.
+fetch_wheel_folder() {
+  local what="$1" requirement="$2" folder="$3" check="$4" dest="$5" python="$6" tmp
   tmp="$(mktemp -d)"
-  if ! "$python" -m pip download --quiet --disable-pip-version-check --no-deps "comfyui-frontend-package==$version" \
+  if ! "$python" -m pip download --quiet --disable-pip-version-check --no-deps "$requirement" \
       -d "$tmp" >"$tmp/pip.log" 2>&1; then
-    echo "setup: the newest frontend skipped: pip could not download comfyui-frontend-package==$version (offline?):" >&2
+    echo "setup: $what skipped: pip could not download $requirement (offline?):" >&2
     tail -n 3 "$tmp/pip.log" >&2
-    echo "setup: tests/test_browser.py runs on the hosts' pinned frontends only; run scripts/setup.sh again online." >&2
+    echo "setup: the tests that need $what skip; run scripts/setup.sh again online." >&2
     rm -rf "$tmp"
     return 0
   fi
-  # Unpacked beside its destination and renamed into place: a half-unpacked frontend is never found there.
-  "$python" - "$tmp"/comfyui_frontend_package-*.whl "$dest" <<'PY' ||
+  # Unpacked beside its destination and renamed into place: a half-unpacked folder is never found there.
+  "$python" - "$tmp"/*.whl "$folder/" "$check" "$dest" <<'PY' ||
 import pathlib, shutil, sys, zipfile
-wheel, dest = sys.argv[1], pathlib.Path(sys.argv[2])
-prefix = "comfyui_frontend_package/static/"
+wheel, prefix, check, dest = sys.argv[1], sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
 partial = dest.with_name(dest.name + ".partial")
 shutil.rmtree(partial, ignore_errors=True)
 with zipfile.ZipFile(wheel) as zf:
@@ -175,18 +177,31 @@ with zipfile.ZipFile(wheel) as zf:
             target = partial / name[len(prefix):]
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(zf.read(name))
-if not (partial / "index.html").is_file():
-    sys.exit(f"{wheel} holds no {prefix}index.html")
+if not (partial / check).is_file():
+    sys.exit(f"{wheel} holds no {prefix}{check}")
 shutil.rmtree(dest, ignore_errors=True)
 partial.rename(dest)
 PY
-    echo "setup: the newest frontend skipped: comfyui-frontend-package==$version could not be unpacked (above)." >&2
+    echo "setup: $what skipped: $requirement could not be unpacked (above)." >&2
   rm -rf "$tmp"
 }
+setup_python="$(head -n1 "$HOST_DIR/hosts.tsv" | cut -f2)/bin/python"
 if [[ ! -f "$HOST_DIR/frontends/$newest_frontend/index.html" ]]; then
   mkdir -p "$HOST_DIR/frontends"
-  timed "the newest frontend ($newest_frontend)" fetch_frontend "$newest_frontend" \
-    "$HOST_DIR/frontends/$newest_frontend" "$(head -n1 "$HOST_DIR/hosts.tsv" | cut -f2)/bin/python"
+  timed "the newest frontend ($newest_frontend)" fetch_wheel_folder "the newest frontend" \
+    "comfyui-frontend-package==$newest_frontend" comfyui_frontend_package/static index.html \
+    "$HOST_DIR/frontends/$newest_frontend" "$setup_python"
+fi
+# The newest official templates (harness/official_templates.py's NEWEST_TEMPLATES, the one place their version is
+# named), for the every-template test of tests/test_stream_action.py: the hosts' ComfyUI keep the template packages
+# they pin. Only the wheel's templates/ is kept, in .host/templates/VERSION/.
+newest_templates="$(sed -n 's/^NEWEST_TEMPLATES = "\(.*\)"$/\1/p' "$repo/harness/official_templates.py")"
+[[ -n "$newest_templates" ]] || die "harness/official_templates.py names no NEWEST_TEMPLATES = \"x.y.z\"."
+if [[ ! -f "$HOST_DIR/templates/$newest_templates/index.json" ]]; then
+  mkdir -p "$HOST_DIR/templates"
+  timed "the newest templates ($newest_templates)" fetch_wheel_folder "the newest templates" \
+    "comfyui-workflow-templates-json==$newest_templates" comfyui_workflow_templates_json/templates index.json \
+    "$HOST_DIR/templates/$newest_templates" "$setup_python"
 fi
 
 # The host's base directory: ComfyUI reads models from it and writes outputs to it,

@@ -5,7 +5,8 @@ after the LoRA toggle and ModelSampling patch and before the sampler; says what 
 changes nothing the second time; follows a model out of the subgraphs it leaves; names apart the models in parts of
 the workflow switched off (bypassed or muted), which get their node too; and leaves alone, naming them, the models it
 cannot stream safely (a merge whose input also goes elsewhere, a node of ours already there, on or switched off, no
-loader).
+loader). And on every official template of the newest template package it streams what samples and nothing else,
+damages no link, and puts its node over no other (``test_every_official_template_...``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
+from urllib.parse import quote, unquote
 
 import pytest
-from conftest import failed
+from conftest import HOST_VERSION, failed
 
 from harness.browser import ServedFrontend, browser_page, chromium_missing, launch_browser, page_frontend_version
-from harness.comfy_host import REPO
-from harness.official_templates import official_template
+from harness.comfy_host import REPO, ComfyHost
+from harness.model_paths import SAMPLER, ModelPaths, box, graphs_of, overlap
+from harness.official_templates import NEWEST_TEMPLATES_DIR, TemplateMissingError, newest_templates, official_template
+from harness.validate_only import failing_outputs, known_nodes, validate
 
 pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
 
@@ -423,3 +427,217 @@ def test_models_switched_off_get_their_node_and_are_named_apart(page: Any) -> No
     text = run_action(page)
     assert "1 model now streams through Partial GPU Residency" in text and len(switched_off(text)) == 1, text
     assert sum(len(nodes) for _, nodes in our_nodes(page)) == 2
+
+
+#: The tests on the newest templates: on 0.3.x they would test placeholders.
+NEEDS_A_NEWER_HOST = pytest.mark.skipif(
+    HOST_VERSION.startswith("0.3."),
+    reason="the newest templates are made for a newer ComfyUI: most use nodes 0.3.75 lacks (ComfySwitchNode, "
+    "ComfyMathExpression and more), which its frontend (1.32.9) loads as placeholders; the other tests here run on it",
+)
+
+
+@NEEDS_A_NEWER_HOST
+def test_a_detector_loaded_as_a_model_is_left_alone_and_named(
+    page: Any, templates_with_a_loader: dict[str, dict[str, Any]]
+) -> None:
+    """SAM3 loaded through Load Checkpoint feeds SAM3_Detect, which gives masks and boxes: no sampler, so no node,
+    and the message names it."""
+    before = load(page, templates_with_a_loader["utility_image_segment_sam3"])
+    text = run_action(page)
+    assert "now stream" not in text, text
+    assert "Left as it is: sam3.1_multiplex_fp16.safetensors goes only to SAM3 Detect (#" in text, text
+    assert "which does not sample." in text, text
+    assert graph_of(serialized(page)) == graph_of(before)
+
+
+# ------------------------------------------------------------------------------------------- every official template
+
+# One template through the action as a user meets it: opened, the command the menus run, run a second time, the
+# prompt it queues, one undo (what Ctrl+Z runs) where it changed something, the prompt again; the graph serialized
+# at each step. The prompt is taken after the second run (which changes nothing): graphToPrompt orders the nodes,
+# which the change tracker would take for an edit of the user's at the next run. The template comes from
+# TEMPLATES_URL (``serve_template``).
+EVERY_TEMPLATE_JS = """
+async ([modulePath, url]) => {
+  const app = window.app;
+  const graph = () => app.rootGraph ?? app.graph;
+  const snapshot = () => JSON.stringify(graph().serialize());
+  const prompt = async () => {
+    try { return { output: (await app.graphToPrompt()).output }; } catch (e) { return { error: String(e) }; }
+  };
+  const { COMMAND_ID } = await import(modulePath);
+  const command = (id) => app.extensionManager.command.execute(id);
+  const run = async () => {
+    await command(COMMAND_ID);
+    const toast = app.extensionManager.toast;
+    (toast.dismissAll ?? toast.removeAll).call(toast);
+  };
+  const workflow = await (await fetch(url)).json();
+  // Into the open tab, as opening a file there does: a new tab per template made each load 3 times slower.
+  await app.loadGraphData(workflow, true, true, app.extensionManager.workflow.activeWorkflow);
+  const result = { before: snapshot() };
+  await run();
+  result.after = snapshot();
+  await run();
+  result.again = snapshot();
+  result.afterPrompt = await prompt();
+  // Where the action changed nothing there is nothing of its to undo (Ctrl+Z would undo the user's last edit).
+  if (result.after !== result.before) await command("Comfy.Undo");
+  result.undone = snapshot();
+  result.beforePrompt = await prompt();
+  return result;
+}
+"""
+OUR_TYPES = {"PartialGPUResidency", "AsyncBlockOffload", "SequentialOffloadWrapper"}
+
+
+def layout(text: str) -> dict[str, Any]:
+    """``graph_of`` with each node's place: what a second run must not change and Ctrl+Z must give back."""
+    data = json.loads(text)
+    graphs = [data, *data.get("definitions", {}).get("subgraphs", [])]
+    places = {g.get("name", "root"): sorted((str(n["id"]), list(n["pos"])) for n in g["nodes"]) for g in graphs}
+    return {"graph": graph_of(text), "places": places}
+
+
+def all_ids(workflow: dict[str, Any]) -> tuple[set[int], set[int]]:
+    """Every node id and every link id in the workflow, subgraphs included."""
+    graphs = graphs_of(workflow).values()
+    return {i for g in graphs for i in g.nodes}, {i for g in graphs for i in g.links}
+
+
+def template_problems(result: dict[str, Any], object_info: dict[str, Any]) -> list[str]:
+    """What is wrong with the action's edit of one template (``EVERY_TEMPLATE_JS``'s result), read from the graph
+    JSON alone (harness/model_paths.py)."""
+    problems: list[str] = []
+    before, after = json.loads(result["before"]), json.loads(result["after"])
+    paths = ModelPaths(after, object_info)
+    for loader in paths.loaders():
+        for path in paths.paths(loader):
+            names = [paths.node(s)["type"] for s in path]
+            ours = [i for i, s in enumerate(path) if paths.node(s)["type"] in OUR_TYPES]
+            if paths.kind(path[-1]) == SAMPLER:
+                if len(ours) != 1:
+                    problems.append(f"{len(ours)} of our nodes on the path {names}")
+                    continue
+                for step in path[ours[0] : -1]:
+                    if paths.parts(step):
+                        break
+                    if step != path[ours[0]] and paths.node(step)["type"] not in OUR_TYPES:
+                        problems.append(f"a patch after our node, before the path parts: {names}")
+                        break
+            elif ours:
+                problems.append(f"our node on a path to no sampler: {names}")
+    # Every old link still connects the same slots, or (the one our node was put on) now through our node.
+    old, new = graphs_of(before), graphs_of(after)
+    old_nodes, old_links = all_ids(before)
+    for graph_id, graph in old.items():
+        now = new[graph_id]
+        if reused := (now.nodes.keys() - graph.nodes.keys()) & old_nodes:
+            problems.append(f"new nodes in {graph_id} take ids other nodes have: {sorted(reused)}")
+        if reused := (now.links.keys() - graph.links.keys()) & old_links:
+            problems.append(f"new links in {graph_id} take ids other links have: {sorted(reused)}")
+        for link in graph.links.values():
+            if link.id in now.links:
+                if now.links[link.id] != link:
+                    problems.append(f"link {link.id} of {graph_id} now connects {now.links[link.id]}, not {link}")
+                continue
+            feeds = [n for n in now.links.values() if (n.target, n.target_slot) == (link.target, link.target_slot)]
+            via = [now.nodes.get(n.origin, {}).get("type") in OUR_TYPES for n in feeds]
+            fed = [n for n in now.links.values() if feeds and n.target == feeds[0].origin]
+            if not (via == [True] and [(n.origin, n.origin_slot) for n in fed] == [(link.origin, link.origin_slot)]):
+                problems.append(f"link {link.id} of {graph_id} ({link}) is lost")
+        for node in now.nodes.values():
+            for slot, i in enumerate(node.get("inputs") or []):
+                link = now.links.get(i.get("link")) if i.get("link") is not None else None
+                if i.get("link") is not None and (
+                    link is None or (link.target, link.target_slot) != (node["id"], slot)
+                ):
+                    problems.append(f"input {slot} of node {node['id']} in {graph_id}: link {i['link']} ends elsewhere")
+    if ("error" in result["afterPrompt"]) and "error" not in result["beforePrompt"]:
+        problems.append(f"the edited workflow converts to no prompt: {result['afterPrompt']['error']}")
+    # No node of ours over another.
+    for graph in new.values():
+        for node in graph.nodes.values():
+            if node["type"] in OUR_TYPES and node["id"] not in graphs_of(before).get(graph.id, graph).nodes:
+                covered = [o["id"] for o in graph.nodes.values() if o is not node and overlap(box(node), box(o))]
+                if covered:
+                    problems.append(f"our node {node['id']} in {graph.id} lies over nodes {covered}")
+    if layout(result["again"]) != layout(result["after"]):
+        problems.append("the second run changed the workflow")
+    if layout(result["undone"]) != layout(result["before"]):
+        problems.append("one undo did not give back the template")
+    return problems
+
+
+def validation_problems(host: ComfyHost, result: dict[str, Any], object_info: dict[str, Any]) -> list[str]:
+    """Whether the edited prompt validates as the untouched one does (harness/validate_only.py: only outputs that
+    cannot validate are asked for, so the server queues nothing): no error the untouched prompt lacks, none on our
+    nodes."""
+    if "error" in result["beforePrompt"] or "error" in result["afterPrompt"]:
+        return []  # template_problems says so where only the edited one converts to no prompt
+    before = known_nodes(result["beforePrompt"]["output"], object_info)
+    after = known_nodes(result["afterPrompt"]["output"], object_info)
+    targets = failing_outputs(before, object_info)
+    if not targets:
+        return []
+    untouched, edited = validate(host, before, targets), validate(host, after, targets)
+    ours = {i for i, node in after.items() if node["class_type"] in OUR_TYPES}
+    problems = [f"our node {i} does not validate: {edited.node_errors[i]}" for i in ours & edited.node_errors.keys()]
+    if edited.error != untouched.error:
+        problems.append(f"the edited prompt fails with {edited.error}, the untouched one with {untouched.error}")
+    others = {i: e for i, e in edited.node_errors.items() if i not in ours}
+    if others != untouched.node_errors:
+        problems.append(f"validation errors differ: {others} (edited) against {untouched.node_errors} (untouched)")
+    return problems
+
+
+#: Where the page fetches the newest templates: from this process (Playwright routes it), not from ComfyUI, which
+#: serves its own package's; passed to page.evaluate instead, each template took 50 ms to cross.
+TEMPLATES_URL = "/block-offload-tests/templates/"
+
+
+def serve_template(route: Any) -> None:
+    name = unquote(route.request.url.rsplit("/", 1)[1])
+    route.fulfill(path=str(NEWEST_TEMPLATES_DIR / name), content_type="application/json")
+
+
+@pytest.fixture(scope="module")
+def templates_with_a_loader() -> dict[str, dict[str, Any]]:
+    try:
+        templates = newest_templates()
+    except TemplateMissingError as exc:
+        pytest.skip(str(exc))
+    return templates
+
+
+@NEEDS_A_NEWER_HOST
+def test_every_official_template_streams_its_diffusion_models_and_nothing_else(
+    page: Any, served_frontend: ServedFrontend, templates_with_a_loader: dict[str, dict[str, Any]]
+) -> None:
+    """Every template of the newest package (harness/official_templates.py) with a model loader, through the
+    action: harness/model_paths.py reads each edited graph and finds exactly one node of ours on every path from a
+    loader to a sampler and none on a path to anything else, no patch after it before the path parts, every old
+    link in place (or, the one it was put on, through it), ids that were free, no node of ours over another; a
+    second run changes nothing and one undo gives the template back. The edited prompt validates as the untouched
+    one does, asked of the server with harness/validate_only.py, which names only outputs that cannot validate
+    (their loader's model file is not on this machine), so the server answers 400 and queues nothing."""
+    host = served_frontend.host
+    object_info = host.get("/object_info").json()
+    with_loader = [
+        name
+        for name, workflow in templates_with_a_loader.items()
+        if "nodes" in workflow and ModelPaths(workflow, object_info).loaders()
+    ]
+    problems: dict[str, list[str]] = {}
+    page.route(f"**{TEMPLATES_URL}*", serve_template)
+    try:
+        for name in with_loader:
+            result = page.evaluate(EVERY_TEMPLATE_JS, [MODULE, f"{TEMPLATES_URL}{quote(name)}.json"])
+            found = template_problems(result, object_info) + validation_problems(host, result, object_info)
+            if found:
+                problems[name] = found
+    finally:
+        page.unroute(f"**{TEMPLATES_URL}*", serve_template)
+    report = "\n".join(f"{name}: {'; '.join(found)}" for name, found in sorted(problems.items()))
+    assert not problems, f"{len(problems)} of {len(with_loader)} templates:\n{report}"

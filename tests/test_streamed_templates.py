@@ -30,8 +30,9 @@ OUR_NODE = "PartialGPUResidency"
 # Below every tiny template model (the smallest, Wan, holds 5.5 MB), so that some of its blocks stream.
 STREAMING_BUDGET_GB = 0.002
 LOADERS = {"UNETLoader", "CheckpointLoaderSimple"}
-# What takes the model in the shipped templates: the samplers, the guiders and the scheduler of custom sampling.
-SAMPLERS = {"KSampler", "KSamplerAdvanced", "BasicGuider", "CFGGuider", "BasicScheduler"}
+# What samples with the model in the shipped templates: the samplers and the guiders (the scheduler of custom
+# sampling only reads the model's sigmas: the action leaves it the model as it was).
+SAMPLERS = {"KSampler", "KSamplerAdvanced", "BasicGuider", "CFGGuider"}
 
 
 def api_twin(template: str) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 // loader to what samples with it, in the root graph and inside every subgraph (ComfyUI's official templates keep
 // their whole pipeline in one). Each path is walked from the loader through its chain of model patches (LoRA
 // loaders, ModelSampling*, anything with one MODEL in and a MODEL out, linked to nothing else), into the subgraphs
-// the model goes into and out of those it leaves, and the node goes where the chain ends, before it branches: LoRAs
-// and patches stay upstream of the streaming clone, as ComfyUI applies them. What the action cannot do safely it
-// leaves as it is and names. The whole edit is one undo step.
+// the model goes into and out of those it leaves, to what samples with it (schedulers, which only read it, are
+// passed by), and the node goes where the chain ends, before it branches: LoRAs and patches stay upstream of the
+// streaming clone, as ComfyUI applies them. The node sits in free space beside the chain. What the action cannot do
+// safely (a model that reaches no sampler: a detector's) it leaves as it is and names. The whole edit is one undo
+// step.
 
 import { app } from "../../scripts/app.js";
 
@@ -104,16 +106,39 @@ function isModelPatch(graph, node) {
   return !isSubgraphNode(node) && modelInputLinks(graph, node).length > 0 && modelOutputSlot(graph, node) !== null;
 }
 
-// What samples with the model uses it and gives something else (a latent, a guider, sigmas). A node that saves the
-// model or sits in another graph is not that (the subgraphs the model goes into or leaves are followed before this
-// is asked).
+// The types a node gives, as the server defines it (``/object_info``), else as its slots say (a node the server
+// does not know keeps the slots it was saved with).
+function outputTypes(node) {
+  return node.constructor?.nodeData?.output ?? (node.outputs ?? []).map((output) => output?.type);
+}
+
+// A scheduler reads the model's sampling settings and gives sigmas (BasicScheduler and its kind): it neither
+// samples nor parts the model's path, so the node goes past it.
+function isScheduler(node) {
+  const types = outputTypes(node);
+  return types.length > 0 && types.every((type) => type === "SIGMAS");
+}
+
+// What samples with the model gives a latent (KSampler, SamplerCustom), or a guider the custom samplers run
+// (CFGGuider, BasicGuider, DualCFGGuider and the models' own), or is filed under sampling by the server. A detector
+// or a pose model loaded the same way gives masks, boxes or keypoints.
+function samples(node) {
+  const types = outputTypes(node);
+  const category = String(node.constructor?.nodeData?.category ?? "");
+  return types.includes("LATENT") || types.includes("GUIDER") || category.split("/").includes("sampling");
+}
+
+// Why the model cannot go on to ``consumer``, a node that takes it and gives no MODEL back; null for a sampler.
+// (The subgraphs the model goes into or leaves are followed before this is asked.)
 function whyNotASampler(consumer) {
   const node = consumer.node;
   if (isSubgraphNode(node)) return `goes into the subgraph ${describe(node)}`;
   if (isGroupNode(node)) return `goes into the group node ${describe(node)}`;
+  if (samples(node)) return null;
   if (node.constructor?.nodeData?.output_node) return `goes to ${describe(node)}, which saves the model`;
-  return null;
+  return ELSEWHERE;
 }
+const ELSEWHERE = "elsewhere";
 
 function loaderFile(node) {
   const named = (node.widgets ?? []).find((widget) => /_name$/.test(widget.name) && typeof widget.value === "string");
@@ -193,10 +218,10 @@ function fedBy(member) {
 function traceRegion(root, graph, loader) {
   const start = nodeKey([], graph, loader.id);
   const members = new Map([[start, { graph, node: loader, via: [] }]]);
-  const region = { members, edges: new Map(), problems: [], merges: new Map(), streamedBy: null };
+  const region = { members, edges: new Map(), problems: [], merges: new Map(), streamedBy: null, elsewhere: [] };
   const queue = [start];
-  const join = (key, member, next) => {
-    next.push(key);
+  const join = (key, member, next, consumer) => {
+    next.push({ key, consumer });
     if (!region.members.has(key)) {
       region.members.set(key, member);
       queue.push(key);
@@ -216,21 +241,22 @@ function traceRegion(root, graph, loader) {
         const outer = via.slice(0, -1);
         for (const use of leaves) {
           const out = { graph: use.graph, subgraphNode: use.node, output: consumer.slot, via: outer };
-          join(nodeKey(outer, use.graph, use.node.id), out, next);
+          join(nodeKey(outer, use.graph, use.node.id), out, next, consumer);
         }
       } else if (OUR_TYPES.has(node.type)) {
         region.streamedBy = node;
       } else if (node.subgraph && isSubgraphNode(node)) {
         const inside = [...via, { node, graph: consumer.graph }];
         const entered = { graph: node.subgraph, input: consumer.slot, subgraphNode: node, via: inside };
-        join(inputKey(inside, node.subgraph, consumer.slot), entered, next);
+        join(inputKey(inside, node.subgraph, consumer.slot), entered, next, consumer);
       } else if (!isSubgraphNode(node) && modelOutputSlot(consumer.graph, node) !== null) {
         // It takes the model and gives a MODEL back: a patch (its input may be typed "*", a Reroute in a subgraph).
-        join(nodeKey(via, consumer.graph, node.id), { graph: consumer.graph, node, via }, next);
-      } else {
+        join(nodeKey(via, consumer.graph, node.id), { graph: consumer.graph, node, via }, next, consumer);
+      } else if (!isScheduler(node)) {
         const why = whyNotASampler(consumer);
-        if (why) region.problems.push(why);
-        else next.push(SINK);
+        if (why === ELSEWHERE) region.elsewhere.push(node);
+        else if (why) region.problems.push(why);
+        else next.push({ key: SINK, consumer });
       }
     }
   }
@@ -247,7 +273,8 @@ function traceRegion(root, graph, loader) {
 // The last place every path from the loader to a sampler passes through: a patch, or a subgraph node's output the
 // model leaves by. The node goes right after it, so every patch before it applies to the streamed clone and nothing
 // after it branches. A subgraph input is no place to put one after: where the paths part right inside a subgraph,
-// the node goes before it, outside. Returns {graph, node, slot}, or null.
+// the node goes before it, outside. Returns {graph, node, slot, targets}, targets being what the place feeds on the
+// way to a sampler (a scheduler or a detector fed there keeps the model as it is), or null.
 function lastSharedPlace(region, loaderKey) {
   const paths = [];
   const walk = (key, path) => {
@@ -256,34 +283,168 @@ function lastSharedPlace(region, loaderKey) {
       paths.push(path);
       return;
     }
-    for (const next of region.edges.get(key) ?? []) if (!path.includes(next)) walk(next, [...path, key]);
+    for (const next of region.edges.get(key) ?? []) if (!path.includes(next.key)) walk(next.key, [...path, key]);
   };
   walk(loaderKey, []);
   if (!paths.length || paths.length > MAX_PATHS) return null;
   const isPlace = (key) => region.members.get(key).input === undefined;
   const shared = paths[0].filter((key) => isPlace(key) && paths.every((path) => path.includes(key)));
-  const member = region.members.get(shared[shared.length - 1]);
+  const key = shared[shared.length - 1];
+  const onward = new Set(paths.map((path) => path[path.indexOf(key) + 1] ?? SINK));
+  const targets = region.edges.get(key).filter((next) => onward.has(next.key)).map((next) => next.consumer);
+  const member = region.members.get(key);
   return member.node
-    ? { graph: member.graph, node: member.node, slot: modelOutputSlot(member.graph, member.node) }
-    : { graph: member.graph, node: member.subgraphNode, slot: member.output };
+    ? { graph: member.graph, node: member.node, slot: modelOutputSlot(member.graph, member.node), targets }
+    : { graph: member.graph, node: member.subgraphNode, slot: member.output, targets };
 }
 
-function placeBelow(node, end) {
-  const [x, y] = end.pos ?? [0, 0];
-  const height = end.size?.[1] ?? 80;
-  node.pos = [x, y + height + 60];
+// Space kept between the node and its neighbours, and the title bar LiteGraph draws above a node's ``pos``.
+const GAP = 30;
+const titleHeight = () => globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+
+// The rectangle ``node`` covers, its title bar included: [left, top, right, bottom].
+function boxOf(node, pos = node.pos) {
+  const [width, height] = node.size ?? [0, 0];
+  return [pos[0], pos[1] - titleHeight(), pos[0] + width, pos[1] + height];
 }
 
-function insertAfter({ graph, node: end, slot }, nodeType) {
+function overlaps(a, b) {
+  return a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3];
+}
+
+function isFree(graph, node, pos) {
+  const box = boxOf(node, pos);
+  return graph.nodes.every((other) => other === node || !overlaps(box, boxOf(other)));
+}
+
+// Where ``node`` goes between ``end`` and what it feeds (``targets``): beside the chain, in free space, where a
+// person would put it: right of the end, under or over it, left of the first target, under or over that.
+function freeSpotBeside(graph, node, end, targets) {
+  const [width, height] = node.size ?? [0, 0];
+  const [, top, right, bottom] = boxOf(end);
+  const spots = [
+    [right + GAP, end.pos[1]],
+    [end.pos[0], bottom + GAP + titleHeight()],
+    [end.pos[0], top - GAP - height],
+  ];
+  const first = targets.map((target) => target.node).find((target) => target?.pos);
+  if (first) {
+    const [targetLeft, targetTop, , targetBottom] = boxOf(first);
+    spots.push(
+      [targetLeft - GAP - width, first.pos[1]],
+      [first.pos[0], targetBottom + GAP + titleHeight()],
+      [first.pos[0], targetTop - GAP - height],
+    );
+  }
+  return spots.find((spot) => isFree(graph, node, spot)) ?? null;
+}
+
+// No room beside the chain: the node goes right of the end, and whatever lies right of the end (nodes and groups)
+// moves over by the node's width, as a person makes room. A group the end sits in widens with it.
+function makeRoomRightOf(graph, node, end) {
+  const [, , right] = boxOf(end);
+  const shift = (node.size?.[0] ?? 0) + 2 * GAP;
+  for (const other of graph.nodes) {
+    if (other !== node && other.pos[0] >= right) other.pos = [other.pos[0] + shift, other.pos[1]];
+  }
+  for (const group of graph.groups ?? graph._groups ?? []) {
+    const [x, y, width, height] = group._bounding ?? [...group.pos, ...group.size];
+    if (x >= right) group.pos = [x + shift, y];
+    else if (x + width > right) group.size = [width + shift, height];
+  }
+  return [right + GAP, end.pos[1]];
+}
+
+// A free spot at last (a node spanning the place made room in stays): the nearest on a grid around the end.
+function nearestFreeSpot(graph, node, end) {
+  const [x, y] = end.pos;
+  const step = 2 * GAP;
+  for (let ring = 1; ; ring++) {
+    for (let along = -ring; along <= ring; along++) {
+      for (const side of [-ring, ring]) {
+        for (const spot of [[x + along * step, y + side * step], [x + side * step, y + along * step]]) {
+          if (isFree(graph, node, spot)) return spot;
+        }
+      }
+    }
+  }
+}
+
+function place(graph, node, end, targets) {
+  let spot = freeSpotBeside(graph, node, end, targets);
+  if (!spot) {
+    spot = makeRoomRightOf(graph, node, end);
+    if (!isFree(graph, node, spot)) spot = nearestFreeSpot(graph, node, end);
+  }
+  node.pos = spot;
+}
+
+// Every node and link id in the workflow, subgraphs included.
+function idsInUse(root) {
+  const nodes = new Set();
+  const links = new Set();
+  for (const graph of graphsOf(root)) {
+    for (const node of graph.nodes) nodes.add(Number(node.id));
+    const all = graph.links instanceof Map ? graph.links.keys() : Object.keys(graph.links ?? {});
+    for (const id of all) links.add(Number(id));
+    for (const node of graph.nodes) {
+      for (const input of node.inputs ?? []) if (input?.link != null) links.add(Number(input.link));
+    }
+  }
+  return { nodes, links };
+}
+
+// The ids the next node and link get come from the graph's counters, which a graph saved by another tool can leave
+// below ids in use (a new link then takes an old one's id and replaces it): they are raised past every id in use
+// first, in the root graph and every subgraph (which share the root's counters where the frontend has subgraphs).
+function raiseIdCounters(root) {
+  const { nodes, links } = idsInUse(root);
+  const highest = (ids) => Math.max(0, ...[...ids].filter(Number.isFinite));
+  for (const graph of graphsOf(root)) {
+    const state = graph.state;
+    if (state) {
+      state.lastNodeId = Math.max(Number(state.lastNodeId) || 0, highest(nodes));
+      state.lastLinkId = Math.max(Number(state.lastLinkId) || 0, highest(links));
+    } else {
+      graph.last_node_id = Math.max(Number(graph.last_node_id) || 0, highest(nodes));
+      graph.last_link_id = Math.max(Number(graph.last_link_id) || 0, highest(links));
+    }
+  }
+  return { nodes, links };
+}
+
+// What each link of the place's graph connects, by id: to check that the insertion changed nothing else.
+function linkEnds(graph) {
+  const ends = new Map();
+  const all = graph.links instanceof Map ? graph.links.values() : Object.values(graph.links ?? {});
+  for (const link of all) {
+    if (link) ends.set(link.id, `${link.origin_id}:${link.origin_slot}>${link.target_id}:${link.target_slot}`);
+  }
+  return ends;
+}
+
+// Puts a node of ``nodeType`` after ``end``'s output ``slot``, feeding ``targets``. Returns the node, or a reason
+// (and nothing changed) where the frontend did not link it as asked.
+function insertAfter({ graph, node: end, slot, targets }, nodeType, root) {
   const node = globalThis.LiteGraph.createNode(nodeType);
   if (!node) throw new Error(`ComfyUI does not know the node type ${nodeType}: is Block Offload loaded on the server?`);
-  const targets = consumers(graph, end, slot);
+  const inUse = raiseIdCounters(root);
+  const before = linkEnds(graph);
   graph.add(node);
-  placeBelow(node, end);
+  place(graph, node, end, targets);
   // Each consumer's input is re-linked to the node (connecting an input replaces its old link), then the end feeds
   // the node.
+  const replaced = new Set(targets.map((target) => target.node.inputs?.[target.slot]?.link));
   for (const target of targets) node.connect(0, target.node, target.slot);
   end.connect(slot, node, 0);
+  const after = linkEnds(graph);
+  const lost = [...before].filter(([id, ends]) => !replaced.has(id) && after.get(id) !== ends);
+  const fresh = [...after.keys()].filter((id) => !before.has(id));
+  if (inUse.nodes.has(Number(node.id)) || lost.length || fresh.some((id) => inUse.links.has(Number(id)))) {
+    graph.remove(node);
+    for (const target of targets) end.connect(slot, target.node, target.slot);
+    return null;
+  }
   return node;
 }
 
@@ -320,10 +481,18 @@ export function streamWorkflowModels(root, nodeType) {
     }
     const place = lastSharedPlace(region, nodeKey([], graph, source.id));
     if (!place) {
-      report.leftAlone.push({ what, why: "feeds no sampler" });
+      const others = [...new Set(region.elsewhere)].map(describe);
+      const which = others.length > 1 ? "do" : "does";
+      const why = others.length ? `goes only to ${others.join(", ")}, which ${which} not sample` : "feeds no sampler";
+      report.leftAlone.push({ what, why });
       return;
     }
-    report.inserted.push(insertAfter(place, nodeType));
+    const node = insertAfter(place, nodeType, root);
+    if (!node) {
+      report.leftAlone.push({ what, why: "could not be given a node without changing another link: left as it was" });
+      return;
+    }
+    report.inserted.push(node);
     (off ? report.switchedOff : report.streamed).push(what);
   };
   for (const graph of graphsOf(root)) {
