@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
-from urllib.parse import quote, unquote
 
 import pytest
 from conftest import HOST_VERSION, failed
@@ -23,7 +23,7 @@ from conftest import HOST_VERSION, failed
 from harness.browser import ServedFrontend, browser_page, chromium_missing, launch_browser, page_frontend_version
 from harness.comfy_host import REPO, ComfyHost
 from harness.model_paths import SAMPLER, ModelPaths, box, graphs_of, overlap
-from harness.official_templates import NEWEST_TEMPLATES_DIR, TemplateMissingError, newest_templates, official_template
+from harness.official_templates import TemplateMissingError, newest_templates, official_template
 from harness.validate_only import failing_outputs, known_nodes, validate
 
 pytest.importorskip("playwright.sync_api", reason="Playwright is not installed: run scripts/setup.sh")
@@ -456,10 +456,11 @@ def test_a_detector_loaded_as_a_model_is_left_alone_and_named(
 # One template through the action as a user meets it: opened, the command the menus run, run a second time, the
 # prompt it queues, one undo (what Ctrl+Z runs) where it changed something, the prompt again; the graph serialized
 # at each step. The prompt is taken after the second run (which changes nothing): graphToPrompt orders the nodes,
-# which the change tracker would take for an edit of the user's at the next run. The template comes from
-# TEMPLATES_URL (``serve_template``).
+# which the change tracker would take for an edit of the user's at the next run. The template comes as JSON text (a
+# string crosses to the page at once, where an object took 50 ms and a route to this process as long) and loads
+# without the missing-model scan, which only fills the missing-models list.
 EVERY_TEMPLATE_JS = """
-async ([modulePath, url]) => {
+async ([modulePath, text]) => {
   const app = window.app;
   const graph = () => app.rootGraph ?? app.graph;
   const snapshot = () => JSON.stringify(graph().serialize());
@@ -473,9 +474,9 @@ async ([modulePath, url]) => {
     const toast = app.extensionManager.toast;
     (toast.dismissAll ?? toast.removeAll).call(toast);
   };
-  const workflow = await (await fetch(url)).json();
+  const workflow = JSON.parse(text);
   // Into the open tab, as opening a file there does: a new tab per template made each load 3 times slower.
-  await app.loadGraphData(workflow, true, true, app.extensionManager.workflow.activeWorkflow);
+  await app.loadGraphData(workflow, true, true, app.extensionManager.workflow.activeWorkflow, { skipAssetScans: true });
   const result = { before: snapshot() };
   await run();
   result.after = snapshot();
@@ -592,16 +593,6 @@ def validation_problems(host: ComfyHost, result: dict[str, Any], object_info: di
     return problems
 
 
-#: Where the page fetches the newest templates: from this process (Playwright routes it), not from ComfyUI, which
-#: serves its own package's; passed to page.evaluate instead, each template took 50 ms to cross.
-TEMPLATES_URL = "/block-offload-tests/templates/"
-
-
-def serve_template(route: Any) -> None:
-    name = unquote(route.request.url.rsplit("/", 1)[1])
-    route.fulfill(path=str(NEWEST_TEMPLATES_DIR / name), content_type="application/json")
-
-
 @pytest.fixture(scope="module")
 def templates_with_a_loader() -> dict[str, dict[str, Any]]:
     try:
@@ -629,15 +620,21 @@ def test_every_official_template_streams_its_diffusion_models_and_nothing_else(
         for name, workflow in templates_with_a_loader.items()
         if "nodes" in workflow and ModelPaths(workflow, object_info).loaders()
     ]
-    problems: dict[str, list[str]] = {}
-    page.route(f"**{TEMPLATES_URL}*", serve_template)
+
+    def check(result: dict[str, Any]) -> list[str]:
+        return template_problems(result, object_info) + validation_problems(host, result, object_info)
+
+    # The canvas draws nothing meanwhile (drawing changes no graph), and each template is checked on a thread while
+    # the page goes on with the next.
+    page.evaluate("window.app.canvas.pause_rendering = true")
     try:
-        for name in with_loader:
-            result = page.evaluate(EVERY_TEMPLATE_JS, [MODULE, f"{TEMPLATES_URL}{quote(name)}.json"])
-            found = template_problems(result, object_info) + validation_problems(host, result, object_info)
-            if found:
-                problems[name] = found
+        with ThreadPoolExecutor(max_workers=1) as checks:
+            checked: dict[str, Future[list[str]]] = {}
+            for name in with_loader:
+                result = page.evaluate(EVERY_TEMPLATE_JS, [MODULE, json.dumps(templates_with_a_loader[name])])
+                checked[name] = checks.submit(check, result)
     finally:
-        page.unroute(f"**{TEMPLATES_URL}*", serve_template)
+        page.evaluate("window.app.canvas.pause_rendering = false")
+    problems = {name: future.result() for name, future in checked.items() if future.result()}
     report = "\n".join(f"{name}: {'; '.join(found)}" for name, found in sorted(problems.items()))
     assert not problems, f"{len(problems)} of {len(with_loader)} templates:\n{report}"
