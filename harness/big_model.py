@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from .comfy_host import SETUP_DIR, ComfyHost
+from .prompts import evict_cached_models
 
 LOCK = SETUP_DIR / "big-model.lock"
 TINY_FLUX = pytest.mark.big_model(reason="it samples the 2 GB tiny Flux")
@@ -51,11 +52,4 @@ def drop_models(host: ComfyHost) -> None:
     prompts, so they are done once a second prompt has run after them."""
     host.free()
     for _ in range(2):
-        result = host.run(_NO_MODEL, timeout=60)
-        assert result.ok, result.error_text()
-
-
-_NO_MODEL = {
-    "1": {"class_type": "EmptyLatentImage", "inputs": {"width": 16, "height": 16, "batch_size": 1}},
-    "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "tests/big_model/none"}},
-}
+        evict_cached_models(host)

@@ -133,11 +133,12 @@ def fold_switches(prompt: Prompt) -> Prompt:
 
 
 def reachable(prompt: Prompt, outputs: list[str]) -> Prompt:
-    """The nodes ``outputs`` depend on (what ComfyUI runs), in ``prompt``'s order."""
+    """The nodes ``outputs`` depend on (what ComfyUI runs), in ``prompt``'s order; a link to a node not in
+    ``prompt`` leads nowhere."""
     needed, todo = set(), list(outputs)
     while todo:
         node_id = todo.pop()
-        if node_id not in needed:
+        if node_id not in needed and node_id in prompt:
             needed.add(node_id)
             todo += [v[0] for v in prompt[node_id]["inputs"].values() if is_link(v)]
     return {nid: node for nid, node in prompt.items() if nid in needed}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .comfy_host import ComfyHost
+from .template_prompts import output_node_ids, reachable
 
 
 class QueuedError(AssertionError):
@@ -70,23 +71,10 @@ def unlisted(prompt: Mapping[str, Any], object_info: Mapping[str, Any]) -> set[s
     }
 
 
-def upstream(prompt: Mapping[str, Any], node_id: str) -> set[str]:
-    """``node_id`` and every node it takes an input from, directly or not."""
-    seen, pending = set(), [node_id]
-    while pending:
-        current = pending.pop()
-        if current in seen or current not in prompt:
-            continue
-        seen.add(current)
-        pending += [v[0] for v in prompt[current].get("inputs", {}).values() if isinstance(v, list) and v]
-    return seen
-
-
 def failing_outputs(prompt: Mapping[str, Any], object_info: Mapping[str, Any]) -> list[str]:
     """The output nodes of ``prompt`` that cannot validate: a node upstream of each is :func:`unlisted`."""
     bad = unlisted(prompt, object_info)
-    outputs = [i for i, node in prompt.items() if object_info[node["class_type"]].get("output_node")]
-    return sorted(i for i in outputs if upstream(prompt, i) & bad)
+    return sorted(i for i in output_node_ids(prompt, object_info) if reachable(prompt, [i]).keys() & bad)
 
 
 def validate(host: ComfyHost, prompt: Mapping[str, Any], targets: list[str]) -> Validation:
@@ -94,7 +82,7 @@ def validate(host: ComfyHost, prompt: Mapping[str, Any], targets: list[str]) -> 
     response = host.post("/prompt", {"prompt": dict(prompt), "partial_execution_targets": targets})
     body = response.json()
     if response.status_code == 200:
-        host.post("/interrupt", {})
+        host.interrupt()
         host.post("/queue", {"clear": True})
         raise QueuedError(f"the server queued a prompt posted for validation only: {body}")
     errors = {
