@@ -453,12 +453,14 @@ def test_a_detector_loaded_as_a_model_is_left_alone_and_named(
 
 # ------------------------------------------------------------------------------------------- every official template
 
-# One template through the action as a user meets it: opened, the command the menus run, run a second time, the
-# prompt it queues, one undo (what Ctrl+Z runs) where it changed something, the prompt again; the graph serialized
-# at each step. The prompt is taken after the second run (which changes nothing): graphToPrompt orders the nodes,
-# which the change tracker would take for an edit of the user's at the next run. The template comes as JSON text (a
-# string crosses to the page at once, where an object took 50 ms and a route to this process as long) and loads
-# without the missing-model scan, which only fills the missing-models list.
+# One template through the action as a user meets it: opened, the command the menus run, run a second time; the graph
+# serialized at each step, and the prompt it queues before and after. The untouched prompt is taken first:
+# graphToPrompt writes each node's execution order into the graph, which the change tracker takes into the action's
+# undo step where the edit follows it. Undo is read from the change tracker: the action's one undo step must hold the
+# template as opened. Ctrl+Z loads that state (a full graph load, as long again as opening the template; the tests
+# above press it). The template comes as JSON text (a string crosses to the page at once, where an object took 50 ms
+# and a route to this process as long) and loads without the missing-model scan, which only fills the
+# missing-models list.
 EVERY_TEMPLATE_JS = """
 async ([modulePath, text]) => {
   const app = window.app;
@@ -476,17 +478,21 @@ async ([modulePath, text]) => {
   };
   const workflow = JSON.parse(text);
   // Into the open tab, as opening a file there does: a new tab per template made each load 3 times slower.
-  await app.loadGraphData(workflow, true, true, app.extensionManager.workflow.activeWorkflow, { skipAssetScans: true });
-  const result = { before: snapshot() };
+  const tab = app.extensionManager.workflow.activeWorkflow;
+  await app.loadGraphData(workflow, true, true, tab, { skipAssetScans: true });
+  // The earlier templates' undo steps are dropped: the tracker keeps 50, and a full queue's length would not grow.
+  const undoQueue = tab.changeTracker.undoQueue;
+  undoQueue.splice(0);
+  const result = { beforePrompt: await prompt(), before: snapshot() };
+  const queued = undoQueue.length;
   await run();
   result.after = snapshot();
+  result.undoSteps = [undoQueue.length - queued];
+  result.undoState = undoQueue.length > queued ? JSON.stringify(undoQueue.at(-1)) : null;
   await run();
   result.again = snapshot();
+  result.undoSteps.push(undoQueue.length - queued - result.undoSteps[0]);
   result.afterPrompt = await prompt();
-  // Where the action changed nothing there is nothing of its to undo (Ctrl+Z would undo the user's last edit).
-  if (result.after !== result.before) await command("Comfy.Undo");
-  result.undone = snapshot();
-  result.beforePrompt = await prompt();
   return result;
 }
 """
@@ -494,7 +500,7 @@ OUR_TYPES = {"PartialGPUResidency", "AsyncBlockOffload", "SequentialOffloadWrapp
 
 
 def layout(text: str) -> dict[str, Any]:
-    """``graph_of`` with each node's place: what a second run must not change and Ctrl+Z must give back."""
+    """``graph_of`` with each node's place: what a second run must not change and undo must give back."""
     data = json.loads(text)
     graphs = [data, *data.get("definitions", {}).get("subgraphs", [])]
     places = {g.get("name", "root"): sorted((str(n["id"]), list(n["pos"])) for n in g["nodes"]) for g in graphs}
@@ -566,8 +572,11 @@ def template_problems(result: dict[str, Any], object_info: dict[str, Any]) -> li
                     problems.append(f"our node {node['id']} in {graph.id} lies over nodes {covered}")
     if layout(result["again"]) != layout(result["after"]):
         problems.append("the second run changed the workflow")
-    if layout(result["undone"]) != layout(result["before"]):
-        problems.append("one undo did not give back the template")
+    if result["after"] != result["before"]:
+        if result["undoSteps"] != [1, 0]:
+            problems.append(f"undo steps added by the first run and the second: {result['undoSteps']}, not [1, 0]")
+        elif layout(result["undoState"]) != layout(result["before"]):
+            problems.append("the action's undo step does not hold the template as opened")
     return problems
 
 
@@ -609,10 +618,11 @@ def test_every_official_template_streams_its_diffusion_models_and_nothing_else(
     """Every template of the newest package (harness/official_templates.py) with a model loader, through the
     action: harness/model_paths.py reads each edited graph and finds exactly one node of ours on every path from a
     loader to a sampler and none on a path to anything else, no patch after it before the path parts, every old
-    link in place (or, the one it was put on, through it), ids that were free, no node of ours over another; a
-    second run changes nothing and one undo gives the template back. The edited prompt validates as the untouched
-    one does, asked of the server with harness/validate_only.py, which names only outputs that cannot validate
-    (their loader's model file is not on this machine), so the server answers 400 and queues nothing."""
+    link in place (or, the one it was put on, through it), ids that were free, no node of ours over another; the
+    run adds one undo step, which holds the template as opened, and a second run changes nothing and adds none.
+    The edited prompt validates as the untouched one does, asked of the server with harness/validate_only.py, which
+    names only outputs that cannot validate (their loader's model file is not on this machine), so the server
+    answers 400 and queues nothing."""
     host = served_frontend.host
     object_info = host.get("/object_info").json()
     with_loader = [
