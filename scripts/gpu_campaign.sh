@@ -69,8 +69,8 @@ if [[ $dry == 1 ]]; then
   bench_size=(--smoke)
   # The head-to-head's code is the same for any number of rounds and steps: the fewest that give every column.
   flux_runs=(--rounds 1 --steps 2)
-  # Calls 8's and 10's round is one whole prompt, timed beside the distilled model's 4 steps: here the fewest steps
-  # that keep the two apart (each CPU step of the tiny 2 GB Flux takes seconds).
+  # Calls 8 and 10 time one round as a whole prompt, beside the distilled model's 4 steps: here the fewest steps that
+  # keep the two apart (each CPU step of the tiny 2 GB Flux takes seconds).
   round_steps=5
   # Dynamic VRAM's rows need CUDA: on the CPU the node on the classic model runs the node's code in their stead.
   prefetch_rows=("Partial GPU Residency, auto")
@@ -240,7 +240,8 @@ elif [[ $call == 10 ]]; then
   # file. One round of 8 steps (a distilled model's 4-step prompt and an 8-step one): each row loads the model once
   # (call 8's Flux took 4-7 s a load, 38 s to write and load its 23.8 GB); about 110 s for LTX-2.3's 20.9 GB and
   # 200 s for MiniMax H3's 34.0 GB, the file written on the device.
-  prefetch_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --budgets --rounds 1 --steps "${round_steps:-8}" --out "$out/bench"
+  prefetch_bench=("$python" -m bench.comfy_bench "${bench_size[@]}" --budgets --rounds 1 --steps "${round_steps:-8}"
+    --out "$out/bench"
     --rows "fully resident" "ComfyUI, Dynamic" "ComfyUI, async offload on" "Partial GPU Residency, auto on a Dynamic"
     "${prefetch_rows[@]}")
   if [[ $dry == 1 ]]; then

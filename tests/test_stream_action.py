@@ -480,18 +480,18 @@ async ([modulePath, text]) => {
   // Into the open tab, as opening a file there does: a new tab per template made each load 3 times slower.
   const tab = app.extensionManager.workflow.activeWorkflow;
   await app.loadGraphData(workflow, true, true, tab, { skipAssetScans: true });
-  // The earlier templates' undo steps are dropped: the tracker keeps 50, and a full queue's length would not grow.
+  const result = { beforePrompt: await prompt(), before: snapshot() };
+  // Emptied before the run, so its length counts the action's steps: the tracker keeps 50, and a full queue's length
+  // would not grow.
   const undoQueue = tab.changeTracker.undoQueue;
   undoQueue.splice(0);
-  const result = { beforePrompt: await prompt(), before: snapshot() };
-  const queued = undoQueue.length;
   await run();
   result.after = snapshot();
-  result.undoSteps = [undoQueue.length - queued];
-  result.undoState = undoQueue.length > queued ? JSON.stringify(undoQueue.at(-1)) : null;
+  const steps = undoQueue.length;
+  result.undoState = steps ? JSON.stringify(undoQueue.at(-1)) : null;
   await run();
   result.again = snapshot();
-  result.undoSteps.push(undoQueue.length - queued - result.undoSteps[0]);
+  result.undoSteps = [steps, undoQueue.length - steps];
   result.afterPrompt = await prompt();
   return result;
 }
