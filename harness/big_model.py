@@ -4,15 +4,17 @@ The tiny Flux is 2 GB (its width is fixed at 3072), and a process that samples i
 12 GiB; a template's server holds its models as fp32, the Z-Image's 1.1 B parameters near 8 GB. ``scripts/test.sh``
 runs both hosts' suites at once on a 24 GiB machine, so two such at the same time are enough for the kernel to kill
 a server. Each holds an exclusive lock on one file beside the hosts' shared models while it runs: a template run
-(``harness/templates.py``), or a whole test marked ``big_model``, which also leaves the session's server holding no
-model.
+(``harness/templates.py``) that loads a big model, or a whole test marked ``big_model``, which also leaves the
+session's server holding no model. The other template runs go on beside them.
 """
 
 from __future__ import annotations
 
 import fcntl
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,9 @@ from .prompts import evict_cached_models
 
 LOCK = SETUP_DIR / "big-model.lock"
 TINY_FLUX = pytest.mark.big_model(reason="it samples the 2 GB tiny Flux")
+#: A prompt whose model files hold more than this loads a big model: the tiny Z-Image template's 2.4 GB do; the other
+#: templates' (at most Krea 2's 1.4 GB, most of it a CLIP-G) do not.
+BIG_FILES = 2 * 2**30
 
 _held = 0  # this process's depth of one_at_a_time: a second flock on a new descriptor would wait for itself
 
@@ -45,6 +50,13 @@ def one_at_a_time() -> Iterator[None]:
         finally:
             _held = 0
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def loads_a_big_model(prompt: Mapping[str, Mapping[str, Any]], models_dir: Path) -> bool:
+    """Whether the files of ``models_dir``'s folders that ``prompt``'s inputs name hold more than :data:`BIG_FILES`."""
+    sizes = {path.name: path.stat().st_size for path in models_dir.glob("*/*") if path.is_file()}
+    named = {value for node in prompt.values() for value in node["inputs"].values() if isinstance(value, str)}
+    return sum(sizes.get(name, 0) for name in named) > BIG_FILES
 
 
 def drop_models(host: ComfyHost) -> None:

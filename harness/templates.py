@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .big_model import one_at_a_time
+from .big_model import loads_a_big_model, one_at_a_time
 from .comfy_client import RunResult
 from .comfy_host import ComfyHost
 from .template_models import TEMPLATE_FILES
@@ -257,10 +258,10 @@ class TemplateRun:
 
 def run_template(host: ComfyHost, prompt: Prompt, prefix: str, timeout: float = 600.0) -> TemplateRun:
     """Runs ``prompt`` on ``host`` with its decoders tapped (``template_prompts.add_taps``), its files under
-    ``prefix``, in the machine's turn for big models (``harness/big_model.py``), its models unloaded after it (the
-    next run loads them again, as a cold prompt does). Two runs of a template are the same when
+    ``prefix``, in the machine's turn where it loads a big model (``harness/big_model.py``), its models unloaded
+    after it (the next run loads them again, as a cold prompt does). Two runs of a template are the same when
     :func:`same_outputs` of their outputs is []."""
-    with one_at_a_time():
+    with one_at_a_time() if loads_a_big_model(prompt, host.base_dir / "models") else nullcontext():
         start = len(host.log_text())
         result = host.run(add_taps(prompt, prefix), timeout=timeout)
         log = host.log_text()[start:]
