@@ -10,12 +10,13 @@ download and run. Running ::
     .venv-0.33.0/bin/python -m harness.streamed_templates   # starts ComfyUI 0.33.0 with this pack and its frontend
 
 rewrites them; tests/test_streamed_templates.py checks on that host, with its pinned frontend, that the committed
-files are what the action writes today, and runs each through a server on tiny models.
+files are what the action writes today, and tests/test_templates.py runs each through a server on tiny models.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -37,6 +38,8 @@ SHIPPED = (
     "video_minimax_h3_t2v",
 )
 PREFIX = "streamed_"
+#: The node the action inserts.
+OUR_NODE = "PartialGPUResidency"
 MODULE = "/extensions/block_offload/stream_workflow.js"
 
 # Loads the template, runs the command the menus run, and returns the graph, its API prompt and the message.
@@ -64,6 +67,33 @@ def template_prompt(page: Any, template: str) -> Prompt:
 
 def example_name(template: str) -> str:
     return PREFIX + template
+
+
+def api_twin(template: str) -> Prompt:
+    """The committed API prompt of ``template`` with the node in it."""
+    return json.loads((OUT_DIR / "api" / f"{example_name(template)}.json").read_text())
+
+
+def without_meta(prompt: Prompt) -> Prompt:
+    """``prompt`` without its titles (``_meta``): the host's display names, which differ between hosts, while the
+    graph is what runs."""
+    return {node_id: {k: v for k, v in node.items() if k != "_meta"} for node_id, node in prompt.items()}
+
+
+def without_our_nodes(prompt: Prompt) -> Prompt:
+    """``prompt`` with each of our nodes dropped and whatever it fed linked to what fed it."""
+    ours = {node_id: node["inputs"]["model"] for node_id, node in prompt.items() if node["class_type"] == OUR_NODE}
+    return {
+        node_id: {
+            **node,
+            "inputs": {
+                name: ours[value[0]] if isinstance(value, list) and value and value[0] in ours else value
+                for name, value in node["inputs"].items()
+            },
+        }
+        for node_id, node in prompt.items()
+        if node_id not in ours
+    }
 
 
 def stream_template(page: Any, template: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """ComfyUI's official templates run through a real server on tiny models, without any node of ours: the reference
-runs that the templates with our streaming node inserted are compared with, bit for bit.
+runs that the templates with our streaming node inserted are compared with, bit for bit (the shipped
+``example_workflows/streamed_*.json``, here; a node of each kind on each tiny architecture, tests/test_every_dit.py).
 
 Each template's API prompt is what the real frontend (headless Chromium) queues for it; ``for_tiny_models`` changes
 only what feeds the diffusion models (``harness/templates.py``); the files it loads are tiny stand-ins under the
@@ -8,6 +9,7 @@ template's own names (``harness/template_models.py``). A template a host cannot 
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from harness import streamed_templates
 from harness.browser import browser_page, chromium_missing, launch_browser
 from harness.comfy_host import ComfyHost
 from harness.official_templates import official_template
@@ -41,6 +44,7 @@ from harness.template_prompts import (
     with_lora,
 )
 from harness.templates import (
+    RUNNABLE,
     TEMPLATE_BY_NAME,
     TEMPLATES,
     TemplateRun,
@@ -201,6 +205,52 @@ def test_reference_run_is_reproducible(
     prompt = again.result.history["prompt"][2]
     assert not {nid for nid, node in prompt.items() if node["class_type"] in SAMPLERS} & cached
     assert not same_outputs(reference.outputs, again.outputs)
+
+
+# A model's plan line: some of its blocks streamed, or (a model whose block lists hold under half its weights, as
+# the tiny Flux 2's do) every module streamed.
+PLAN_LINE = re.compile(
+    r"^Block Offload \(Partial GPU Residency\): .*?(?:(\d+)/(\d+) blocks resident|(every module streamed))",
+    re.MULTILINE,
+)
+# Below every tiny template model (the smallest, Wan, holds 5.5 MB), so that some of its blocks stream.
+STREAMING_BUDGET_GB = 0.002
+
+
+@pytest.mark.parametrize("name", [t for t in streamed_templates.SHIPPED if t in RUNNABLE])
+def test_the_streamed_template_is_bitwise_the_template_and_streams_every_model(
+    name: str,
+    comfy_host: ComfyHost,
+    object_info: dict[str, Any],
+    prepared: Callable[[str], Prompt],
+    references: Callable[[str], TemplateRun],
+) -> None:
+    """The template as the action streams it (its committed API twin), on the same tiny files, gives bit for bit
+    the reference run's outputs, and each of its models streamed (a plan line per model, blocks streamed). Without
+    its nodes, the twin is the prompt of the reference run.
+
+    The node's budget is automatic; on this CPU-only server that would keep every block "resident" in RAM, so
+    the test gives it a budget below the model's size: the streaming, not the placement, is what is checked."""
+    reference = references(name)
+    assert reference.result.ok, reference.result.error_text()
+    streamed = for_host(for_tiny_models(streamed_templates.api_twin(name)), object_info)
+    own = streamed_templates.without_meta(prepared(name))
+    # The twin is 0.33.0's frontend's prompt, which also sets a few widgets an older host's frontend does not write
+    # (a video's bit depth and codec) and its ComfyUI does not read: every input this host's prompt has is the same.
+    plain = {
+        node_id: {**node, "inputs": {k: v for k, v in node["inputs"].items() if k in own.get(node_id, node)["inputs"]}}
+        for node_id, node in streamed_templates.without_meta(streamed_templates.without_our_nodes(streamed)).items()
+    }
+    assert plain == own
+    ours = [node for node in streamed.values() if node["class_type"] == streamed_templates.OUR_NODE]
+    for node in ours:
+        node["inputs"]["vram_budget_gb"] = STREAMING_BUDGET_GB
+    run = run_template(comfy_host, streamed, f"tests/templates/{uuid.uuid4().hex[:8]}/{name}/streamed")
+    assert run.result.ok, run.result.error_text() + "\n" + comfy_host.log_tail(60)
+    assert reference.outputs and not same_outputs(reference.outputs, run.outputs)
+    plans = PLAN_LINE.findall(run.log)
+    assert len(plans) >= len(ours), f"{len(plans)} plan lines for {len(ours)} models:\n{run.log}"
+    assert all(every or int(resident) < int(blocks) for resident, blocks, every in plans), plans
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -27,7 +27,8 @@ from harness.comfy_host import REPO, ComfyHost
 
 EXAMPLES = REPO / "example_workflows"
 # The workflows harness/workflows.py writes; the official templates streamed by the action have their own tests
-# (tests/test_streamed_templates.py): they keep their pipeline in a subgraph, which the checks below do not read.
+# (tests/test_streamed_templates.py, tests/test_templates.py): they keep their pipeline in a subgraph, which the
+# checks below do not read.
 UI_FILES = [EXAMPLES / f"{name}.json" for name in workflows.WORKFLOWS]
 API_DIR = EXAMPLES / "api"
 #: The workflows that load the tiny Flux (``big_model``: they take turns with the other suites' such tests).
