@@ -23,7 +23,7 @@ from typing import Any
 from .browser import browser_page, launch_browser
 from .comfy_host import ComfyHost
 from .official_templates import official_template
-from .template_prompts import Prompt
+from .template_prompts import Prompt, is_link
 from .templates import api_prompt
 from .workflows import OUT_DIR, REPO, dump
 
@@ -87,7 +87,7 @@ def without_our_nodes(prompt: Prompt) -> Prompt:
         node_id: {
             **node,
             "inputs": {
-                name: ours[value[0]] if isinstance(value, list) and value and value[0] in ours else value
+                name: ours[value[0]] if is_link(value) and value[0] in ours else value
                 for name, value in node["inputs"].items()
             },
         }

@@ -9,6 +9,7 @@ template's own names (``harness/template_models.py``). A template a host cannot 
 
 from __future__ import annotations
 
+import copy
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -101,11 +102,14 @@ def runnable(name: str, comfy_host: ComfyHost) -> None:
 @pytest.fixture(scope="module")
 def prepared(page: Any, comfy_host: ComfyHost, object_info: dict[str, Any], version: str) -> Callable[[str], Prompt]:
     """The reference prompt of a template this host runs (its tiny files written), or a skip naming what the host
-    lacks."""
+    lacks. The frontend makes each template's prompt once per module."""
+    prompts: dict[str, Prompt] = {}
 
     def prepare(name: str) -> Prompt:
         runnable(name, comfy_host)
-        prompt = reference_prompt(page, name, object_info)
+        if name not in prompts:
+            prompts[name] = reference_prompt(page, name, object_info)
+        prompt = copy.deepcopy(prompts[name])
         missing = missing_nodes(prompt, object_info)
         if missing:
             pytest.skip(f"ComfyUI {version} lacks the node classes {missing}")
