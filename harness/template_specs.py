@@ -7,7 +7,8 @@ What each detection fixes, hence the sizes below (ComfyUI 0.33.0 and 0.3.75 alik
 
 * Z-Image (Lumina 2 ``NextDiT``): detected as Z-Image only at width 3840 (30 heads of 128, FFN 10240); the caption
   width (``cap_feat_dim``) and the number of layers are inferred. Two noise- and two context-refiner layers are
-  fixed (``n_refiner_layers``), so even two layers make a 1.1 B-parameter model (2.2 GB in bf16).
+  fixed (``n_refiner_layers``), so even one layer makes a 0.9 B-parameter model (1.8 GB in bf16): the costliest
+  tiny model, seconds a step on a CPU core, so it has just one.
 * Flux 2: the width is inferred (``img_in``), 128 per head; the text width (``txt_in``) and the depths are inferred.
 * Krea 2: width, heads, key/value heads, depth and the text fusion's layers and width are inferred; the text fusion
   has 20 heads, fixed, so its width must be a multiple of 20.
@@ -29,7 +30,7 @@ from .tiny_specs import ALPHA, BIAS, LORA, LORA_RANK, NORM, SpecBuilder, TensorS
 ZIMAGE_DIM = 3840  # the width ComfyUI detects as Z-Image
 ZIMAGE_HEAD_DIM = 128
 ZIMAGE_FFN = 10240  # what NextDiT builds at width 3840 with Z-Image's ffn_dim_multiplier (8/3)
-ZIMAGE_LAYERS = 2
+ZIMAGE_LAYERS = 1
 ZIMAGE_REFINERS = 2  # n_refiner_layers: fixed by ComfyUI
 ZIMAGE_CAPTION_DIM = 768  # the tiny CLIP-L's hidden states
 ZIMAGE_ADALN_DIM = 256
