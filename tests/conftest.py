@@ -99,8 +99,12 @@ ONE_HOST_ELSEWHERE_ENV = "BLOCK_OFFLOAD_ONE_HOST_ELSEWHERE"
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leaves out the ``one_host`` tests where another host of the same run has them."""
+    """Leaves out the ``one_host`` tests where another host of the same run has them, and puts the files with
+    ``big_model`` tests first: waiting for the machine's turn costs nothing while every suite has work for the
+    cores, but at the end of a run, the other suites done, it leaves a core idle."""
     skip_pack_setup(items)
+    big_files = {item.path for item in items if item.get_closest_marker("big_model") is not None}
+    items.sort(key=lambda item: item.path not in big_files)
     if not os.environ.get(ONE_HOST_ELSEWHERE_ENV):
         return
     kept, elsewhere = [], []
