@@ -70,10 +70,11 @@ declare -A statuses
 # The first host's suite, the longest, on two workers file by file (pytest-xdist), beside the other's: three
 # processes on two cores, both kept busy to the end. Its workers yield to the other suite (niceness 5): at equal
 # shares the other, one process, got a third of the cores and ended 2-3 min after them, one core idle meanwhile;
-# yielding, it gets more of a core: 36-94 s apart in three fresh-clone runs. Not for a run of named tests.
+# yielding, it gets more of a core: 36-94 s apart in three fresh-clone runs. The files are handed out in the order
+# tests/conftest.py gives them (the tiny Flux's first), not xdist's own. Not for a run of named tests.
 workers=() niceness=0
 if [[ ${#hosts[@]} -gt 1 ]] && (( ! named )); then
-  workers=(-n 2 --dist loadfile) niceness=5
+  workers=(-n 2 --dist loadfile --no-loadscope-reorder) niceness=5
 fi
 statuses[${hosts[0]}]=0
 run_suite "${hosts[0]}" "$niceness" "${workers[@]}" "${slowest[@]}" "$@" || statuses[${hosts[0]}]=$?

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,12 +100,16 @@ ONE_HOST_ELSEWHERE_ENV = "BLOCK_OFFLOAD_ONE_HOST_ELSEWHERE"
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leaves out the ``one_host`` tests where another host of the same run has them, and puts the files with
-    ``big_model`` tests first: waiting for the machine's turn costs nothing while every suite has work for the
-    cores, but at the end of a run, the other suites done, it leaves a core idle."""
+    """Leaves out the ``one_host`` tests where another host of the same run has them; on pytest-xdist's workers,
+    orders the files as they are handed out (``scripts/test.sh`` turns xdist's own order off): those with
+    ``big_model`` tests first, then those with more tests, as xdist orders them. At the start, a worker waiting for
+    the machine's turn leaves two processes for the two cores; at the end, xdist's order ran the small files
+    with the tiny Flux last, one worker waiting for the other's turn while the other suite was done."""
     skip_pack_setup(items)
-    big_files = {item.path for item in items if item.get_closest_marker("big_model") is not None}
-    items.sort(key=lambda item: item.path not in big_files)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        big = {item.path for item in items if item.get_closest_marker("big_model") is not None}
+        counts = Counter(item.path for item in items)
+        items.sort(key=lambda item: (item.path not in big, -counts[item.path]))
     if not os.environ.get(ONE_HOST_ELSEWHERE_ENV):
         return
     kept, elsewhere = [], []
