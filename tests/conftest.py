@@ -100,11 +100,10 @@ ONE_HOST_ELSEWHERE_ENV = "BLOCK_OFFLOAD_ONE_HOST_ELSEWHERE"
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leaves out the ``one_host`` tests where another host of the same run has them; on pytest-xdist's workers,
-    orders the files as they are handed out (``scripts/test.sh`` turns xdist's own order off): those with
-    ``big_model`` tests first, then those with more tests, as xdist orders them. At the start, a worker waiting for
-    the machine's turn leaves two processes for the two cores; at the end, xdist's order ran the small files
-    with the tiny Flux last, one worker waiting for the other's turn while the other suite was done."""
+    """Leaves out the ``one_host`` tests where another host of the same run has them. On pytest-xdist's workers
+    (``scripts/test.sh`` turns xdist's own order off) the files go out with the ``big_model`` ones first, then by
+    number of tests: a worker waiting for the machine's turn early leaves the other processes the cores, one
+    waiting at the end leaves a core idle."""
     skip_pack_setup(items)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         big = {item.path for item in items if item.get_closest_marker("big_model") is not None}
