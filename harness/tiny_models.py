@@ -46,6 +46,7 @@ own writer orders the metadata differently in every process).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -300,13 +301,23 @@ class Writable(Protocol):
     def write(self, path: Path) -> None: ...
 
 
-def refresh(file: Writable, path: Path, force: bool = False) -> str:
-    """Writes ``file`` at ``path`` unless it is there and up to date (or ``force``); says which, and how long."""
-    if not force and file.is_current(path):
-        return "up to date"
-    start = time.monotonic()
-    file.write(path)
-    return f"written in {time.monotonic() - start:.1f} s"
+def refresh(file: Writable, path: Path, force: bool = False, wait: bool = True) -> str | None:
+    """Writes ``file`` at ``path`` unless it is there and up to date (or ``force``); says which, and how long.
+
+    Under a lock beside the file: the suites and workers that start together each need every tiny file, and one
+    writes it while the others wait for it, instead of each writing its own copy on the same cores. ``wait=False``
+    returns None at once while another process holds the lock."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.with_name(f".{path.name}.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        if not force and file.is_current(path):
+            return "up to date"
+        start = time.monotonic()
+        file.write(path)
+        return f"written in {time.monotonic() - start:.1f} s"
 
 
 def write_whole(path: Path, fill: Callable[[Path], None]) -> None:
@@ -488,18 +499,26 @@ def generate(
     if unknown:
         raise ValueError(f"unknown tiny model(s) {unknown}; known: {sorted(ARTIFACTS)}")
     paths: dict[str, Path] = {}
+    pending = []
     for name in names:
-        artifact = ARTIFACTS[name]
-        path = models_dir / artifact.relpath
-        if not writable(name):
+        if writable(name):
+            pending.append(name)
+        elif log is not None:
+            needs = _needs(name)
+            log(f"{name:<11} skipped: the {needs} package is not installed ({_INSTALL_HINT[needs]})")
+    # The files another process is writing are waited for last: this one writes the others meanwhile.
+    for wait in (False, True):
+        busy = []
+        for name in pending:
+            path = models_dir / ARTIFACTS[name].relpath
+            status = refresh(ARTIFACTS[name], path, force, wait)
+            if status is None:
+                busy.append(name)
+                continue
             if log is not None:
-                needs = _needs(name)
-                log(f"{name:<11} skipped: the {needs} package is not installed ({_INSTALL_HINT[needs]})")
-            continue
-        status = refresh(artifact, path, force)
-        if log is not None:
-            log(f"{name:<11} {path} ({path.stat().st_size / 2**20:.1f} MiB, {status})")
-        paths[name] = path
+                log(f"{name:<11} {path} ({path.stat().st_size / 2**20:.1f} MiB, {status})")
+            paths[name] = path
+        pending = busy
     return paths
 
 

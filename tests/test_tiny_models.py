@@ -8,6 +8,7 @@ there), with the files generated into a temporary folder once per session.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import re
@@ -15,6 +16,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,6 +139,30 @@ def test_generate_is_idempotent(models: dict[str, Path]) -> None:
     assert again == models
     assert {name: path.stat().st_mtime_ns for name, path in again.items()} == before
     assert time.monotonic() - t0 < 2.0, "an up-to-date folder should cost only header reads"
+
+
+@pytest.mark.one_host(reason="the files' lock is the harness's, whatever the ComfyUI")
+def test_a_file_another_process_is_writing_is_waited_for_and_not_written_twice(tmp_path: Path) -> None:
+    """While another process holds a file's lock (the suites and workers start together), ``generate`` writes the
+    other files, then waits for that one and takes it as written."""
+    held, other = tm.WAN21_LORA, tm.SD3_LORA
+    path = tmp_path / tm.ARTIFACTS[held].relpath
+    path.parent.mkdir(parents=True)
+    lines: list[str] = []
+    with path.with_name(f".{path.name}.lock").open("a") as lock, ThreadPoolExecutor(1) as pool:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        generated = pool.submit(tm.generate, tmp_path, only=[held, other], log=lines.append)
+        deadline = time.monotonic() + 60
+        while not any(line.startswith(f"{other} ") for line in lines):
+            assert time.monotonic() < deadline and not generated.done(), lines
+            time.sleep(0.05)
+        assert not path.exists() and not generated.done(), "the held file was written, or not waited for"
+        tm.ARTIFACTS[held].write(path)  # the other process's copy
+        written = path.stat().st_mtime_ns
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        assert generated.result(timeout=60)[held] == path
+    assert path.stat().st_mtime_ns == written
+    assert [line.endswith(", up to date)") for line in lines if line.startswith(f"{held} ")] == [True], lines
 
 
 def test_stale_or_broken_file_is_rewritten(tmp_path: Path) -> None:
