@@ -4,8 +4,10 @@ nodes called as ComfyUI calls them. A tiny Wan 2.1 and a fixed conditioning make
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -13,6 +15,20 @@ from .prompts import ASYNC, PARTIAL
 
 # Sampler steps of the in-process runs: enough for the engine to learn the call order and stream.
 STEPS = 2
+
+
+class Unstreamed:
+    """What graphs sample without the nodes, by a name of the graph: each is sampled by the first case that asks,
+    since it is the same in every node's case (and every order of node and patch)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[Hashable, Any] = {}
+
+    def once(self, graph: Hashable, run: Callable[[], Any]) -> Any:
+        """``run()``'s result for ``graph``, run the first time it is asked for."""
+        if graph not in self._runs:
+            self._runs[graph] = run()
+        return self._runs[graph]
 
 
 def in_process_comfy(tiny_models: dict[str, Path], cpu: bool = True) -> SimpleNamespace:

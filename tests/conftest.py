@@ -6,7 +6,8 @@
 * ``comfyui_path``: the ComfyUI folder, put on ``sys.path`` so a test can import
   ``comfy``/``nodes`` in-process. Nothing here imports comfy at module level.
 * ``comfy``: ComfyUI and this pack in the test process (``harness/inprocess.py``);
-  ``allow_cpu_streaming``: the nodes stream on the CPU too.
+  ``allow_cpu_streaming``: the nodes stream on the CPU too; ``unstreamed``: a module's references, each
+  sampled once for all the nodes' cases.
 * ``cudart``: CUDA's runtime faked behind the engine's registrar, so pinning runs on the CPU.
 * ``served_frontend``: the browser tests' frontends (``harness/browser.py``), the host's pinned one on the
   session's server and the newest one on a server of its own; the test id names it.
@@ -49,7 +50,7 @@ from harness.comfy_host import (
 )
 from harness.dynamic_vram import STORED, DynamicVram
 from harness.fake_cudart import cudart_fixture  # noqa: F401 (the ``cudart`` fixture)
-from harness.inprocess import in_process_comfy
+from harness.inprocess import Unstreamed, in_process_comfy
 from harness.pack import skip_pack_setup
 from harness.prompts import server_env
 
@@ -231,6 +232,12 @@ def gpu_hosts() -> Iterator[Callable[[str], ComfyHost]]:
 def comfy(comfyui_path: Path, tiny_models: dict[str, Path]) -> SimpleNamespace:
     """ComfyUI and this pack in the test process, on the CPU (``harness/inprocess.py``)."""
     return in_process_comfy(tiny_models)
+
+
+@pytest.fixture(scope="module")
+def unstreamed() -> Unstreamed:
+    """What the module's graphs sample without the nodes (``harness.inprocess.Unstreamed``)."""
+    return Unstreamed()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from harness import tiny_specs
 from harness.cgroups import CgroupUnavailable, limited
 from harness.dynamic_vram import COMPUTE, DynamicVram
 from harness.host_memory import peak_during
-from harness.inprocess import count_packs, offloaded, sample
+from harness.inprocess import Unstreamed, count_packs, offloaded, sample
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL, differs
 
 from bench.checkpoints import resized
@@ -69,13 +69,6 @@ def wide_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("wide_wan") / "wan21-wide-fp32.safetensors"
     save_file(tm.build_state_dict(artifact), path)
     return path
-
-
-@pytest.fixture(scope="module")
-def classic_runs() -> dict[tuple[str, str], tuple[torch.Tensor, int]]:
-    """The latent of each deep Wan file loaded the classic way, fully resident, per compute dtype, and its blocks'
-    bytes: made by the first node's case of that file and dtype, the reference of all three."""
-    return {}
 
 
 def block_bytes(model) -> int:
@@ -132,19 +125,21 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     comfy: SimpleNamespace,
     dynamic_vram: DynamicVram,
     deep_wan: dict[str, Path],
-    classic_runs: dict[tuple[str, str], tuple[torch.Tensor, int]],
+    unstreamed: Unstreamed,
     monkeypatch: pytest.MonkeyPatch,
     node: str,
     stored: str,
     compute: str,
 ) -> None:
     path, dtype = deep_wan[stored], COMPUTE[compute]
-    if (stored, compute) not in classic_runs:
+
+    def classic_run() -> tuple[torch.Tensor, int]:  # the file loaded the classic way, fully resident
         classic = dynamic_vram.load_classic(path, dtype)
-        classic_runs[stored, compute] = sample(comfy, classic), block_bytes(classic)
+        run = sample(comfy, classic), block_bytes(classic)
         comfy.mm.unload_all_models()
-        del classic
-    reference, blocks = classic_runs[stored, compute]
+        return run
+
+    reference, blocks = unstreamed.once((stored, compute), classic_run)
     cap = blocks // 4
     cap_host_buffers(monkeypatch, cap)
 

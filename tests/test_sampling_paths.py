@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from test_quantized_lora import assert_samples_from_the_engine
 
 from harness import tiny_dit
-from harness.inprocess import async_offload, every_block_streamed, wan
+from harness.inprocess import Unstreamed, async_offload, every_block_streamed, wan
 from harness.prompts import ASYNC, NODES, differs
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
@@ -57,19 +57,6 @@ def sample_video(comfy: SimpleNamespace, model: Any, steps: int = 2) -> torch.Te
     return comfy.sample.sample(
         model, noise, steps, 3.0, "euler", "normal", positive, negative, latent, seed=5, disable_pbar=True
     )
-
-
-@pytest.fixture(scope="module")
-def unstreamed() -> dict[object, Any]:
-    """What a graph samples without the nodes, by a name of the graph: the same in each node's case and each order
-    of patch and node, so sampled once a module (``once``)."""
-    return {}
-
-
-def once(runs: dict[object, Any], key: object, run: Callable[[], Any]) -> Any:
-    if key not in runs:
-        runs[key] = run()
-    return runs[key]
 
 
 def assert_streams_as_comfyui(
@@ -116,11 +103,11 @@ def context_windows(schedule: str, freenoise: bool) -> Callable[[Any], Any]:
 )
 @pytest.mark.parametrize("node", NODES)
 def test_context_windows_stream_as_comfyui_computes_them(
-    comfy: SimpleNamespace, unstreamed: dict[object, Any], node: str, schedule: str, freenoise: bool, before_node: bool
+    comfy: SimpleNamespace, unstreamed: Unstreamed, node: str, schedule: str, freenoise: bool, before_node: bool
 ) -> None:
     windowed = context_windows(schedule, freenoise)
-    plain = once(unstreamed, "plain", lambda: sample_video(comfy, wan(comfy)))
-    reference = once(unstreamed, (schedule, freenoise), lambda: sample_video(comfy, windowed(wan(comfy))))
+    plain = unstreamed.once("plain", lambda: sample_video(comfy, wan(comfy)))
+    reference = unstreamed.once((schedule, freenoise), lambda: sample_video(comfy, windowed(wan(comfy))))
     comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), "the windows change nothing"
     assert_streams_as_comfyui(comfy, windowed, node, before_node, reference=reference)
@@ -210,7 +197,7 @@ def skipping_patch(name: str) -> Callable[[Any], Any]:
 @pytest.mark.parametrize("patch", list(SKIPPING_PATCHES))
 @pytest.mark.parametrize("node", NODES)
 def test_patches_that_skip_blocks_or_whole_model_calls_stream_as_comfyui_computes_them(
-    comfy: SimpleNamespace, unstreamed: dict[object, Any], node: str, patch: str, before_node: bool
+    comfy: SimpleNamespace, unstreamed: Unstreamed, node: str, patch: str, before_node: bool
 ) -> None:
     """The engine learns each step's call order from the last: an extra pass calling some blocks only (Skip Layer
     Guidance), or model calls answered from a cache (EasyCache, LazyCache) between steps that call every block,
@@ -231,8 +218,8 @@ def test_patches_that_skip_blocks_or_whole_model_calls_stream_as_comfyui_compute
     def counted(model: Any) -> tuple[torch.Tensor, int]:
         return run(model), passes.pop()
 
-    plain, _ = once(unstreamed, ("plain", SKIPPING_STEPS), lambda: counted(wan(comfy)))
-    reference, reference_passes = once(unstreamed, patch, lambda: counted(apply(wan(comfy))))
+    plain, _ = unstreamed.once(("plain", SKIPPING_STEPS), lambda: counted(wan(comfy)))
+    reference, reference_passes = unstreamed.once(patch, lambda: counted(apply(wan(comfy))))
     comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), f"{patch} changes nothing: the test would prove nothing"
     model = wan(comfy)

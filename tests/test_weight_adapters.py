@@ -19,7 +19,7 @@ from test_quantized import loader  # noqa: F401 - the fixture
 from test_quantized_lora import assert_samples_from_the_engine
 
 from harness import tiny_models as tm
-from harness.inprocess import every_block_streamed, sample, wan
+from harness.inprocess import Unstreamed, every_block_streamed, sample, wan
 from harness.prompts import ASYNC, NODES
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
@@ -68,7 +68,13 @@ def with_adapter(comfy: SimpleNamespace, model: Any, tensors: dict[str, torch.Te
 @pytest.mark.parametrize("node", NODES)
 @pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
 def test_an_adapter_streams_as_comfyui_computes_it(
-    comfy: SimpleNamespace, request: pytest.FixtureRequest, loading: str, node: str, kind: str, adapter_first: bool
+    comfy: SimpleNamespace,
+    request: pytest.FixtureRequest,
+    unstreamed: Unstreamed,
+    loading: str,
+    node: str,
+    kind: str,
+    adapter_first: bool,
 ) -> None:
     if loading == "classic":
         model = reference_model = wan(comfy)
@@ -79,8 +85,9 @@ def test_an_adapter_streams_as_comfyui_computes_it(
         model = dynamic_vram.load(comfy.models["wan21"], torch.float32)
         reference_model = dynamic_vram.load_classic(comfy.models["wan21"], torch.float32)
     tensors = adapter(model, kind)
-    reference = sample(comfy, with_adapter(comfy, reference_model, tensors))
-    assert not torch.equal(reference, sample(comfy, reference_model)), "the adapter changes nothing"
+    reference = unstreamed.once((loading, kind), lambda: sample(comfy, with_adapter(comfy, reference_model, tensors)))
+    plain = unstreamed.once(loading, lambda: sample(comfy, reference_model))
+    assert not torch.equal(reference, plain), "the adapter changes nothing"
     comfy.mm.unload_all_models()
     if adapter_first:
         streamed = every_block_streamed(comfy, node, with_adapter(comfy, model, tensors))
