@@ -75,7 +75,7 @@ def assert_streams_as_comfyui(
     model, reference_model = models or (wan(comfy),) * 2
     if reference is None:
         reference = sample_video(comfy, patch(reference_model))
-        comfy.mm.unload_all_models()
+    comfy.mm.unload_all_models()
     streamed = stream(patch(model)) if before_node else patch(stream(model))
     assert_samples_from_the_engine(comfy, streamed, lambda m: sample_video(comfy, m), reference)
 
@@ -108,7 +108,6 @@ def test_context_windows_stream_as_comfyui_computes_them(
     windowed = context_windows(schedule, freenoise)
     plain = unstreamed.once("plain", lambda: sample_video(comfy, wan(comfy)))
     reference = unstreamed.once((schedule, freenoise), lambda: sample_video(comfy, windowed(wan(comfy))))
-    comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), "the windows change nothing"
     assert_streams_as_comfyui(comfy, windowed, node, before_node, reference=reference)
 
@@ -128,14 +127,15 @@ def dual_model_guided(comfy: SimpleNamespace, model: Any, negative_model: Any) -
 @pytest.mark.parametrize("streamed", ["both", "positive", "negative"])
 @pytest.mark.parametrize("node", NODES)
 def test_a_dual_model_guider_streams_each_model_as_comfyui_computes_it(
-    comfy: SimpleNamespace, tmp_path: Path, node: str, streamed: str
+    comfy: SimpleNamespace, tmp_path: Path, unstreamed: Unstreamed, node: str, streamed: str
 ) -> None:
     positive = wan(comfy)
     other = tmp_path / "negative_wan.safetensors"  # another model of the same shape: the tiny Wan's weights x 1.25
     save_file({key: weight * 1.25 for key, weight in load_file(comfy.models["wan21"]).items()}, str(other))
     negative = comfy.sd.load_diffusion_model(str(other))
-    reference = dual_model_guided(comfy, positive, negative)
-    assert not torch.equal(reference, dual_model_guided(comfy, positive, positive)), "the second model changes nothing"
+    reference = unstreamed.once("dual", lambda: dual_model_guided(comfy, positive, negative))
+    one_model = unstreamed.once("dual, one model", lambda: dual_model_guided(comfy, positive, positive))
+    assert not torch.equal(reference, one_model), "the second model changes nothing"
     through = {
         "positive": every_block_streamed(comfy, node, positive) if streamed != "negative" else positive,
         "negative": every_block_streamed(comfy, node, negative) if streamed != "positive" else negative,
@@ -148,7 +148,9 @@ def test_a_dual_model_guider_streams_each_model_as_comfyui_computes_it(
 
 
 @pytest.mark.parametrize("node", NODES)
-def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(comfy: SimpleNamespace, node: str) -> None:
+def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(
+    comfy: SimpleNamespace, unstreamed: Unstreamed, node: str
+) -> None:
     samplers = importlib.import_module("comfy.samplers")
     spec = next((s for s in tiny_dit.zoo() if s.config == "WAN21_CausalAR_T2V"), None)
     ar_video = hasattr(importlib.import_module("comfy.k_diffusion.sampling"), "sample_ar_video")
@@ -165,7 +167,7 @@ def test_the_autoregressive_video_sampler_streams_as_comfyui_computes_it(comfy: 
         latent = torch.zeros(shape)
         return comfy.sample.sample_custom(m, noise, 1.0, sampler, sigmas, cond, cond, latent, seed=5, disable_pbar=True)
 
-    reference = sample_chunks(model)
+    reference = unstreamed.once("autoregressive", lambda: sample_chunks(model))
     assert_samples_from_the_engine(comfy, every_block_streamed(comfy, node, model), sample_chunks, reference)
 
 
@@ -270,9 +272,11 @@ def making_room_mid_forward(share: float | None) -> Callable[[Any], Any]:
 @pytest.mark.parametrize("before_node", [True, False], ids=["patch-before-node", "node-before-patch"])
 @pytest.mark.parametrize("node", NODES)
 def test_a_model_unloaded_between_two_blocks_and_loaded_again_streams_on(
-    comfy: SimpleNamespace, node: str, before_node: bool
+    comfy: SimpleNamespace, unstreamed: Unstreamed, node: str, before_node: bool
 ) -> None:
-    assert_streams_as_comfyui(comfy, making_room_mid_forward(None), node, before_node)
+    room = making_room_mid_forward(None)
+    reference = unstreamed.once("room made", lambda: sample_video(comfy, room(wan(comfy))))
+    assert_streams_as_comfyui(comfy, room, node, before_node, reference=reference)
 
 
 @pytest.mark.parametrize("resident", [1, 3])
