@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from harness import tiny_models as tm
 from harness.comfy_host import ComfyHost
 from harness.dynamic_vram import COMPUTE, STORED, DynamicVram
-from harness.inprocess import async_offload, sample
+from harness.inprocess import Unstreamed, async_offload, sample
 from harness.prompts import (
     ARCHS,
     ASYNC,
@@ -81,11 +81,21 @@ def run_node(comfy: SimpleNamespace, node: str, model, budget_gb: float = 0.001)
 @pytest.mark.parametrize("stored", list(STORED))
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 def test_every_node_streams_a_dynamic_model_exactly_as_its_classic_load(
-    comfy: SimpleNamespace, dynamic_vram: DynamicVram, stored_wan: dict[str, Path], node: str, stored: str, compute: str
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    stored_wan: dict[str, Path],
+    unstreamed: Unstreamed,
+    node: str,
+    stored: str,
+    compute: str,
 ) -> None:
     path, dtype = stored_wan[stored], COMPUTE[compute]
-    classic = dynamic_vram.load_classic(path, dtype)
-    reference = sample(comfy, classic)
+
+    def classic_run() -> tuple[torch.Tensor, int]:  # the file loaded the classic way: its latent and its size
+        classic = dynamic_vram.load_classic(path, dtype)
+        return sample(comfy, classic), classic.model_size()
+
+    reference, classic_size = unstreamed.once((stored, compute), classic_run)
     comfy.mm.unload_all_models()
     model = dynamic_vram.load(path, dtype)
     before = weights(model)
@@ -97,7 +107,7 @@ def test_every_node_streams_a_dynamic_model_exactly_as_its_classic_load(
     assert torch.equal(latent, reference), differs(latent, reference)
     assert_recorded_dtypes(streaming)
     # ComfyUI's books count the twin's weights as they are, not the dynamic parent's stored bytes.
-    assert streaming.model_size() == classic.model_size() == comfy.mm.module_size(streaming.model)
+    assert streaming.model_size() == classic_size == comfy.mm.module_size(streaming.model)
     engine = streaming.offload_engine
     assert engine.recorder.latest().spans, "nothing streamed"
     assert engine.placement.summary.endswith("weights from a Dynamic VRAM model, streamed from its checkpoint file")

@@ -16,7 +16,7 @@ import torch
 from conftest import HOST_VERSION
 from safetensors.torch import load_file, save_file
 
-from harness.inprocess import async_offload, offloaded, sample, wan
+from harness.inprocess import Unstreamed, async_offload, offloaded, sample, wan
 from harness.private_views import load_list
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL
 
@@ -124,7 +124,7 @@ def test_lora_applies_to_streamed_blocks_before_or_after_the_node(comfy: SimpleN
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 @pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
 def test_a_model_merge_before_the_node_computes_as_comfyui(
-    comfy: SimpleNamespace, request: pytest.FixtureRequest, tmp_path, loading: str, node: str
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, tmp_path, unstreamed: Unstreamed, loading: str, node: str
 ) -> None:
     """ModelMergeSimple patches every weight with the other model's. ComfyUI's load applies those of leaf modules
     only: a weight of a module whose submodules hold weights too (Wan's blocks' and head's ``modulation``) is left
@@ -143,8 +143,8 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
         dynamic_vram = request.getfixturevalue("dynamic_vram")
         first, second = (dynamic_vram.load(path, torch.float32) for path in (comfy.models["wan21"], other))
         references = tuple(dynamic_vram.load_classic(path, torch.float32) for path in (comfy.models["wan21"], other))
-    plain = sample(comfy, references[0])
-    reference = sample(comfy, merge(*references, 0.5)[0])
+    plain = unstreamed.once(("plain", loading), lambda: sample(comfy, references[0]))
+    reference = unstreamed.once(("merge", loading), lambda: sample(comfy, merge(*references, 0.5)[0]))
     comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), "the merge changes nothing: the test would prove nothing"
     streaming = offloaded(comfy, node, merge(first, second, 0.5)[0])
@@ -162,7 +162,7 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 @pytest.mark.parametrize("loading", ["classic", "dynamic_vram"])
 def test_a_compute_dtype_set_on_the_model_computes_as_comfyui(
-    comfy: SimpleNamespace, request: pytest.FixtureRequest, loading: str, node: str
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, unstreamed: Unstreamed, loading: str, node: str
 ) -> None:
     """ModelComputeDtype (fp16 here, on fp32 weights) makes ComfyUI's load force every layer it loads to cast its
     weights to that dtype. The layers the node streams are hidden from that load: before, they computed with their
@@ -179,8 +179,8 @@ def test_a_compute_dtype_set_on_the_model_computes_as_comfyui(
         load = lambda: dynamic_vram.load(path, torch.float32)  # noqa: E731
         load_reference = lambda: dynamic_vram.load_classic(path, torch.float32)  # noqa: E731
     # Each on a model of its own: ComfyUI leaves the forced casts on a model it loaded with them.
-    reference = sample(comfy, compute_dtype(load_reference(), "fp16")[0])
-    plain = sample(comfy, load_reference())
+    reference = unstreamed.once(("fp16", loading), lambda: sample(comfy, compute_dtype(load_reference(), "fp16")[0]))
+    plain = unstreamed.once(("plain", loading), lambda: sample(comfy, load_reference()))
     comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), "the compute dtype changes nothing: the test would prove nothing"
     before = offloaded(comfy, node, compute_dtype(load(), "fp16")[0])
