@@ -138,13 +138,19 @@ def test_a_model_merge_before_the_node_computes_as_comfyui(
     save_file({key: weight * 1.25 for key, weight in load_file(comfy.models["wan21"]).items()}, str(other))
     if loading == "classic":
         first, second = wan(comfy), comfy.sd.load_diffusion_model(str(other))
-        references = first, second
+        load_references = lambda: (first, second)  # noqa: E731
     else:
         dynamic_vram = request.getfixturevalue("dynamic_vram")
         first, second = (dynamic_vram.load(path, torch.float32) for path in (comfy.models["wan21"], other))
-        references = tuple(dynamic_vram.load_classic(path, torch.float32) for path in (comfy.models["wan21"], other))
-    plain = unstreamed.once(("plain", loading), lambda: sample(comfy, references[0]))
-    reference = unstreamed.once(("merge", loading), lambda: sample(comfy, merge(*references, 0.5)[0]))
+        load_references = lambda: tuple(  # noqa: E731
+            dynamic_vram.load_classic(path, torch.float32) for path in (comfy.models["wan21"], other)
+        )
+
+    def unmerged_and_merged() -> tuple[torch.Tensor, torch.Tensor]:
+        references = load_references()
+        return sample(comfy, references[0]), sample(comfy, merge(*references, 0.5)[0])
+
+    plain, reference = unstreamed.once(("merge", loading), unmerged_and_merged)
     comfy.mm.unload_all_models()
     assert not torch.equal(reference, plain), "the merge changes nothing: the test would prove nothing"
     streaming = offloaded(comfy, node, merge(first, second, 0.5)[0])

@@ -77,16 +77,17 @@ def test_an_adapter_streams_as_comfyui_computes_it(
     adapter_first: bool,
 ) -> None:
     if loading == "classic":
-        model = reference_model = wan(comfy)
+        model = wan(comfy)
+        load_reference = lambda: model  # noqa: E731
     elif HOST_VERSION.startswith("0.3."):
         pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM")
     else:  # the node streams a twin of the dynamic MODEL; ComfyUI's classic load of the file is the reference
         dynamic_vram = request.getfixturevalue("dynamic_vram")
         model = dynamic_vram.load(comfy.models["wan21"], torch.float32)
-        reference_model = dynamic_vram.load_classic(comfy.models["wan21"], torch.float32)
+        load_reference = lambda: dynamic_vram.load_classic(comfy.models["wan21"], torch.float32)  # noqa: E731
     tensors = adapter(model, kind)
-    reference = unstreamed.once((loading, kind), lambda: sample(comfy, with_adapter(comfy, reference_model, tensors)))
-    plain = unstreamed.once(loading, lambda: sample(comfy, reference_model))
+    reference = unstreamed.once((loading, kind), lambda: sample(comfy, with_adapter(comfy, load_reference(), tensors)))
+    plain = unstreamed.once(loading, lambda: sample(comfy, load_reference()))
     assert not torch.equal(reference, plain), "the adapter changes nothing"
     comfy.mm.unload_all_models()
     if adapter_first:
