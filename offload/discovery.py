@@ -208,7 +208,22 @@ def class_code(cls: type) -> Iterator[ast.Module]:
     for klass in cls.__mro__:
         if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
             continue
+        tree = _class_tree(klass)
+        if tree is not None:
+            yield tree
+
+
+#: Each class definition's parsed source (None: unreadable), by where it is defined. ComfyUI builds its op classes
+#: anew for every model it loads (``comfy.ops.mixed_precision_ops``), and ``inspect`` parses the whole module to
+#: find each one; a definition's source is the same for every class it makes.
+_trees: dict[tuple[str, str, int | None], ast.Module | None] = {}
+
+
+def _class_tree(klass: type) -> ast.Module | None:
+    where = (klass.__module__, klass.__qualname__, getattr(klass, "__firstlineno__", None))
+    if where not in _trees:
         try:
-            yield ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            _trees[where] = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         except (OSError, TypeError, SyntaxError):
-            continue
+            _trees[where] = None
+    return _trees[where]

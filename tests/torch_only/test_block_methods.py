@@ -4,6 +4,8 @@ ComfyUI's Wan Animate 2 itself is in ``test_every_dit.py``."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -107,6 +109,32 @@ def test_the_methods_a_model_runs_its_blocks_through_are_read_from_its_code() ->
 
     called = Called()
     assert methods_called_on(Called) == {} and entry_methods(called, find_blocks(called)) == {}
+
+
+def test_classes_made_anew_from_one_definition_are_read_from_the_source_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ComfyUI makes its op classes anew for every model it loads (``comfy.ops.mixed_precision_ops``), and reading a
+    class's source parses its whole module: the classes one definition makes are read once, and read alike."""
+
+    def make() -> type[nn.Module]:
+        class Posed(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.blocks = nn.ModuleList(TwoPassBlock([], []) for _ in range(2))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for block in self.blocks:
+                    x = block.forward_pose(x)
+                return x
+
+        return Posed
+
+    read: list[object] = []
+    getsource = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda thing: read.append(thing) or getsource(thing))
+    first, second = make(), make()
+    assert first is not second
+    assert methods_called_on(first) == methods_called_on(second) == {"blocks": ("forward_pose",)}
+    assert read == [first]
 
 
 def streamed(model: TwoPassModel, methods: bool, prefetch: int = 1) -> tuple[BlockStreamer, TimelineRecorder]:
