@@ -118,6 +118,26 @@ def assert_reads_match_the_file_tier(report, forwards: Forwards, prefetch: int, 
         assert forwards.count * per_pass <= total <= forwards.count * per_pass + ahead, (total, per_pass, ahead)
 
 
+def classic_run(
+    comfy: SimpleNamespace,
+    dynamic_vram: DynamicVram,
+    unstreamed: Unstreamed,
+    deep_wan: dict[str, Path],
+    stored: str,
+    compute: str,
+) -> tuple[torch.Tensor, int, int]:
+    """The deep Wan stored as ``stored``, loaded the classic way (fully resident) and computed in ``compute``:
+    its latent, its blocks' bytes and the model's size; sampled once for all the cases that ask."""
+
+    def run() -> tuple[torch.Tensor, int, int]:
+        classic = dynamic_vram.load_classic(deep_wan[stored], COMPUTE[compute])
+        done = sample(comfy, classic), block_bytes(classic), comfy_size(classic.model)
+        comfy.mm.unload_all_models()
+        return done
+
+    return unstreamed.once((stored, compute), run)
+
+
 @pytest.mark.parametrize("compute", list(COMPUTE))
 @pytest.mark.parametrize("stored", ["fp32", "bf16"])
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
@@ -131,19 +151,12 @@ def test_a_model_four_times_the_host_cap_streams_from_its_file_exactly(
     stored: str,
     compute: str,
 ) -> None:
-    path, dtype = deep_wan[stored], COMPUTE[compute]
-
-    def classic_run() -> tuple[torch.Tensor, int]:  # the file loaded the classic way, fully resident
-        classic = dynamic_vram.load_classic(path, dtype)
-        run = sample(comfy, classic), block_bytes(classic)
-        comfy.mm.unload_all_models()
-        return run
-
-    reference, blocks = unstreamed.once((stored, compute), classic_run)
+    path = deep_wan[stored]
+    reference, blocks, _ = classic_run(comfy, dynamic_vram, unstreamed, deep_wan, stored, compute)
     cap = blocks // 4
     cap_host_buffers(monkeypatch, cap)
 
-    model = dynamic_vram.load(path, dtype)
+    model = dynamic_vram.load(path, COMPUTE[compute])
     streaming = offloaded(comfy, node, model)
     forwards = Forwards(streaming)
     latent = sample(comfy, streaming)
@@ -275,16 +288,20 @@ def test_lora_before_and_after_and_a_strength_change_on_blocks_read_from_the_fil
     comfy: SimpleNamespace,
     dynamic_vram: DynamicVram,
     stored_wan: dict[str, Path],
+    unstreamed: Unstreamed,
     monkeypatch: pytest.MonkeyPatch,
     node: str,
 ) -> None:
     """No host buffer at all (a cap of one byte): every streamed block is read from the file, cast from
     fp32 to bf16 on the device and patched there, bitwise as the Dynamic VRAM model patches it."""
     path, dtype = stored_wan["fp32"], torch.bfloat16
-    references = {
-        strength: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, strength)) for strength in (1.0, 0.5)
-    }
-    comfy.mm.unload_all_models()
+
+    def cast_runs() -> dict[float, torch.Tensor]:
+        runs = {strength: sample(comfy, as_cast(comfy, dynamic_vram, path, dtype, strength)) for strength in (1.0, 0.5)}
+        comfy.mm.unload_all_models()
+        return runs
+
+    references = unstreamed.once("LoRA on the cast fp32 file", cast_runs)
     cap_host_buffers(monkeypatch, 1)
     model = dynamic_vram.load(path, dtype)
     cases = {
@@ -543,6 +560,7 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     comfy: SimpleNamespace,
     dynamic_vram: DynamicVram,
     deep_wan: dict[str, Path],
+    unstreamed: Unstreamed,
     monkeypatch: pytest.MonkeyPatch,
     node: str,
 ) -> None:
@@ -554,14 +572,10 @@ def test_where_comfyui_chose_fast_disk_the_twin_holds_no_host_buffer(
     classic load. With ``BLOCK_OFFLOAD_MAX_PINNED_GB`` set, host buffers up to it, as on any disk."""
     from block_offload.nodes.comfy_memory import PINNED_LIMIT_ENV
 
-    path, dtype = deep_wan["bf16"], torch.float16
-    classic = dynamic_vram.load_classic(path, dtype)
-    reference = sample(comfy, classic)
-    model_bytes, cap = comfy_size(classic.model), block_bytes(classic) // 4
-    comfy.mm.unload_all_models()
-    del classic
+    reference, blocks, model_bytes = classic_run(comfy, dynamic_vram, unstreamed, deep_wan, "bf16", "fp16")
+    cap = blocks // 4
     monkeypatch.delenv(PINNED_LIMIT_ENV, raising=False)
-    model = dynamic_vram.load(path, dtype)
+    model = dynamic_vram.load(deep_wan["bf16"], COMPUTE["fp16"])
     model.fast_disk = True  # as ComfyUI 0.36+'s loader sets it for a checkpoint on a fast NVMe disk
     gc.collect()
     release_freed_host_memory()
