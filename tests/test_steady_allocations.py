@@ -28,7 +28,7 @@ from test_quantized import loader  # noqa: F401 - the fixture
 from harness import tiny_models as tm
 from harness.allocations import AllocationLog, Step, logged_steps
 from harness.dynamic_vram import DynamicVram
-from harness.inprocess import every_block_streamed, sample, wan
+from harness.inprocess import Unstreamed, every_block_streamed, sample, wan
 from harness.prompts import ASYNC, PARTIAL, SEQUENTIAL
 
 pytestmark = pytest.mark.usefixtures("allow_cpu_streaming")
@@ -73,11 +73,15 @@ def steps_of(comfy: SimpleNamespace, model, log: AllocationLog | None = None) ->
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("node", [ASYNC, PARTIAL, SEQUENTIAL])
 def test_a_streamed_step_allocates_what_the_resident_step_allocates(
-    comfy: SimpleNamespace, request: pytest.FixtureRequest, node: str, kind: str
+    comfy: SimpleNamespace, request: pytest.FixtureRequest, unstreamed: Unstreamed, node: str, kind: str
 ) -> None:
-    model, reference = models(kind, comfy, request)
-    resident = steps_of(comfy, reference)
-    comfy.mm.unload_all_models()
+    def resident_run() -> list[Step]:
+        steps = steps_of(comfy, models(kind, comfy, request)[1])
+        comfy.mm.unload_all_models()
+        return steps
+
+    resident = unstreamed.once(kind, resident_run)
+    model, _ = models(kind, comfy, request)
     streaming = every_block_streamed(comfy, node, model)
     streamed = steps_of(comfy, streaming)
     runner = streaming.offload_engine.runner
