@@ -42,8 +42,8 @@ def with_lora(comfy: SimpleNamespace, model):
     return comfy.sd.load_lora_for_models(model, None, load_file(comfy.models[tm.WAN21_LORA]), 0.8, 0)[0]
 
 
-def models(kind: str, comfy: SimpleNamespace, request: pytest.FixtureRequest) -> tuple[object, object]:
-    """The model to stream and its fully resident reference (a classic load), for ``kind``."""
+def model_of(kind: str, comfy: SimpleNamespace, request: pytest.FixtureRequest, resident: bool) -> object:
+    """The model to stream for ``kind``, or (``resident``) its fully resident reference: a classic load."""
     if kind.startswith("file tier"):
         if HOST_VERSION.startswith("0.3."):
             pytest.skip(f"ComfyUI {HOST_VERSION} has no Dynamic VRAM, whose models the file tier streams")
@@ -52,15 +52,12 @@ def models(kind: str, comfy: SimpleNamespace, request: pytest.FixtureRequest) ->
         request.getfixturevalue("monkeypatch").setenv(PINNED_LIMIT_ENV, "1e-9")  # no host buffer: every block read
         dynamic_vram: DynamicVram = request.getfixturevalue("dynamic_vram")
         path = request.getfixturevalue("stored_wan")["bf16"]
-        streamed, resident = dynamic_vram.load(path, torch.bfloat16), dynamic_vram.load_classic(path, torch.bfloat16)
+        model = (dynamic_vram.load_classic if resident else dynamic_vram.load)(path, torch.bfloat16)
     elif kind.startswith("fp8"):
-        load = request.getfixturevalue("loader")
-        streamed, resident = load(tm.WAN21_FP8), load(tm.WAN21_FP8)
+        model = request.getfixturevalue("loader")(tm.WAN21_FP8)
     else:
-        streamed = resident = wan(comfy)
-    if kind.endswith("LoRA"):
-        streamed, resident = with_lora(comfy, streamed), with_lora(comfy, resident)
-    return streamed, resident
+        model = wan(comfy)
+    return with_lora(comfy, model) if kind.endswith("LoRA") else model
 
 
 def steps_of(comfy: SimpleNamespace, model, log: AllocationLog | None = None) -> list[Step]:
@@ -76,13 +73,12 @@ def test_a_streamed_step_allocates_what_the_resident_step_allocates(
     comfy: SimpleNamespace, request: pytest.FixtureRequest, unstreamed: Unstreamed, node: str, kind: str
 ) -> None:
     def resident_run() -> list[Step]:
-        steps = steps_of(comfy, models(kind, comfy, request)[1])
+        steps = steps_of(comfy, model_of(kind, comfy, request, resident=True))
         comfy.mm.unload_all_models()
         return steps
 
     resident = unstreamed.once(kind, resident_run)
-    model, _ = models(kind, comfy, request)
-    streaming = every_block_streamed(comfy, node, model)
+    streaming = every_block_streamed(comfy, node, model_of(kind, comfy, request, resident=False))
     streamed = steps_of(comfy, streaming)
     runner = streaming.offload_engine.runner
     assert runner.report().streamed and streaming.offload_engine.recorder.latest().spans, "nothing streamed"
