@@ -1,7 +1,7 @@
 """Tests that hold a model of gigabytes take turns, across every suite and worker on the machine.
 
-The tiny Flux is 2 GB (its width is fixed at 3072), and a process that samples it through the nodes peaks near
-12 GiB; a template's server holds its models as fp32, the Z-Image's 0.9 B parameters near 7 GB. ``scripts/test.sh``
+The tiny Flux is 1 GB (its width is fixed at 3072), and a server that samples it through the nodes peaks near
+5.4 GiB; a template's server holds its models as fp32, the Z-Image's 0.9 B parameters near 7 GB. ``scripts/test.sh``
 runs both hosts' suites at once on a 24 GiB machine, so two such at the same time are enough for the kernel to kill
 a server. Each holds an exclusive lock on one file beside the hosts' shared models while it runs: a template run
 (``harness/templates.py``) that loads a big model, or a whole test marked ``big_model``, which also leaves the
@@ -22,7 +22,7 @@ from .comfy_host import SETUP_DIR, ComfyHost
 from .prompts import evict_cached_models
 
 LOCK = SETUP_DIR / "big-model.lock"
-TINY_FLUX = pytest.mark.big_model(reason="it samples the 2 GB tiny Flux")
+TINY_FLUX = pytest.mark.big_model(reason="it samples the 1 GB tiny Flux")
 #: A prompt whose model files hold more than this loads a big model: the tiny Z-Image template's 2.2 GB do; the other
 #: templates' (at most Krea 2's 1.4 GB, most of it a CLIP-G) do not.
 BIG_FILES = 2 * 2**30

@@ -58,10 +58,6 @@ def wan(comfy: SimpleNamespace):
     return comfy.sd.load_diffusion_model(str(comfy.models["wan21"]))
 
 
-def flux(comfy: SimpleNamespace):
-    return comfy.sd.load_diffusion_model(str(comfy.models["flux"]))
-
-
 def sample(comfy: SimpleNamespace, model, seed: int = 5, steps: int = STEPS) -> torch.Tensor:
     """A few steps of the tiny Wan (a video latent) or Flux (an image latent, with a pooled text vector)."""
     diffusion_model = model.model.diffusion_model

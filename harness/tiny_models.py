@@ -16,7 +16,7 @@ or, from Python, :func:`generate`. Files land in ComfyUI's usual sub-folders
 the same :data:`GENERATOR_VERSION` is left alone, so a second run costs only a header read.
 The output is deterministic: every tensor has its own fixed seed (from the file and its
 key), so the bytes depend neither on the run nor on which other files were (re)generated.
-Tensors are generated and written one at a time, so even the 2 GB Flux needs little memory.
+Tensors are generated and written one at a time, so even the 1 GB Flux needs little memory.
 
 What ComfyUI 0.3.75 fixes and what it infers from the weights (hence the shapes below):
 
@@ -86,7 +86,7 @@ from .tiny_specs import (
 )
 
 #: Bump whenever any generated tensor changes, so stale files are rewritten.
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 #: Base seed; each file adds a stable offset derived from its name.
 SEED = 20250601
 #: safetensors metadata keys that identify our files.
@@ -290,7 +290,7 @@ def write_artifact(artifact: Artifact, path: Path) -> None:
 def save_specs(
     path: Path, artifact: Artifact, specs: Iterable[TensorSpec], dtype: torch.dtype, meta: dict[str, str]
 ) -> None:
-    """Generates ``artifact``'s tensors one at a time as they are written (a 2 GB file needs little memory)."""
+    """Generates ``artifact``'s tensors one at a time as they are written (a 1 GB file needs little memory)."""
     by_key = {spec.key: spec for spec in specs}
     layout = [(key, dtype, spec.shape) for key, spec in by_key.items()]
     save_safetensors(path, layout, lambda key: make_tensor(artifact, by_key[key]), meta)

@@ -29,8 +29,8 @@ WAN21_WIDE_SIZES = {"WAN21_DIM": 512, "WAN21_FFN_DIM": 1024, "WAN21_LAYERS": 24}
 
 #: Flux (dev-style: with guidance_in). Width fixed by ComfyUI, depth is ours.
 FLUX_HIDDEN = 3072  # = 24 heads * 128, both fixed by ComfyUI's Flux detection
-FLUX_DOUBLE_BLOCKS = 2
-FLUX_SINGLE_BLOCKS = 2
+FLUX_DOUBLE_BLOCKS = 1
+FLUX_SINGLE_BLOCKS = 1
 FLUX_CONTEXT_DIM = 768
 FLUX_VEC_DIM = 768
 FLUX_LATENT_CHANNELS = 16

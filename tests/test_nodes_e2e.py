@@ -15,9 +15,9 @@ branches would prove nothing), and the server log must show each branch's plan l
 plain branch is also sampled in prompts of its own, before and after the big one, from the
 same (cached) loader output: the MODEL the nodes were given is unchanged by them.
 
-The tiny Flux is 3072 wide (ComfyUI fixes that width): about 1 billion parameters, 3.6 GiB in
-float32 on the CPU. It still gets every branch: ~50 s of this file's ~1 minute on two idle CPU
-cores, and the server peaks near 12 GiB of RAM while it streams.
+The tiny Flux is 3072 wide (ComfyUI fixes that width), one block of each kind: 0.54 billion
+parameters, 2 GiB in float32 on the CPU. It still gets every branch, most of this file's time, and
+the server peaks near 5.4 GiB of RAM while it streams.
 """
 
 from __future__ import annotations

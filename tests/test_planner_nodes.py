@@ -15,11 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness import tiny_dit, tiny_specs
 from harness import tiny_models as tm
-from harness import tiny_specs
-from harness.big_model import TINY_FLUX
 from harness.comfy_host import ComfyHost
-from harness.inprocess import async_offload, flux, sample, wan
+from harness.inprocess import async_offload, sample, wan
 from harness.prompts import ARCHS, PromptBuilder, evict_cached_models, plan_lines, run
 
 from block_offload.offload import (
@@ -31,6 +30,7 @@ from block_offload.offload.costs import StackCosts
 from block_offload.offload.layout import aligned
 
 CPU = torch.device("cpu")
+FLUX = next(spec for spec in tiny_dit.zoo() if spec.name == "Flux")
 
 
 @pytest.mark.usefixtures("tiny_models")
@@ -113,22 +113,22 @@ def test_async_block_offload_plans_which_of_its_blocks_stay(comfy: SimpleNamespa
     comfy.mm.unload_all_models()
 
 
-@TINY_FLUX
 @pytest.mark.usefixtures("allow_cpu_streaming")
 def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_placed(
     comfy: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU copies inline, where a larger ring cannot hide a copy, so the planner never picks one there.
-    Planned as for a device with a copy stream, with copies as slow as twice the mean block's compute, the
-    tiny Flux (double blocks twice the size of single ones) gets a ring sized in bytes; run on the CPU it
-    streams bitwise, and what ComfyUI was told the stream buffers take is what the engine allocated.
+    Planned as for a device with a copy stream, with copies as slow as twice the mean block's compute, a Flux
+    (ComfyUI's class, 64 wide: two double blocks over twice the size of its two single ones) gets a ring sized
+    in bytes; run on the CPU it streams bitwise, and what ComfyUI was told the stream buffers take is what the
+    engine allocated.
 
     The costs are given, not measured: measured CPU compute times are noise on a shared machine, and a
     step where one block ran slower than the others made the planner keep a single block resident with
     no ring (a full run on 2 cores). With equal computes the ring is predicted 9 % faster than the best
     placement without one, the same on every run."""
-    model = flux(comfy)
-    reference = sample(comfy, model)
+    model = tiny_dit.build(FLUX)
+    reference = tiny_dit.sample(FLUX, model)
     found = comfy.placement.find_blocks(model.model.diffusion_model)
     blocks = found.blocks
     sizes = [module_bytes(block) for _, block in blocks]
@@ -147,7 +147,7 @@ def test_a_ring_planned_for_a_copy_stream_streams_bitwise_and_is_counted_as_plac
     node = comfy.nodes.PartialGPUResidency
     patched = node.execute(model, vram_budget_gb=budget_gb, policy="auto", prefetch_blocks=1, pin_memory=True)
     patched = patched.result[0]
-    assert torch.equal(sample(comfy, patched), reference)
+    assert torch.equal(tiny_dit.sample(FLUX, patched), reference)
     engine = patched.offload_engine
     plan = engine.placement.plan
     assert "chosen by the planner" in engine.placement.summary, engine.placement.summary  # from the costs given

@@ -79,8 +79,8 @@ def comfy(comfyui_path: Path) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """All tiny checkpoints, generated once into a temp folder, removed after this file's tests: 2.2 GB (Flux's
-    detected width makes it 2 GB) that the rest of the suite, the other host's beside it, has no use for."""
+    """All tiny checkpoints, generated once into a temp folder, removed after this file's tests: 1.2 GB (Flux's
+    detected width makes it 1 GB) that the rest of the suite, the other host's beside it, has no use for."""
     folder = tmp_path_factory.mktemp("tiny_models")
     yield tm.generate(folder)
     shutil.rmtree(folder)
@@ -255,6 +255,10 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+#: A key of one of the diffusion model's blocks: its list (``double_``, ``joint_``, or none) and index.
+BLOCK_KEY = re.compile(r"diffusion_model\.(\w+_)?blocks\.(\d+)\.")
+
+
 def _identity_block(args: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """A "dit" block replacement that passes the streams through unchanged."""
     return {key: args[key] for key in ("img", "txt") if key in args}
@@ -313,9 +317,10 @@ def test_diffusion_model(
         assert "lora key not loaded" not in caplog.text, caplog.text
         # One patch per LoRA module; SD3's to_q/to_k/to_v land on slices of one fused qkv weight.
         assert sum(len(p) for p in patched.patches.values()) == _lora_module_count(lora)
-        in_block = [re.match(r"diffusion_model\.(\w+_)?blocks\.(\d+)\.", key) for key in patched.patches]
+        in_block = [BLOCK_KEY.match(key) for key in patched.patches]
         assert all(in_block), f"a LoRA patch outside the blocks: {sorted(patched.patches)}"
-        assert len({m.groups() for m in in_block if m}) >= 3, "the LoRA should span several blocks"
+        blocks = {m.groups() for m in map(BLOCK_KEY.match, model.model.state_dict()) if m}
+        assert {m.groups() for m in in_block if m} == blocks, "the LoRA should patch every block"
         with_lora = _ksample(comfy, patched, enc, latent, arch.cfg)
         assert torch.isfinite(with_lora).all()
         change = _relative_change(with_lora, base)
