@@ -59,17 +59,10 @@ def wan(comfy: SimpleNamespace):
 
 
 def sample(comfy: SimpleNamespace, model, seed: int = 5, steps: int = STEPS) -> torch.Tensor:
-    """A few steps of the tiny Wan (a video latent) or Flux (an image latent, with a pooled text vector)."""
-    diffusion_model = model.model.diffusion_model
-    generator = torch.Generator().manual_seed(1)
-    if hasattr(diffusion_model, "txt_in"):
-        latent = torch.zeros(1, 16, 8, 8)
-        context = torch.randn(1, 7, diffusion_model.txt_in.in_features, generator=generator)
-        pooled = torch.randn(1, diffusion_model.vector_in.in_layer.in_features, generator=generator)
-        cond = [[context, {"pooled_output": pooled, "guidance": 3.5}]]
-    else:
-        latent = torch.zeros(1, 16, 1, 8, 8)
-        cond = [[torch.randn(1, 7, diffusion_model.text_embedding[0].in_features, generator=generator), {}]]
+    """A few steps of the tiny Wan (a video latent); the zoo's models sample with ``harness.tiny_dit.sample``."""
+    text_width = model.model.diffusion_model.text_embedding[0].in_features
+    latent = torch.zeros(1, 16, 1, 8, 8)
+    cond = [[torch.randn(1, 7, text_width, generator=torch.Generator().manual_seed(1)), {}]]
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(seed))
     return comfy.sample.sample(
         model, noise, steps, 1.0, "euler", "normal", cond, cond, latent, seed=seed, disable_pbar=True
