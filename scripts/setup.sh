@@ -141,8 +141,8 @@ fi
 while IFS=$'\t' read -r name venv comfy_dir; do
   [[ "$name" == own ]] && comfy_dir=""
   "$venv/bin/python" -m compileall -q -j0 ${comfy_dir:+"$comfy_dir"} "$repo/__init__.py" \
-    "$repo/offload" "$repo/nodes" "$repo/harness" "$repo/bench" >/dev/null ||
-    die "$venv/bin/python could not compile $comfy_dir and this pack's sources (above)."
+    "$repo/offload" "$repo/nodes" "$repo/harness" "$repo/bench" ||
+    die "$venv/bin/python -m compileall could not compile ${comfy_dir:+$comfy_dir and }this pack's sources (above)."
 done < "$HOST_DIR/hosts.tsv"
 
 # The browser test (tests/test_browser.py) drives Debian's Chromium; Playwright never downloads one.
